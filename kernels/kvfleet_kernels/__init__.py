@@ -1,0 +1,1 @@
+"""Triton kernels of kvfleet, each beside its pure-torch reference."""

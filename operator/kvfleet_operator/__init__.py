@@ -1,0 +1,1 @@
+"""kvfleet operator: reconciles LLMService resources with kopf."""

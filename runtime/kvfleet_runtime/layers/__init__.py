@@ -1,0 +1,1 @@
+"""Model building blocks: linear (+ quantized), attention, norm, rotary, activation, sampler."""
