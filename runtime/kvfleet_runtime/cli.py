@@ -1,0 +1,44 @@
+"""`kvfleet` command line: serve | generate | pull | bench | make-model.
+
+Each subcommand lives in its own module exposing `register(subparsers)`, which
+adds its parser and sets `func(args) -> int` as the default; modules are imported
+only here, so `kvfleet pull` does not pay for torch's import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand modules, in help order
+COMMAND_MODULES = [
+    "kvfleet_runtime.server.cli",       # serve
+    "kvfleet_runtime.generate",         # generate
+    "kvfleet_runtime.pull",             # pull
+    "kvfleet_runtime.benchmarks.cli",   # bench throughput | latency | serve
+    "kvfleet_runtime.make_model",       # make-model
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:      # not written yet in this checkout
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
