@@ -1,0 +1,238 @@
+"""Sampler: one decode step's logits -> one token per sequence, with its logprobs.
+
+Owns the order of logits processing (as vLLM and HF transformers do it): raw logprobs are
+taken from the raw logits; then min_tokens masks the stop ids, repetition penalty (HF),
+presence/frequency penalties (OpenAI); then greedy argmax, or temperature, top_k, top_p,
+min_p and a draw with the row's own generator.
+
+It runs every decode step for up to max_num_seqs rows on the GPU, so everything that
+is the same for all rows is one batched tensor op, and the only per-row loop is the
+random draw of rows that carry their own seeded generator. Results come back to the
+host with one .tolist() per tensor at the end, never one .item() per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence that samples this step, built by the model runner."""
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]            # generated so far (before this step's token)
+    generators: list[torch.Generator | None]     # per request, from params.seed; None: global RNG
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        for name in ("prompt_token_ids", "output_token_ids", "generators"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"SamplingBatch.{name} must have one entry per row ({n}); "
+                                 f"got {len(getattr(self, name))}")
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None         # under the raw model distribution (before any processing)
+    rank: int | None = None              # 1 = argmax of the raw logits
+    top_ids: list[int] | None = None     # the top-k ids (k = params.logprobs) and their logprobs
+    top_logprobs: list[float] | None = None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A request's own generator (None without a seed: it then draws from the global RNG)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _padded_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """rows of ids -> [R, max_len] long tensor padded with `pad`, moved in one copy."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _rows_tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
+        # logits: [N, V]
+        num_rows = logits.shape[0]
+        if num_rows != len(batch.params):
+            raise ValueError(f"logits has {num_rows} rows but the SamplingBatch has "
+                             f"{len(batch.params)}")
+        if num_rows == 0:
+            return []
+        raw = logits.float()
+        processed = apply_penalties(raw, batch)
+        greedy = [i for i, p in enumerate(batch.params) if p.greedy]
+        if len(greedy) == num_rows:
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=raw.device)
+            randoms = [i for i, p in enumerate(batch.params) if not p.greedy]
+            rand_idx = _rows_tensor(randoms, raw.device, torch.long)
+            token_ids[rand_idx] = self._sample(processed[rand_idx],
+                                               [batch.params[i] for i in randoms],
+                                               [batch.generators[i] for i in randoms])
+            if greedy:
+                greedy_idx = _rows_tensor(greedy, raw.device, torch.long)
+                token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
+        return _with_logprobs(raw, token_ids, [p.logprobs for p in batch.params])
+
+    def prompt_logprobs(self, logits: torch.Tensor, next_token_ids: list[int],
+                        k: int) -> list[SampledToken]:
+        """Row i: the logprob and rank of next_token_ids[i] under logits[i], plus the top-k."""
+        # logits: [P, V]
+        if logits.shape[0] != len(next_token_ids):
+            raise ValueError(f"logits has {logits.shape[0]} rows but next_token_ids has "
+                             f"{len(next_token_ids)}")
+        if logits.shape[0] == 0:
+            return []
+        ids = _rows_tensor(next_token_ids, logits.device, torch.long)
+        return _with_logprobs(logits.float(), ids, [k] * len(next_token_ids))
+
+    @staticmethod
+    def _sample(x: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Temperature, top_k, top_p, min_p, then one draw per row -> token ids [R]."""
+        # x: [R, V]
+        vocab = x.shape[1]
+        x = x / _rows_tensor([p.temperature for p in params], x.device, torch.float32).unsqueeze(1)
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            x = _top_k_top_p(x, _rows_tensor(top_k, x.device, torch.long),
+                             _rows_tensor(top_p, x.device, torch.float32))
+        probs = x.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            floor = _rows_tensor(min_p, x.device, torch.float32).unsqueeze(1) \
+                * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return _exponential_race(probs, generators)
+
+
+def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """min_tokens mask, repetition, presence and frequency penalties; raw stays untouched."""
+    vocab = raw.shape[1]
+    mask_rows: list[int] = []
+    mask_cols: list[int] = []
+    for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids)):
+        if len(out) < p.min_tokens:
+            for t in p._eos_token_ids.union(p.stop_token_ids):
+                if t < vocab:
+                    mask_rows.append(i)
+                    mask_cols.append(t)
+    penalized = [i for i, p in enumerate(batch.params) if p.needs_penalties]
+    if not mask_rows and not penalized:
+        return raw
+    x = raw.clone()
+    if mask_rows:
+        x[_rows_tensor(mask_rows, x.device, torch.long),
+          _rows_tensor(mask_cols, x.device, torch.long)] = float("-inf")
+    if penalized:
+        params = [batch.params[i] for i in penalized]
+        # id `vocab` is the padding: it lands in an extra column that is cut off
+        out_ids = _padded_ids([batch.output_token_ids[i] for i in penalized], vocab, x.device)
+        all_ids = _padded_ids([batch.prompt_token_ids[i] + batch.output_token_ids[i]
+                               for i in penalized], vocab, x.device)
+        counts = torch.zeros(len(penalized), vocab + 1, device=x.device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+        counts = counts[:, :vocab]                                         # [P, V]
+        seen = torch.zeros(len(penalized), vocab + 1, dtype=torch.bool, device=x.device)
+        seen.scatter_(1, all_ids, True)
+        seen = seen[:, :vocab]                                             # [P, V]
+
+        def column(values: list[float]) -> torch.Tensor:   # [P, 1]
+            return _rows_tensor(values, x.device, torch.float32).unsqueeze(1)
+
+        rep = column([p.repetition_penalty for p in params])
+        freq = column([p.frequency_penalty for p in params])
+        pres = column([p.presence_penalty for p in params])
+        idx = _rows_tensor(penalized, x.device, torch.long)
+        rows = x[idx]
+        # HF RepetitionPenaltyLogitsProcessor: shrink a seen token's logit toward "less likely"
+        rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+        rows = rows - freq * counts - pres * (counts > 0).float()
+        x[idx] = rows
+    return x
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k logits, then its smallest set holding top_p of the mass (HF rules)."""
+    # x: [R, V]; top_k: [R] (V = off); top_p: [R] (1.0 = off)
+    vocab = x.shape[1]
+    ascending, order = x.sort(dim=-1)
+    # ties with the k-th largest value are kept, as HF's TopKLogitsWarper does
+    kth = ascending.gather(1, (vocab - top_k).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False                      # the most likely token always survives
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, ascending)
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exponential(1) draws a token with probability probs (unnormalised).
+
+    A seeded row draws its own V exponentials from its own generator, so its token depends
+    only on its seed and its logits, never on which other rows share the batch.
+    """
+    # probs: [R, V]
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    else:
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        if unseeded:
+            idx = _rows_tensor(unseeded, probs.device, torch.long)
+            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    # a zero draw would give 0/0 = NaN on a masked token, and argmax picks NaN
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: list[int | None]) -> list[SampledToken]:
+    """Each row's chosen logprob under the raw logits; rank and top-k where num_top[i] is set."""
+    # raw: [N, V]; token_ids: [N]
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)        # [N]
+    normalizer = raw.logsumexp(dim=-1)                                 # [N]
+    logprobs = (chosen - normalizer).tolist()
+    ids = token_ids.tolist()
+    result = [SampledToken(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs)]
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    if not wanted:
+        return result
+    idx = _rows_tensor(wanted, raw.device, torch.long)
+    rows = raw[idx]                                                    # [W, V]
+    ranks = ((rows > chosen[idx].unsqueeze(1)).sum(dim=-1) + 1).tolist()
+    max_top = max(num_top[i] for i in wanted)
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    top_lps: list[list[float]] = [[] for _ in wanted]
+    if max_top > 0:
+        values, indices = rows.topk(max_top, dim=-1)
+        top_ids = indices.tolist()
+        top_lps = (values - normalizer[idx].unsqueeze(1)).tolist()
+    for j, i in enumerate(wanted):
+        k = num_top[i]
+        result[i].rank = ranks[j]
+        result[i].top_ids = top_ids[j][:k]
+        result[i].top_logprobs = top_lps[j][:k]
+    return result

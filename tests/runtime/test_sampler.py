@@ -1,0 +1,215 @@
+"""The sampler: greedy, each filter, penalties, min_tokens, logprobs and seeded reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from kvfleet_runtime.layers.sampler import (SampledToken, Sampler, SamplingBatch,
+                                            apply_penalties, make_generator)
+from kvfleet_runtime.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def make_batch(params: list[SamplingParams], outputs: list[list[int]] | None = None,
+               prompts: list[list[int]] | None = None) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch(params=params,
+                         prompt_token_ids=prompts or [[1, 2, 3]] * n,
+                         output_token_ids=outputs or [[] for _ in range(n)],
+                         generators=[make_generator(p.seed, "cpu") for p in params])
+
+
+def sample_many(probs: list[float], num: int, **knobs) -> list[int]:
+    """`num` independent draws from one distribution, as `num` rows of one batch."""
+    logits = torch.tensor(probs).log().expand(num, -1).contiguous()
+    torch.manual_seed(0)
+    return [t.token_id for t in Sampler()(logits, make_batch([SamplingParams(**knobs)] * num))]
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(1))
+    out = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 8))
+    assert [t.token_id for t in out] == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_amid_random_rows_keep_their_argmax():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(6)]
+    out = Sampler()(logits, make_batch(params))
+    argmax = logits.argmax(dim=-1).tolist()
+    assert [out[i].token_id for i in (1, 3, 5)] == [argmax[i] for i in (1, 3, 5)]
+
+
+def test_low_temperature_sampling_equals_greedy():
+    logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    greedy = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 16))
+    cold = Sampler()(logits, make_batch([SamplingParams(temperature=1e-3)] * 16))
+    assert [t.token_id for t in cold] == [t.token_id for t in greedy]
+
+
+def test_top_k_2_never_samples_the_third():
+    drawn = sample_many([0.4, 0.35, 0.25], 3000, top_k=2)
+    assert set(drawn) == {0, 1}
+
+
+@pytest.mark.parametrize(("top_p", "allowed"), [(0.7, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_set_holding_top_p(top_p, allowed):
+    assert set(sample_many([0.5, 0.3, 0.15, 0.05], 3000, top_p=top_p)) == allowed
+
+
+@pytest.mark.parametrize(("min_p", "allowed"), [(0.2, {0, 1, 2}), (0.5, {0, 1})])
+def test_min_p_drops_tokens_below_min_p_times_the_top(min_p, allowed):
+    assert set(sample_many([0.5, 0.3, 0.15, 0.05], 3000, min_p=min_p)) == allowed
+
+
+def test_top_k_then_top_p_renormalise_between_them():
+    # after top_k=3 the mass is [0.4, 0.3, 0.2] / 0.9, so {0, 1} holds 0.78 >= top_p
+    # (without renormalising it would hold 0.7 and token 2 would survive)
+    assert set(sample_many([0.4, 0.3, 0.2, 0.1], 3000, top_k=3, top_p=0.75)) == {0, 1}
+
+
+def test_sampling_at_temperature_one_follows_the_distribution():
+    probs = [0.3, 0.25, 0.2, 0.15, 0.07, 0.03]
+    num = 20000
+    drawn = sample_many(probs, num)
+    observed = torch.bincount(torch.tensor(drawn), minlength=len(probs)).tolist()
+    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs))
+    assert chi2 < 25.0, (observed, chi2)  # 5 degrees of freedom: p(chi2 > 25) ~ 1e-4
+
+
+def test_seeded_rows_follow_the_distribution():
+    probs = [0.5, 0.3, 0.2]
+    num = 3000
+    logits = torch.tensor(probs).log().expand(num, -1).contiguous()
+    params = [SamplingParams(seed=i) for i in range(num)]
+    drawn = [t.token_id for t in Sampler()(logits, make_batch(params))]
+    observed = torch.bincount(torch.tensor(drawn), minlength=3).tolist()
+    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs))
+    assert chi2 < 20.0, (observed, chi2)
+
+
+def test_penalties_match_hand_computed_values():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
+    batch = make_batch([params], outputs=[[1, 3, 3]], prompts=[[0]])
+    out = apply_penalties(logits, batch)
+    expected = [2.0 / 1.5,                       # prompt token: repetition only
+                -1.0 * 1.5 - 0.5 * 1 - 0.25,     # output once: negative logit is multiplied
+                0.5,                             # unseen
+                3.0 / 1.5 - 0.5 * 2 - 0.25,      # output twice
+                -2.0, 1.0]
+    torch.testing.assert_close(out[0], torch.tensor(expected), atol=1e-6, rtol=0)
+    assert logits[0, 0] == 2.0, "the raw logits must stay untouched"
+
+
+def test_repetition_penalty_matches_hf_processor():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, VOCAB, generator=gen) * 4
+    prompts = [torch.randint(0, VOCAB, (12,), generator=gen).tolist() for _ in range(3)]
+    outputs = [torch.randint(0, VOCAB, (5,), generator=gen).tolist() for _ in range(3)]
+    params = [SamplingParams(repetition_penalty=1.3)] * 3
+    ours = apply_penalties(logits, make_batch(params, outputs=outputs, prompts=prompts))
+    hf = RepetitionPenaltyLogitsProcessor(penalty=1.3)
+    for i in range(3):
+        ids = torch.tensor([prompts[i] + outputs[i]])
+        torch.testing.assert_close(ours[i:i + 1], hf(ids, logits[i:i + 1].clone()),
+                                   atol=1e-6, rtol=0)
+
+
+def test_penalty_changes_the_greedy_choice_but_not_the_raw_logprob():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=1)
+    [tok] = Sampler()(logits, make_batch([params], outputs=[[0]]))
+    assert tok.token_id == 1
+    assert tok.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item(), abs=1e-6)
+    assert tok.rank == 2
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    eos, stop = 5, 7
+    logits = torch.zeros(1, VOCAB)
+    logits[0, eos], logits[0, stop], logits[0, 9] = 10.0, 9.0, 8.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop])
+    params._eos_token_ids = {eos}
+    sampler = Sampler()
+    assert sampler(logits, make_batch([params], outputs=[[1]]))[0].token_id == 9
+    assert sampler(logits, make_batch([params], outputs=[[1, 2]]))[0].token_id == 9
+    assert sampler(logits, make_batch([params], outputs=[[1, 2, 3]]))[0].token_id == eos
+
+
+def test_logprobs_ranks_and_top_k_match_log_softmax():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, VOCAB, generator=gen) * 2
+    params = [SamplingParams(logprobs=5), SamplingParams(logprobs=0, temperature=0.0),
+              SamplingParams(logprobs=None), SamplingParams(logprobs=3, top_k=4, seed=1),
+              SamplingParams(logprobs=20, repetition_penalty=1.8),
+              SamplingParams(logprobs=1, temperature=0.5)]
+    out = Sampler()(logits, make_batch(params, outputs=[[0, 1, 2]] * 6))
+    reference = torch.log_softmax(logits, dim=-1)
+    for i, (tok, p) in enumerate(zip(out, params)):
+        row = reference[i]
+        assert tok.logprob == pytest.approx(row[tok.token_id].item(), abs=1e-6)
+        if p.logprobs is None:
+            assert tok.rank is None and tok.top_ids is None
+            continue
+        assert tok.rank == int((row > row[tok.token_id]).sum()) + 1
+        values, ids = row.topk(p.logprobs)
+        assert tok.top_ids == ids.tolist()
+        assert tok.top_logprobs == pytest.approx(values.tolist(), abs=1e-6)
+    assert out[1].rank == 1
+
+
+def test_prompt_logprobs_score_the_next_prompt_token():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(6))
+    next_ids = [3, 17, 0, 63]
+    out = Sampler().prompt_logprobs(logits, next_ids, k=2)
+    reference = torch.log_softmax(logits, dim=-1)
+    for i, tok in enumerate(out):
+        assert tok.token_id == next_ids[i]
+        assert tok.logprob == pytest.approx(reference[i, next_ids[i]].item(), abs=1e-6)
+        assert tok.rank == int((reference[i] > reference[i, next_ids[i]]).sum()) + 1
+        assert tok.top_ids == reference[i].topk(2).indices.tolist()
+
+
+def seeded_run(position: int, companions: list[SamplingParams], seed: int,
+               steps: int = 20) -> list[int]:
+    """Sample `steps` tokens for one seeded row placed at `position` among `companions`."""
+    target = SamplingParams(seed=seed, temperature=0.9, top_p=0.95)
+    params = companions[:position] + [target] + companions[position:]
+    batch = make_batch(params)                      # generators live as long as the request
+    noise = torch.Generator().manual_seed(99)
+    tokens: list[int] = []
+    for _ in range(steps):
+        logits = torch.randn(len(params), VOCAB, generator=noise)
+        logits[position] = torch.randn(VOCAB, generator=torch.Generator().manual_seed(len(tokens)))
+        out: list[SampledToken] = Sampler()(logits, batch)
+        tokens.append(out[position].token_id)
+        for row, tok in zip(batch.output_token_ids, out):
+            row.append(tok.token_id)
+    return tokens
+
+
+def test_seeded_row_is_reproducible_regardless_of_batch_composition():
+    companions = [SamplingParams(), SamplingParams(seed=7), SamplingParams(temperature=0.0),
+                  SamplingParams(top_k=5, seed=8), SamplingParams(min_p=0.1),
+                  SamplingParams(repetition_penalty=1.2, seed=9), SamplingParams(top_p=0.5)]
+    alone = seeded_run(0, [], seed=1234)
+    torch.manual_seed(123)                    # the unseeded companions draw from the global RNG
+    amid = seeded_run(3, companions, seed=1234)
+    assert alone == amid
+    assert seeded_run(0, [], seed=4321) != alone, "another seed must give another sequence"
+
+
+def test_mismatched_batch_is_rejected_with_the_field_named():
+    with pytest.raises(ValueError, match="generators"):
+        SamplingBatch(params=[SamplingParams()], prompt_token_ids=[[1]],
+                      output_token_ids=[[]], generators=[])
+    with pytest.raises(ValueError, match="2 rows"):
+        Sampler()(torch.zeros(2, VOCAB), make_batch([SamplingParams()]))
+
+
+def test_empty_batch_samples_nothing():
+    assert Sampler()(torch.zeros(0, VOCAB), make_batch([])) == []
