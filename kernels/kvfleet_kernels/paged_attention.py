@@ -1,4 +1,4 @@
-"""Paged attention over block tables, and the KV-cache write.
+"""Paged attention over block tables, and the KV-cache write: torch references and Triton twins.
 
 Layout (shared by the engine, the torch references and the Triton kernels):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -13,7 +13,11 @@ and decode (one query token) in the same batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -92,3 +96,328 @@ def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels. Shared choices:
+# - K/V rows are gathered through the block table one key at a time (block id = n // block_size),
+#   so any BLOCK_N works with any block_size and block tables may list blocks in any order.
+# - Softmax runs in the log2 domain (exp2 is one instruction; scale * log2(e) folds into one multiply).
+# - Block ids are widened to int64 before multiplying by the block stride: a per-layer cache on an
+#   H200 can exceed 2**31 elements.
+# - tl.dot uses "ieee" precision: it only changes fp32 inputs (no TF32 rounding, so fp32 caches
+#   match the reference); fp16/bf16 inputs take the tensor cores either way.
+# --------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                              stride_kt, stride_kh, stride_vt, stride_vh,
+                              stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # One program per new token: its [num_kv_heads, head_dim] K and V rows go to one slot.
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton twin of `reshape_and_cache_ref`: same arguments, same in-place effect."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _require_unit_last_stride(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+                    query_start_loc_ptr, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
+    # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
+    # tile loaded through the block table serves the whole GQA group in one tl.dot.
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - q_len          # new tokens are the last q_len positions of the context
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first_tok + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    q_pos = num_cached + tok              # [BLOCK_M] position in the context (causal limit)
+
+    # Keys past the tile's last query position are masked for every row: stop there.
+    kv_end = num_cached + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
+    # Keys below the tile's first query position are visible to every row: no causal mask there.
+    kv_full = (num_cached + first_tok) // BLOCK_N * BLOCK_N
+    table = block_tables_ptr + seq * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ks
+                    + kv_head * stride_kh + d[:, None], mask=n_valid[None, :], other=0.0)   # [D, N]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                    + kv_head * stride_vh + d[None, :], mask=n_valid[:, None], other=0.0)   # [N, D]
+        qk = tl.dot(q, k, input_precision="ieee") * scale_log2                            # [M, N]
+        if start >= kv_full:
+            qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
+        # Row 0..M each see key 0 in the first tile, so m_new is finite from the start.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   PARTITION_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
+    # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
+    # per group. With NUM_SPLITS > 1 each program writes its partition's normalised output and
+    # log-sum-exp, and _decode_reduce_kernel merges them.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_start = split * PARTITION_SIZE
+    if (q_len == 0) | (part_start >= seq_len):
+        return
+    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + g
+    g_valid = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_valid[:, None], other=0.0)
+    table = block_tables_ptr + seq * stride_bt
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(part_start, part_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < part_end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ks
+                    + kv_head * stride_kh + d[:, None], mask=n_valid[None, :], other=0.0)   # [D, N]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                    + kv_head * stride_vh + d[None, :], mask=n_valid[:, None], other=0.0)   # [N, D]
+        qk = tl.dot(q, k, input_precision="ieee") * scale_log2                            # [G, N]
+        qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))   # finite: the partition holds >= 1 key
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+    else:
+        part = (seq * NUM_HEADS + head) * NUM_SPLITS + split                             # [G]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=g_valid[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
+                          stride_ot, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          PARTITION_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr):
+    # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
+    # Partitions past the sequence's end were never written, so they are masked, not read.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    s = tl.arange(0, SPLITS_PAD)
+    s_valid = s < tl.cdiv(seq_len, PARTITION_SIZE)
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    d = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None],
+                    other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """How decode divides each context: NUM_SPLITS partitions of partition_size tokens."""
+    partition_size: int
+    num_splits: int
+
+
+# Partitions shorter than this cost more in the reduce step than they win in parallelism.
+_MIN_PARTITION_TOKENS = 256
+# Programs to aim for per SM: enough in flight to keep HBM busy while each one waits on loads.
+_PROGRAMS_PER_SM = 4
+# The interpreter has no SMs; a small stand-in keeps small test shapes on the split path.
+_CPU_SM_COUNT = 8
+
+
+def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
+                 device: torch.device) -> DecodeSplit:
+    """Split the context only when (seqs x kv heads) programs would leave SMs idle."""
+    sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda" else _CPU_SM_COUNT)
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(num_seqs * num_kv_heads, 1))
+    num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_PARTITION_TOKENS)))
+    partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    return DecodeSplit(partition_size=partition_size, num_splits=triton.cdiv(max_seq_len, partition_size))
+
+
+def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1); "
+                             f"got strides {tuple(t.stride())}")
+
+
+def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 (16, 32, 64, 128, 256); got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+                         f"{head_dim}]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _require_unit_last_stride(query=query, k_cache=k_cache, v_cache=v_cache)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of `paged_attention_ref` (same layout and result).
+
+    max_query_len == 1 (decode only) takes the split-KV decode kernel; anything else, mixed
+    batches included, the prefill kernel. max_query_len / max_seq_len are computed from the
+    tensors when None (a host sync); pass them to keep a step sync-free. `out` is an optional
+    preallocated [num_tokens, num_heads, head_dim] buffer (static buffers under CUDA graphs).
+    """
+    _check_attention_args(query, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    scale_log2 = scale * _LOG2E
+    on_gpu = query.is_cuda
+
+    if max_query_len == 1:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        block_n = 64 if on_gpu else 32
+        split = decode_split(num_seqs, num_kv_heads, max_seq_len, block_n, query.device)
+        if split.num_splits > 1:
+            part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
+                                   dtype=torch.float32, device=query.device)
+            part_lse = torch.empty(num_seqs, num_heads, split.num_splits,
+                                   dtype=torch.float32, device=query.device)
+        else:   # the kernel writes `out` directly; these pointers are never touched
+            part_out = part_lse = out
+        _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
+            query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
+            query_start_loc, scale_log2, *strides,
+            NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            PARTITION_SIZE=split.partition_size, NUM_SPLITS=split.num_splits,
+            num_warps=4, num_stages=2 if on_gpu else 1,
+        )
+        if split.num_splits > 1:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION_SIZE=split.partition_size,
+                NUM_SPLITS=split.num_splits, SPLITS_PAD=triton.next_power_of_2(split.num_splits),
+            )
+        return out
+
+    block_m = max(128 if on_gpu else 32, triton.next_power_of_2(group))
+    tokens_per_tile = block_m // group
+    block_n = 64 if on_gpu else 16
+    grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, *strides,
+        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        num_warps=8 if on_gpu and head_dim >= 128 else 4, num_stages=2 if on_gpu else 1,
+    )
+    return out

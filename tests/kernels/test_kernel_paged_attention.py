@@ -1,0 +1,158 @@
+"""paged_attention (Triton) against paged_attention_ref, and reshape_and_cache against its reference.
+
+CPU cases run in Triton's interpreter with small shapes (fp32, fp16); the gpu-marked cases use
+Llama-3.1-8B attention shapes (32 query heads, 8 kv heads, head_dim 128) in bf16 and fp16.
+Every output buffer is poisoned with NaN before the launch, every case draws fresh inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import PagedBatch, make_paged_batch
+
+from kvfleet_kernels.paged_attention import (
+    decode_split,
+    paged_attention,
+    paged_attention_ref,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]
+# fp32 differs from the reference by summation order only; fp16/bf16 also round the
+# probabilities to the cache dtype before the P @ V product (as every flash kernel does).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def _check(batch: PagedBatch, *, decode_only: bool = False) -> None:
+    # max_query_len == 1 selects the decode kernel; None lets the launcher compute it (prefill).
+    max_query_len = 1 if decode_only else None
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, batch.scale, max_query_len)
+    out = torch.full_like(batch.query, float("nan"))
+    result = paged_attention(*args, batch.max_seq_len if decode_only else None, out=out)
+    assert result is out
+    expected = paged_attention_ref(*args)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0.0,
+                               atol=TOLERANCE[batch.query.dtype])
+
+
+def _batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *, num_heads: int = 4,
+           num_kv_heads: int = 2, head_dim: int = 32, block_size: int = 16, seed: int = 0,
+           device: str = DEVICE) -> PagedBatch:
+    return make_paged_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, block_size=block_size, dtype=dtype, device=device,
+                            seed=seed)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_varlen_causal_matches_reference(dtype: torch.dtype, block_size: int) -> None:
+    _check(_batch([5, 23, 1], [5, 23, 1], dtype, block_size=block_size, seed=block_size))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_prefill_chunk_after_cached_prefix(dtype: torch.dtype) -> None:
+    # The 9 new tokens are positions 38..46 of a 47-token context (not a multiple of block_size).
+    _check(_batch([9, 4], [47, 21], dtype, seed=1))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_mixed_batch_of_decode_and_prefill_rows(dtype: torch.dtype) -> None:
+    _check(_batch([1, 12, 1, 6], [40, 12, 70, 33], dtype, seed=2))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(2, 2, 64), (8, 2, 32), (6, 2, 16)])
+def test_prefill_gqa_groups_and_head_dims(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    _check(_batch([7, 3], [19, 35], torch.float16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, seed=3))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) -> None:
+    seq_lens = [600, 37, 290]
+    batch = _batch([1, 1, 1], seq_lens, dtype, block_size=block_size, seed=4)
+    # Pin that this case really takes several partitions (and partitions of unequal use).
+    split = decode_split(len(seq_lens), 2, max(seq_lens), 32, torch.device("cpu"))
+    assert split.num_splits > 2
+    _check(batch, decode_only=True)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (8, 1, 64)])
+def test_decode_single_partition_gqa(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    seq_lens = [17, 50]
+    assert decode_split(2, num_kv_heads, 50, 32, torch.device("cpu")).num_splits == 1
+    _check(_batch([1, 1], seq_lens, torch.float32, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, seed=5), decode_only=True)
+
+
+def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:
+    batch = _batch([1], [4], torch.float32, head_dim=24)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        paged_attention(*batch.args())
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_reshape_and_cache_writes_slots_and_skips_minus_one(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 3, 32
+    key = torch.randn(7, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    value = torch.randn(7, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
+    slots[[2, 5]] = -1
+    slot_mapping = slots.to(DEVICE)
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                         dtype=dtype, device=DEVICE) for _ in range(4)]
+    reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
+    reshape_and_cache_ref(key, value, caches[2], caches[3], slot_mapping)
+    # equal_nan: untouched slots (skipped tokens included) must still hold the poison.
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
+    assert caches[0].isnan().any(dim=(2, 3)).sum() == num_blocks * block_size - 5
+
+
+# ----------------------------------------------------------------------------- GPU, real shapes
+LLAMA8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_gpu_decode_batches(dtype: torch.dtype, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    for num_seqs, max_len in [(1, 8192), (4, 8192), (64, 3000), (256, 1500)]:
+        seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+        seq_lens[0] = max_len
+        _check(_batch([1] * num_seqs, seq_lens.tolist(), dtype, block_size=block_size,
+                      seed=num_seqs, **LLAMA8B), decode_only=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_gpu_prefill_with_cached_prefix_and_decode_rows(dtype: torch.dtype, block_size: int) -> None:
+    # A fresh 2k prompt, a 1k chunk on a 7k cached prefix, decode rows, an odd-length tail.
+    q_lens = [2048, 1000, 1, 1, 333]
+    seq_lens = [2048, 8000, 4097, 17, 333]
+    _check(_batch(q_lens, seq_lens, dtype, block_size=block_size, seed=block_size, **LLAMA8B))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_reshape_and_cache(dtype: torch.dtype) -> None:
+    num_blocks, block_size = 300, 16
+    key = torch.randn(1000, 8, 128, device="cuda")
+    value = torch.randn(1000, 8, 128, device="cuda")
+    slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:1000]
+    slot_mapping[::7] = -1
+    caches = [torch.full((num_blocks, block_size, 8, 128), float("nan"), dtype=dtype, device="cuda")
+              for _ in range(4)]
+    reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
+    reshape_and_cache_ref(key, value, caches[2], caches[3], slot_mapping)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
