@@ -1,0 +1,122 @@
+"""rms_norm, rotary_embedding and silu_and_mul (Triton) against their torch references.
+
+CPU cases run in Triton's interpreter (fp32, fp16); gpu-marked cases use Llama-3.1-8B shapes in
+bf16 and fp16. Each case draws fresh inputs; the inputs are checked untouched afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_ref
+from kvfleet_kernels.norm import rms_norm, rms_norm_ref
+from kvfleet_kernels.rotary import rotary_embedding, rotary_embedding_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+# One rounding step of the output dtype (fp32: summation order only).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # Relative as well: rms_norm outputs and rotated values reach |x| ~ 4.
+    tol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def _cos_sin_cache(max_pos: int, rot_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+
+
+def _check_rms_norm(num_tokens: int, dim: int, dtype: torch.dtype, seed: int) -> None:
+    x = _randn(num_tokens, dim, dtype=dtype, seed=seed)
+    residual = _randn(num_tokens, dim, dtype=dtype, seed=seed + 1)
+    weight = (1 + 0.1 * _randn(dim, dtype=torch.float32, seed=seed + 2)).to(dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    _close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    out, summed = rms_norm(x, weight, 1e-5, residual)
+    out_ref, summed_ref = rms_norm_ref(x, weight, 1e-5, residual)
+    _close(out, out_ref)
+    torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)   # one rounding, exactly torch's
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("dim", [64, 96])
+def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, dim: int) -> None:
+    _check_rms_norm(5, dim, dtype, seed=dim)
+
+
+def test_rms_norm_reference_matches_hf_llama_rmsnorm() -> None:
+    # HF LlamaRMSNorm.forward, written out: normalise in fp32, cast, then multiply by the weight.
+    x = _randn(3, 64, dtype=torch.float16, seed=9)
+    weight = _randn(64, dtype=torch.float16, seed=10)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-6), weight * h.to(torch.float16),
+                               rtol=0, atol=0)
+
+
+def _check_rotary(num_q_heads: int, num_kv_heads: int, head_size: int, rot_dim: int,
+                  is_neox: bool, dtype: torch.dtype, num_tokens: int, seed: int) -> None:
+    cache = _cos_sin_cache(4096, rot_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+    positions = positions.to(DEVICE)
+    # query is a column slice of a fused qkv output, as the attention layer produces it.
+    qkv = _randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=seed)
+    query, key = qkv[:, :num_q_heads * head_size], qkv[:, num_q_heads * head_size:][:, :num_kv_heads * head_size]
+    qkv_before = qkv.clone()
+    q_out, k_out = rotary_embedding(positions, query, key, head_size, cache, is_neox)
+    q_ref, k_ref = rotary_embedding_ref(positions, query, key, head_size, cache, is_neox)
+    _close(q_out, q_ref)
+    _close(k_out, k_ref)
+    assert torch.equal(qkv, qkv_before)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [32, 16, 12])
+def test_rotary_embedding_full_and_partial(dtype: torch.dtype, is_neox: bool, rot_dim: int) -> None:
+    _check_rotary(4, 2, 32, rot_dim, is_neox, dtype, num_tokens=6, seed=rot_dim)
+
+
+def test_rotary_reference_rotates_pairs_the_hf_way() -> None:
+    # HF apply_rotary_pos_emb with rotate_half, full rotary, one head.
+    cache = _cos_sin_cache(16, 8)
+    positions = torch.tensor([3, 11], device=DEVICE)
+    q = _randn(2, 8, dtype=torch.float32, seed=11)
+    cos, sin = cache[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    rotate_half = torch.cat((-q[:, 4:], q[:, :4]), dim=-1)
+    q_ref, _ = rotary_embedding_ref(positions, q, q, 8, cache, True)
+    torch.testing.assert_close(q_ref, q * cos + rotate_half * sin)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = _randn(4, 2 * 80, dtype=dtype, seed=12)
+    _close(silu_and_mul(x), silu_and_mul_ref(x))
+
+
+def test_silu_and_mul_rejects_odd_width() -> None:
+    with pytest.raises(ValueError, match="2 \\* intermediate_size"):
+        silu_and_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_pointwise_kernels_at_llama_8b_shapes(dtype: torch.dtype) -> None:
+    _check_rms_norm(2048, 4096, dtype, seed=20)
+    _check_rotary(32, 8, 128, 128, True, dtype, num_tokens=2048, seed=21)
+    _check_rotary(32, 8, 128, 64, False, dtype, num_tokens=300, seed=22)
+    x = _randn(2048, 2 * 14336, dtype=dtype, seed=23)
+    _close(silu_and_mul(x), silu_and_mul_ref(x))
