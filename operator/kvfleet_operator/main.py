@@ -1,0 +1,78 @@
+"""kopf registrations (and the `kvfleet-operator` entry point); the work lives in apply.py.
+
+Handlers are plain functions: kopf runs them in its thread pool, where the
+synchronous kubernetes client is at home.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import kopf
+import kopf.cli
+
+from kvfleet_operator import apply
+from kvfleet_operator.resources import LABEL_MANAGED_BY, OPERATOR_NAME
+from kvfleet_operator.spec import API_GROUP, API_VERSION, PLURAL
+
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Keep kopf's bookkeeping in kvfleet.io annotations: the CRD's status schema is ours.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{API_GROUP}/finalizer"
+    # Only warnings become Kubernetes Events; info logs would flood `kubectl describe`.
+    settings.posting.level = logging.WARNING
+
+
+kopf.on.login()(apply.login)
+
+
+@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.update(API_GROUP, API_VERSION, PLURAL)
+def reconcile_llmservice(body: kopf.Body, **_: Any) -> None:
+    apply.reconcile(body)
+
+
+def _child_changed(body: kopf.Body, **_: Any) -> None:
+    apply.reconcile_owner(body)
+
+
+# Drift repair and status: any change to a child (including its deletion or
+# the Deployment's rollout progress) reconciles the owning LLMService.
+for _group, _version, _plural in CHILD_RESOURCES:
+    kopf.on.event(_group, _version, _plural,
+                  labels={LABEL_MANAGED_BY: OPERATOR_NAME})(_child_changed)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """`kvfleet-operator [--namespace NS ...] [--liveness URL]`: run kopf on this module."""
+    parser = argparse.ArgumentParser(prog="kvfleet-operator", description=__doc__.splitlines()[0])
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="watch only this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="liveness endpoint served by kopf (default: %(default)s)")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    kopf_args = ["run", "--standalone", "-m", __name__, "--liveness", args.liveness]
+    kopf_args += [arg for ns in args.namespace for arg in ("--namespace", ns)] or ["--all-namespaces"]
+    if args.verbose:
+        kopf_args.append("--verbose")
+    return kopf.cli.main(args=kopf_args, prog_name="kvfleet-operator", standalone_mode=False) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

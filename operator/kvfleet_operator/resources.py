@@ -1,0 +1,375 @@
+"""Pure builders: a typed LLMServiceSpec -> the manifests of its children.
+
+No I/O here: every function returns plain dicts (the shape `kubectl get -o json`
+shows), so they are unit-tested and validated against the official Kubernetes
+schemas without a cluster. Ownership (ownerReferences) is added by apply.py.
+
+The runtime is driven only through its command line (`kvfleet serve`,
+`kvfleet pull`); the flags below are the runtime's fixed contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfleet_operator.spec import LLMServiceSpec
+
+Manifest = dict[str, Any]
+
+OPERATOR_NAME = "kvfleet-operator"
+CONTAINER_PORT = 8000
+SERVICE_PORT = 80
+MODELS_DIR = "/models"
+TOKENS_PER_SECOND_METRIC = "kvfleet_generation_tokens_per_second"
+# Seconds the server gets to finish in-flight requests after SIGTERM.
+SHUTDOWN_TIMEOUT_SECONDS = 30
+# The preStop pause lets Service endpoints drop the pod before SIGTERM arrives.
+PRESTOP_SLEEP_SECONDS = 10
+# Loading a large model (pull + weights to GPU + KV cache sizing) can take many
+# minutes; the startup probe allows 30 of them before liveness takes over.
+STARTUP_PROBE_PERIOD_SECONDS = 10
+STARTUP_PROBE_FAILURES = 180
+RUN_AS_USER = 1000
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_OWNER = "kvfleet.io/llmservice"
+
+
+def selector_labels(spec: LLMServiceSpec) -> dict[str, str]:
+    """The labels that pick this service's pods; never change (Deployment selectors are immutable)."""
+    return {"app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/instance": spec.name}
+
+
+def labels(spec: LLMServiceSpec) -> dict[str, str]:
+    return {
+        **selector_labels(spec),
+        "app.kubernetes.io/component": "inference",
+        LABEL_MANAGED_BY: OPERATOR_NAME,
+        LABEL_OWNER: spec.name,
+    }
+
+
+def _metadata(spec: LLMServiceSpec) -> dict[str, Any]:
+    return {"name": spec.name, "namespace": spec.namespace, "labels": labels(spec)}
+
+
+# ---------------------------------------------------------------- runtime command lines
+
+
+def model_path(spec: LLMServiceSpec) -> str:
+    """Where `kvfleet serve` finds the model inside the container."""
+    model = spec.model
+    if model.scheme == "path":
+        return model.uri
+    if model.scheme == "pvc":
+        # pvc://CLAIM/SUB/PATH: the claim is mounted at /models.
+        sub_path = model.uri.removeprefix("pvc://").partition("/")[2].strip("/")
+        return f"{MODELS_DIR}/{sub_path}" if sub_path else MODELS_DIR
+    return MODELS_DIR
+
+
+def serve_command(spec: LLMServiceSpec) -> list[str]:
+    engine = spec.engine
+    command = [
+        "kvfleet", "serve", model_path(spec),
+        "--host", "0.0.0.0",
+        "--port", str(CONTAINER_PORT),
+        "--served-model-name", spec.model.name,
+        "--block-size", str(engine.block_size),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+    ]
+    if engine.max_model_len is not None:
+        command += ["--max-model-len", str(engine.max_model_len)]
+    command += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    if spec.quantization != "none":
+        command += ["--quantization", spec.quantization]
+    command += [
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--tensor-parallel-size", str(engine.tensor_parallel_size),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_SECONDS),
+    ]
+    return command + list(engine.extra_args)
+
+
+def pull_source(spec: LLMServiceSpec) -> str | None:
+    """What the init container pulls, or None when the model is already on a volume or in the image."""
+    model = spec.model
+    if model.scheme == "s3":
+        return model.uri
+    if model.scheme == "hf":
+        return f"{model.uri}@{model.revision}" if model.revision else model.uri
+    return None
+
+
+def pull_command(spec: LLMServiceSpec) -> list[str]:
+    source = pull_source(spec)
+    if source is None:
+        raise ValueError(f"model {spec.model.uri!r} is not pulled")
+    command = ["kvfleet", "pull", source, MODELS_DIR]
+    if spec.s3 and spec.s3.region:
+        command += ["--region", spec.s3.region]
+    if spec.s3 and spec.s3.insecure:
+        command += ["--no-verify-ssl"]
+    return command
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def pull_env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    s3 = spec.s3
+    if s3 and s3.credentials_secret:
+        env += [_secret_env(key, s3.credentials_secret, key)
+                for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    if s3 and s3.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
+    if s3 and s3.region:
+        env.append({"name": "AWS_REGION", "value": s3.region})
+    return env
+
+
+def serve_env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    if spec.api_key_secret:
+        env.append(_secret_env("KVFLEET_API_KEY", spec.api_key_secret, "KVFLEET_API_KEY"))
+    return env
+
+
+# ---------------------------------------------------------------- pod pieces
+
+
+def _container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _resource_requirements(spec: LLMServiceSpec) -> dict[str, Any]:
+    res = spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res.cpu:
+        requests["cpu"] = limits["cpu"] = res.cpu
+    if res.memory:
+        requests["memory"] = limits["memory"] = res.memory
+    if res.gpus:
+        limits[GPU_RESOURCE] = str(res.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _health_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _volumes(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    if spec.model.scheme == "pvc":
+        claim = spec.model.uri.removeprefix("pvc://").partition("/")[0]
+        models = {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    elif spec.cache.persistent_volume_claim:
+        models = {"persistentVolumeClaim": {"claimName": spec.cache.persistent_volume_claim}}
+    else:
+        models = {"emptyDir": {"sizeLimit": spec.cache.size}}
+    return [
+        {"name": "models", **models},
+        # NCCL (tensor parallelism) and torch dataloaders need a large /dev/shm.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # The root filesystem is read-only; Triton and torch compile caches go here.
+        {"name": "tmp", "emptyDir": {}},
+    ]
+
+
+def _volume_mounts(*, read_only_models: bool) -> list[dict[str, Any]]:
+    return [
+        {"name": "models", "mountPath": MODELS_DIR, "readOnly": read_only_models},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+
+
+def _tolerations(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    tolerations = [dict(t) for t in spec.resources.tolerations]
+    # GPU node pools are commonly tainted with nvidia.com/gpu; GPU pods must tolerate it.
+    if spec.resources.gpus and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def _node_selector(spec: LLMServiceSpec) -> dict[str, str]:
+    selector = dict(spec.resources.node_selector)
+    if spec.resources.gpu_type:
+        selector[GPU_PRODUCT_LABEL] = spec.resources.gpu_type
+    return selector
+
+
+def _runtime_container(spec: LLMServiceSpec) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "kvfleet",
+        "image": spec.image,
+        "command": serve_command(spec),
+        "ports": [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}],
+        "env": serve_env(spec),
+        "readinessProbe": _health_probe(period=5, failures=3),
+        "livenessProbe": _health_probe(period=10, failures=6),
+        "startupProbe": _health_probe(period=STARTUP_PROBE_PERIOD_SECONDS,
+                                      failures=STARTUP_PROBE_FAILURES),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": _container_security_context(),
+        "volumeMounts": _volume_mounts(read_only_models=True),
+    }
+    resources = _resource_requirements(spec)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _pull_container(spec: LLMServiceSpec) -> dict[str, Any]:
+    return {
+        "name": "pull-model",
+        "image": spec.image,
+        "command": pull_command(spec),
+        "env": pull_env(spec),
+        "securityContext": _container_security_context(),
+        "volumeMounts": _volume_mounts(read_only_models=False),
+    }
+
+
+def pod_template(spec: LLMServiceSpec) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": SHUTDOWN_TIMEOUT_SECONDS + PRESTOP_SLEEP_SECONDS + 5,
+        "containers": [_runtime_container(spec)],
+        "volumes": _volumes(spec),
+    }
+    if pull_source(spec) is not None:
+        pod_spec["initContainers"] = [_pull_container(spec)]
+    node_selector = _node_selector(spec)
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    tolerations = _tolerations(spec)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    return {
+        "metadata": {
+            "labels": labels(spec),
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(CONTAINER_PORT),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+# ---------------------------------------------------------------- children
+
+
+def build_deployment(spec: LLMServiceSpec) -> Manifest:
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(spec)},
+        # Never drop below the serving capacity during a rollout: a new pod
+        # loads its model before an old one goes away.
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": pod_template(spec),
+    }
+    # With autoscaling the HPA owns .spec.replicas; writing it here would fight the HPA.
+    if spec.autoscaling is None:
+        deployment_spec["replicas"] = spec.replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(spec),
+            "spec": deployment_spec}
+
+
+def build_service(spec: LLMServiceSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(spec),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec),
+            "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def build_hpa(spec: LLMServiceSpec) -> Manifest | None:
+    auto = spec.autoscaling
+    if auto is None:
+        return None
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(spec),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name},
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+            "metrics": [{
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": TOKENS_PER_SECOND_METRIC},
+                    "target": {"type": "AverageValue",
+                               "averageValue": str(auto.target_tokens_per_second_per_replica)},
+                },
+            }],
+            "behavior": {"scaleDown": {
+                "stabilizationWindowSeconds": auto.scale_down_stabilization_seconds}},
+        },
+    }
+
+
+def build_pdb(spec: LLMServiceSpec) -> Manifest | None:
+    # With one replica a PDB of maxUnavailable 1 protects nothing, and
+    # minAvailable 1 would block node drains forever.
+    if spec.min_replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(spec),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(spec)}},
+    }
+
+
+CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+
+
+def build_children(spec: LLMServiceSpec) -> dict[str, Manifest | None]:
+    """Kind -> desired manifest; None means that child must not exist."""
+    return {
+        "Deployment": build_deployment(spec),
+        "Service": build_service(spec),
+        "HorizontalPodAutoscaler": build_hpa(spec),
+        "PodDisruptionBudget": build_pdb(spec),
+    }
+
+
+def service_url(spec: LLMServiceSpec) -> str:
+    return f"http://{spec.name}.{spec.namespace}.svc.cluster.local/v1"

@@ -1,0 +1,333 @@
+"""The typed LLMService spec: parsed from the custom resource, defaults applied, checked.
+
+The API server already validates the CRD's OpenAPI schema and CEL rules; this
+module checks the same rules again because the operator must never build
+children from an object that slipped past a schema (an old CRD version, an
+emulator without schema checks). Every error names the field and the allowed
+values. The defaults here and the `default:` entries of crds/llmservice.yaml
+are the same numbers (a test compares them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+API_GROUP = "kvfleet.io"
+API_VERSION = "v1alpha1"
+KIND = "LLMService"
+PLURAL = "llmservices"
+
+DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
+QUANTIZATIONS = ("none", "gptq", "awq", "fp8")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+MODEL_SCHEMES = ("s3://", "hf://", "pvc://", "/")
+# The same pattern the Kubernetes OpenAPI uses for resource.Quantity strings.
+QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+# A Service name is a DNS-1035 label, and every child is named after the LLMService.
+DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+class SpecError(ValueError):
+    """The LLMService spec cannot be reconciled; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    name: str
+    revision: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        """One of s3, hf, pvc, path (a path baked into the image)."""
+        return "path" if self.uri.startswith("/") else self.uri.split("://", 1)[0]
+
+
+@dataclass(frozen=True)
+class S3Spec:
+    endpoint: str | None = None
+    region: str | None = None
+    credentials_secret: str | None = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpus: int = 1
+    gpu_type: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int
+    max_replicas: int
+    target_tokens_per_second_per_replica: int
+    scale_down_stabilization_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Where the pulled model lives: an emptyDir of `size`, or an existing PVC."""
+
+    size: str = "50Gi"
+    persistent_volume_claim: str | None = None
+
+
+@dataclass(frozen=True)
+class LLMServiceSpec:
+    name: str
+    namespace: str
+    model: ModelSpec
+    s3: S3Spec | None = None
+    quantization: str = "none"
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    replicas: int = 1
+    autoscaling: AutoscalingSpec | None = None
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    image: str = DEFAULT_IMAGE
+    api_key_secret: str | None = None
+
+    @property
+    def min_replicas(self) -> int:
+        """Replicas the service keeps at least: the autoscaler's floor, else spec.replicas."""
+        return self.autoscaling.min_replicas if self.autoscaling else self.replicas
+
+    def secret_names(self) -> dict[str, tuple[str, ...]]:
+        """Secret name -> keys the pods read from it; all must exist before children are made."""
+        secrets: dict[str, tuple[str, ...]] = {}
+        if self.s3 and self.s3.credentials_secret:
+            secrets[self.s3.credentials_secret] = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        if self.api_key_secret:
+            keys = secrets.get(self.api_key_secret, ()) + ("KVFLEET_API_KEY",)
+            secrets[self.api_key_secret] = keys
+        return secrets
+
+
+# ---------------------------------------------------------------- field readers
+# Each reader takes the parent mapping and the dotted path of the field, so an
+# error message can always say exactly which field was wrong.
+
+
+def _get(obj: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...],
+         default: Any = None) -> Any:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    # bool is an int in Python; a YAML `true` must not pass as a count.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise SpecError(f"{path}.{key} must be {_kind_name(kind)}; got {value!r}")
+    if not isinstance(value, kind):
+        raise SpecError(f"{path}.{key} must be {_kind_name(kind)}; got {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+             dict: "an object", list: "a list"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _int(obj: Mapping[str, Any], key: str, path: str, default: int | None,
+         minimum: int, maximum: int | None = None) -> int | None:
+    value = _get(obj, key, path, int, default)
+    if value is None:
+        return None
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise SpecError(f"{path}.{key} must be at least {minimum}{upper}; got {value}")
+    return value
+
+
+def _quantity(obj: Mapping[str, Any], key: str, path: str, default: str | None) -> str | None:
+    value = _get(obj, key, path, (str, int), default)
+    if value is None:
+        return None
+    if not QUANTITY_RE.match(str(value)):
+        raise SpecError(f"{path}.{key} must be a Kubernetes quantity such as 8, 500m or 32Gi; "
+                        f"got {value!r}")
+    return str(value)
+
+
+def _choice(value: Any, allowed: tuple[Any, ...], path: str) -> Any:
+    if value not in allowed:
+        raise SpecError(f"{path} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------- sections
+
+
+def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
+    raw = _get(spec, "model", "spec", dict)
+    if raw is None:
+        raise SpecError("spec.model is required (with model.uri)")
+    uri = _get(raw, "uri", "spec.model", str)
+    if not uri:
+        raise SpecError("spec.model.uri is required")
+    if not uri.startswith(MODEL_SCHEMES):
+        raise SpecError("spec.model.uri must start with s3://, hf://, pvc:// or / "
+                        f"(a path in the image); got {uri!r}")
+    if uri.startswith(("s3://", "hf://", "pvc://")) and not uri.split("://", 1)[1].strip("/"):
+        raise SpecError(f"spec.model.uri must name a bucket, repository or claim; got {uri!r}")
+    name = _get(raw, "name", "spec.model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
+    return ModelSpec(uri=uri, name=name, revision=_get(raw, "revision", "spec.model", str))
+
+
+def _parse_s3(spec: Mapping[str, Any], model: ModelSpec) -> S3Spec | None:
+    raw = _get(spec, "s3", "spec", dict)
+    if raw is None:
+        return None
+    if model.scheme != "s3":
+        raise SpecError(f"spec.s3 is allowed only with an s3:// model.uri; got {model.uri!r}")
+    return S3Spec(
+        endpoint=_get(raw, "endpoint", "spec.s3", str),
+        region=_get(raw, "region", "spec.s3", str),
+        credentials_secret=_get(raw, "credentialsSecret", "spec.s3", str),
+        insecure=_get(raw, "insecure", "spec.s3", bool, False),
+    )
+
+
+def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
+    raw = _get(spec, "engine", "spec", dict, {})
+    path = "spec.engine"
+    defaults = EngineSpec()
+    block_size = _get(raw, "blockSize", path, int, defaults.block_size)
+    _choice(block_size, BLOCK_SIZES, f"{path}.blockSize")
+    gpu_mem = _get(raw, "gpuMemoryUtilization", path, (int, float), defaults.gpu_memory_utilization)
+    if not 0 < gpu_mem <= 1:
+        raise SpecError(f"{path}.gpuMemoryUtilization must be in (0, 1]; got {gpu_mem}")
+    extra = _get(raw, "extraArgs", path, list, [])
+    if not all(isinstance(arg, str) for arg in extra):
+        raise SpecError(f"{path}.extraArgs must be a list of strings; got {extra!r}")
+    return EngineSpec(
+        block_size=block_size,
+        max_num_seqs=_int(raw, "maxNumSeqs", path, defaults.max_num_seqs, 1, 65536),
+        max_num_batched_tokens=_int(raw, "maxNumBatchedTokens", path,
+                                    defaults.max_num_batched_tokens, 1),
+        max_model_len=_int(raw, "maxModelLen", path, None, 1),
+        gpu_memory_utilization=float(gpu_mem),
+        enable_prefix_caching=_get(raw, "enablePrefixCaching", path, bool,
+                                   defaults.enable_prefix_caching),
+        tensor_parallel_size=_int(raw, "tensorParallelSize", path,
+                                  defaults.tensor_parallel_size, 1, 16),
+        extra_args=tuple(extra),
+    )
+
+
+def _parse_toleration(raw: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path} must be an object; got {raw!r}")
+    if "operator" in raw:
+        _choice(raw["operator"], TOLERATION_OPERATORS, f"{path}.operator")
+    if "effect" in raw:
+        _choice(raw["effect"], TOLERATION_EFFECTS, f"{path}.effect")
+    return dict(raw)
+
+
+def _parse_resources(spec: Mapping[str, Any]) -> ResourcesSpec:
+    raw = _get(spec, "resources", "spec", dict, {})
+    path = "spec.resources"
+    node_selector = _get(raw, "nodeSelector", path, dict, {})
+    if not all(isinstance(v, str) for v in node_selector.values()):
+        raise SpecError(f"{path}.nodeSelector values must be strings; got {node_selector!r}")
+    tolerations = _get(raw, "tolerations", path, list, [])
+    return ResourcesSpec(
+        gpus=_int(raw, "gpus", path, ResourcesSpec.gpus, 0, 16),
+        gpu_type=_get(raw, "gpuType", path, str),
+        node_selector=dict(node_selector),
+        tolerations=tuple(_parse_toleration(t, f"{path}.tolerations[{i}]")
+                          for i, t in enumerate(tolerations)),
+        cpu=_quantity(raw, "cpu", path, None),
+        memory=_quantity(raw, "memory", path, None),
+    )
+
+
+def _parse_autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec | None:
+    raw = _get(spec, "autoscaling", "spec", dict)
+    if raw is None:
+        return None
+    path = "spec.autoscaling"
+    for key in ("minReplicas", "maxReplicas", "targetTokensPerSecondPerReplica"):
+        if key not in raw:
+            raise SpecError(f"{path}.{key} is required when autoscaling is set")
+    auto = AutoscalingSpec(
+        min_replicas=_int(raw, "minReplicas", path, None, 1),
+        max_replicas=_int(raw, "maxReplicas", path, None, 1),
+        target_tokens_per_second_per_replica=_int(raw, "targetTokensPerSecondPerReplica",
+                                                  path, None, 1),
+        scale_down_stabilization_seconds=_int(raw, "scaleDownStabilizationSeconds", path,
+                                              AutoscalingSpec.scale_down_stabilization_seconds,
+                                              0, 3600),
+    )
+    if auto.min_replicas > auto.max_replicas:
+        raise SpecError(f"{path}.minReplicas ({auto.min_replicas}) must be <= "
+                        f"{path}.maxReplicas ({auto.max_replicas})")
+    return auto
+
+
+def _parse_cache(spec: Mapping[str, Any]) -> CacheSpec:
+    raw = _get(spec, "cache", "spec", dict, {})
+    if "size" in raw and "persistentVolumeClaim" in raw:
+        raise SpecError("spec.cache takes either size (an emptyDir) or persistentVolumeClaim, "
+                        "not both")
+    return CacheSpec(
+        size=_quantity(raw, "size", "spec.cache", CacheSpec.size),
+        persistent_volume_claim=_get(raw, "persistentVolumeClaim", "spec.cache", str),
+    )
+
+
+def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:
+    """An LLMService object (as the API serves it) -> its typed, checked spec."""
+    meta = body.get("metadata") or {}
+    name, namespace = meta.get("name") or "", meta.get("namespace") or ""
+    if not DNS_LABEL_RE.match(name):
+        raise SpecError("metadata.name must be a DNS-1035 label (lowercase letters, digits, '-', "
+                        f"at most 63 characters, starting with a letter); got {name!r}")
+    spec = body.get("spec")
+    if not isinstance(spec, dict):
+        raise SpecError("spec is required (with spec.model.uri)")
+    model = _parse_model(spec)
+    quantization = _choice(spec.get("quantization", "none"), QUANTIZATIONS, "spec.quantization")
+    engine = _parse_engine(spec)
+    resources = _parse_resources(spec)
+    if engine.tensor_parallel_size > max(resources.gpus, 1):
+        raise SpecError(f"spec.engine.tensorParallelSize ({engine.tensor_parallel_size}) must be "
+                        f"<= spec.resources.gpus ({resources.gpus})")
+    image = _get(spec, "image", "spec", str, DEFAULT_IMAGE)
+    return LLMServiceSpec(
+        name=name,
+        namespace=namespace,
+        model=model,
+        s3=_parse_s3(spec, model),
+        quantization=quantization,
+        engine=engine,
+        resources=resources,
+        replicas=_int(spec, "replicas", "spec", 1, 0),
+        autoscaling=_parse_autoscaling(spec),
+        cache=_parse_cache(spec),
+        image=image or DEFAULT_IMAGE,
+        api_key_secret=_get(spec, "apiKeySecret", "spec", str),
+    )
