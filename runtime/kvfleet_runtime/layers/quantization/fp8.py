@@ -1,0 +1,97 @@
+"""FP8 (e4m3) weights: read from an fp8 checkpoint or quantized on load from fp16/bf16.
+
+Checkpoint tensors: `weight` float8_e4m3fn [N, K] and `weight_scale` fp32, per tensor (one
+number per checkpoint module, so a fused layer gets one per shard) or per output channel.
+Both are kept as one per-channel scale [N]: a per-tensor scale repeated over its shard's rows
+is exact, and needs no requantization of fused shards. Activations are scaled per token at
+run time (activation_scheme "dynamic"). Without an FP8-capable GPU the weight is dequantized
+on load into the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet_kernels.fp8 import FP8, fp8_linear, fp8_supported, quantize_fp8_rowwise
+from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
+from kvfleet_runtime.layers.quantization.base import (QuantConfig, log_once, read_choice,
+                                                      read_not_convert)
+
+def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
+                       shard_id: int | None) -> None:
+    if shard_id is None:
+        offset, size = 0, layer.output_size
+    else:
+        offset, size = sum(layer.output_sizes[:shard_id]), layer.output_sizes[shard_id]
+    target = param.data.narrow(0, offset, size)
+    if loaded.numel() == 1:
+        target.fill_(loaded.reshape(()).item())
+    elif loaded.numel() == size:
+        target.copy_(loaded.reshape(size))
+    else:
+        raise ValueError(f"{layer.prefix}: fp8 weight_scale of shape {tuple(loaded.shape)} is "
+                         f"neither per-tensor (1 value) nor per-channel ({size} values)")
+
+
+class FP8LinearMethod(LinearMethod):
+    def __init__(self, serialized: bool) -> None:
+        self.serialized = serialized
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        n = sum(output_sizes)
+        weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8 if self.serialized else dtype),
+                              requires_grad=False)
+        set_weight_attrs(weight, output_dim=0)
+        layer.register_parameter("weight", weight)
+        if self.serialized:
+            scale = nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(scale, weight_loader=partial(_load_weight_scale, layer))
+            layer.register_parameter("weight_scale", scale)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.serialized:
+            weight, scale = layer.weight.data, layer.weight_scale.data
+            delattr(layer, "weight_scale")
+        else:
+            weight, scale = quantize_fp8_rowwise(layer.weight.data)
+            scale = scale.reshape(-1)
+        delattr(layer, "weight")
+        n, k = weight.shape
+        layer.uses_fp8 = fp8_supported(weight.device) and n % 16 == 0 and k % 16 == 0
+        if layer.uses_fp8:
+            layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+            layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
+            return
+        log_once("fp8: no FP8 GEMM here (needs a GPU of compute capability >= 8.9 and sizes "
+                 "that are multiples of 16); such layers are dequantized on load")
+        dequantized = (weight.float() * scale[:, None]).to(layer.params_dtype)
+        layer.register_parameter("weight", nn.Parameter(dequantized, requires_grad=False))
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.uses_fp8:
+            return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        return F.linear(x, layer.weight, bias)
+
+
+@dataclass
+class FP8Config(QuantConfig):
+    serialized: bool = True     # False: an fp16/bf16 checkpoint quantized on load
+
+    name = "fp8"
+
+    @classmethod
+    def from_config(cls, raw: dict) -> FP8Config:
+        read_choice(raw, ("activation_scheme",), "dynamic", ("dynamic",), "fp8")
+        if raw.get("weight_block_size") is not None:
+            raise ValueError("fp8 quantization_config.weight_block_size must be null (per-channel "
+                             f"or per-tensor scales); got {raw['weight_block_size']!r}")
+        return cls(serialized=True, modules_to_not_convert=read_not_convert(raw))
+
+    def create_method(self) -> LinearMethod:
+        return FP8LinearMethod(self.serialized)

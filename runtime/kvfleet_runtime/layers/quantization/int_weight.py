@@ -1,0 +1,125 @@
+"""What GPTQ and AWQ share once their tensors are unpacked: the integer weight, its fused
+W4A16 kernel on GPU, and the dequantized fallback.
+
+After loading, a method unpacks its checkpoint tensors into an `IntWeight` and this module
+either repacks it into the kernel's layout (kvfleet_kernels.w4a16: qweight packed along K,
+rows sorted by group, fp16 scales and zero points per group) or, where the kernel cannot
+serve the layer (CPU, an odd shape, unequal act-order groups), stores the dequantized weight
+in the model's dtype and logs why, once per reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet_kernels.w4a16 import kernel_supports, w4a16_gemm
+from kvfleet_runtime.layers.linear import Linear, LinearMethod
+from kvfleet_runtime.layers.quantization.base import log_once
+from kvfleet_runtime.layers.quantization.packing import pack_int32
+
+@dataclass
+class IntWeight:
+    """w[k, n] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n] for input row k, output n."""
+    q: torch.Tensor          # [K, N] int32 in [0, 2**bits)
+    zeros: torch.Tensor      # [G, N] integer-valued zero points (float)
+    scales: torch.Tensor     # [G, N]
+    g_idx: torch.Tensor      # [K] group of each input row
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] fp32, laid out like nn.Linear's weight."""
+        g = self.g_idx.long()
+        return ((self.q.float() - self.zeros.float()[g]) * self.scales.float()[g]).t()
+
+
+def default_g_idx(input_size: int, group_size: int) -> torch.Tensor:
+    rows = torch.arange(input_size, dtype=torch.int32)
+    return rows // group_size if group_size != -1 else torch.zeros_like(rows)
+
+
+def num_groups(input_size: int, group_size: int) -> int:
+    return 1 if group_size == -1 else -(-input_size // group_size)
+
+
+def check_divisible(prefix: str, what: str, size: int, divisor: int, method: str) -> None:
+    if size % divisor:
+        raise ValueError(f"{method}: {prefix} has {what} {size}, which must be a multiple of "
+                         f"{divisor} to be packed")
+
+
+def _replace(layer: Linear, name: str, tensor: torch.Tensor | None) -> None:
+    if hasattr(layer, name):
+        delattr(layer, name)
+    if tensor is not None:
+        layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+class IntWeightMethod(LinearMethod):
+    """Base of the GPTQ and AWQ methods: they create and unpack their tensors, this runs them."""
+    name = "int"
+    checkpoint_params: tuple[str, ...] = ()
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits = bits
+        self.group_size = group_size
+
+    def unpack(self, layer: Linear) -> IntWeight:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = self.unpack(layer)
+        self.finalize(layer, w, use_kernel=w.q.device.type == "cuda")
+
+    def finalize(self, layer: Linear, w: IntWeight, use_kernel: bool) -> None:
+        """Replace the checkpoint tensors by the kernel's layout, or by the dequantized weight."""
+        for name in self.checkpoint_params:
+            delattr(layer, name)
+        k = w.q.shape[0]
+        group_size = k if self.group_size == -1 else self.group_size
+        if not use_kernel:
+            reason = f"{self.name}: no GPU, layers are dequantized on load"
+        elif not kernel_supports(k, self.bits, group_size):
+            reason = (f"{self.name}: the W4A16 kernel does not serve in={k}, bits={self.bits}, "
+                      f"group_size={group_size}; such layers are dequantized on load")
+        else:
+            reason = self._to_kernel_layout(layer, w, group_size)
+        layer.uses_kernel = reason is None
+        if reason is not None:
+            log_once(reason)
+            _replace(layer, "weight", w.dequantize().to(layer.params_dtype))
+
+    def _to_kernel_layout(self, layer: Linear, w: IntWeight, group_size: int) -> str | None:
+        """Repack for the kernel; returns why it cannot, or None."""
+        k = w.q.shape[0]
+        g_idx = w.g_idx.long()
+        contiguous = torch.arange(k, device=g_idx.device) // group_size
+        perm = None
+        q = w.q
+        if not torch.equal(g_idx, contiguous):
+            # act-order: sort rows by group so that each K tile has one group; x is permuted
+            # the same way at run time
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], contiguous):
+                return (f"{self.name}: a g_idx gives groups of unequal size; such layers are "
+                        "dequantized on load")
+            q = q[perm]
+        _replace(layer, "qweight", pack_int32(q, self.bits, dim=0))
+        _replace(layer, "scales", w.scales.to(torch.float16).contiguous())
+        _replace(layer, "zeros", w.zeros.to(torch.float16).contiguous())
+        layer.register_buffer("perm", perm, persistent=False)
+        layer.kernel_group_size = group_size
+        return None
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not layer.uses_kernel:
+            return F.linear(x, layer.weight, bias)
+        # x: [T, in] -> [T, out]
+        if layer.perm is not None:
+            x = x[:, layer.perm]
+        out = w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
+                         layer.kernel_group_size)
+        return out if bias is None else out + bias
