@@ -1,0 +1,787 @@
+"""`kvfleet pull SOURCE DEST`: copy a model folder from S3 (or a local folder) into DEST.
+
+This module owns the whole pull: listing the source, parallel ranged downloads,
+resume after interruption, verification (size, S3 ETag, and a `SHA256SUMS`
+manifest when the source has one), the atomic hand-over into DEST and the
+completion marker, and the mapping of every failure to an exit code.
+
+It runs as the LLMService init container, so it must stay light: boto3 and
+tqdm only, no torch (tests/pull/test_cli.py pins that).
+
+On-disk contract inside DEST:
+  .kvfleet-pull.partial/<path>.part       bytes being fetched (never loaded by the runtime)
+  .kvfleet-pull.partial/<path>.part.json  which chunks of it are done (the resume state)
+  .kvfleet-pull.json                      completion marker, written last: source + files
+A file reaches its real name only after it is complete and verified, and the
+marker is written only after every file has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from enum import IntEnum
+from pathlib import Path, PurePosixPath
+
+MARKER = ".kvfleet-pull.json"
+STAGING = ".kvfleet-pull.partial"
+LOCK = ".kvfleet-pull.lock"
+MANIFEST = "SHA256SUMS"
+# Names of our own bookkeeping; never copied from a source folder that was itself pulled.
+RESERVED = {MARKER, STAGING, LOCK}
+PIECE = 1 << 20     # bytes read from a response body at a time
+MiB = 1 << 20
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    ACCESS_DENIED = 4
+    UNREACHABLE = 5
+    DISK_FULL = 6
+    VERIFY_FAILED = 7
+    INTERRUPTED = 130
+
+
+class PullError(Exception):
+    def __init__(self, message: str, code: ExitCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str           # relative to the source root, posix separators
+    size: int
+    etag: str | None    # S3 ETag without quotes; None for local files
+    fingerprint: str    # what "unchanged" means: the ETag, or size and mtime of a local file
+
+
+@dataclass
+class PullOptions:
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing_style: str | None = None   # None: path with a custom endpoint, else auto
+    verify_ssl: bool = True
+    ca_bundle: str | None = None
+    jobs: int = 16
+    chunk_size: int = 16 * MiB
+    retries: int = 5
+    max_bandwidth: int | None = None      # bytes per second over all connections
+    progress: bool | None = None          # None: a bar only on a terminal
+
+
+@dataclass
+class PullResult:
+    source: str
+    dest: Path
+    files: int
+    bytes_total: int
+    bytes_fetched: int
+    bytes_resumed: int
+    seconds: float
+    up_to_date: bool = False
+
+
+# ---------------------------------------------------------------- sources
+
+
+class LocalSource:
+    """A folder on a local or mounted filesystem."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+
+    def list_files(self) -> list[RemoteFile]:
+        if not self.root.is_dir():
+            raise PullError(f"source folder {self.root} does not exist", ExitCode.NOT_FOUND)
+        files = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if d not in RESERVED)
+            for name in sorted(filenames):
+                if name in RESERVED:
+                    continue
+                full = Path(dirpath) / name
+                st = full.stat()
+                rel = full.relative_to(self.root).as_posix()
+                files.append(RemoteFile(rel, st.st_size, None, f"{st.st_size}:{st.st_mtime_ns}"))
+        return files
+
+    def read_range(self, f: RemoteFile, start: int, end: int) -> Iterator[bytes]:
+        with open(self.root / f.path, "rb") as fh:
+            fh.seek(start)
+            remaining = end - start
+            while remaining:
+                piece = fh.read(min(PIECE, remaining))
+                if not piece:
+                    raise PullError(f"{self.root / f.path} shrank while being copied", ExitCode.VERIFY_FAILED)
+                remaining -= len(piece)
+                yield piece
+
+    def part_size(self, f: RemoteFile) -> int | None:
+        return None
+
+
+class S3Source:
+    """`s3://bucket/prefix`: everything under prefix/, fetched with ranged GETs pinned to the listed ETag."""
+
+    def __init__(self, bucket: str, prefix: str, options: PullOptions) -> None:
+        import boto3  # lazily: local pulls need no boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self.endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        style = options.addressing_style or ("path" if self.endpoint else "auto")
+        region = (options.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
+        session = boto3.session.Session(region_name=region)
+        if session.region_name is None:
+            session = boto3.session.Session(region_name="us-east-1")
+        # None lets botocore read $AWS_CA_BUNDLE and the config file's ca_bundle.
+        verify: bool | str | None = options.ca_bundle or None
+        if not options.verify_ssl:
+            verify = False
+            import urllib3
+
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+            print("kvfleet pull: warning: TLS certificates are not verified (--no-verify-ssl)", file=sys.stderr)
+        self.attempts = options.retries + 1
+        self.client = session.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            verify=verify,
+            config=Config(
+                s3={"addressing_style": style},
+                # botocore's standard mode retries connection errors, throttling and 5xx
+                # with exponential backoff and jitter before we ever see an exception.
+                retries={"max_attempts": self.attempts, "mode": "standard"},
+                max_pool_connections=options.jobs + 4,
+                connect_timeout=10,
+                read_timeout=60,
+            ),
+        )
+
+    def where(self) -> str:
+        return f"endpoint {self.endpoint}" if self.endpoint else "AWS S3"
+
+    def list_files(self) -> list[RemoteFile]:
+        files = []
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = obj["Key"][len(self.prefix):]
+                    if not rel or rel.endswith("/"):     # folder placeholder objects
+                        continue
+                    etag = obj["ETag"].strip('"')
+                    files.append(RemoteFile(rel, obj["Size"], etag, etag))
+        except Exception as e:
+            raise self.error(e, f"listing {self.url}") from e
+        if not files:
+            raise PullError(f"no objects under {self.url} at {self.where()} (the bucket exists; check the prefix)",
+                            ExitCode.NOT_FOUND)
+        return files
+
+    def read_range(self, f: RemoteFile, start: int, end: int) -> Iterator[bytes]:
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.prefix + f.path,
+                                          Range=f"bytes={start}-{end - 1}", IfMatch=f'"{f.etag}"')
+            yield from resp["Body"].iter_chunks(PIECE)
+        except PullError:
+            raise
+        except Exception as e:
+            raise self.error(e, f"reading {self.url}{f.path}") from e
+
+    def part_size(self, f: RemoteFile) -> int | None:
+        """Size of part 1 of a multipart upload, which the multipart ETag depends on."""
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + f.path, PartNumber=1)
+        except Exception as e:
+            raise self.error(e, f"reading {self.url}{f.path}") from e
+        return head["ContentLength"] if head.get("PartsCount") else None
+
+    def error(self, e: Exception, doing: str) -> PullError | Exception:
+        """Map a boto3 exception to a PullError with an exit code; transient ones stay as they are."""
+        from botocore import exceptions as bx
+
+        if isinstance(e, bx.NoCredentialsError):
+            return PullError(f"{doing}: no S3 credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                             "(or AWS_PROFILE / a credentials file)", ExitCode.ACCESS_DENIED)
+        if isinstance(e, bx.SSLError):
+            return PullError(f"{doing}: TLS error talking to {self.where()}: {e}; pass --ca-bundle PATH for a "
+                             "private CA (or --no-verify-ssl)", ExitCode.UNREACHABLE)
+        if isinstance(e, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
+            return PullError(f"{doing}: cannot reach {self.where()} after {self.attempts} attempts: {e}",
+                             ExitCode.UNREACHABLE)
+        if isinstance(e, bx.ClientError):
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code == "NoSuchBucket":
+                return PullError(f"{doing}: bucket '{self.bucket}' does not exist at {self.where()}",
+                                 ExitCode.NOT_FOUND)
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return PullError(f"{doing}: no such key at {self.where()}", ExitCode.NOT_FOUND)
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
+                        "ExpiredToken", "InvalidToken", "InvalidClientTokenId"):
+                return PullError(f"{doing}: access denied by {self.where()} ({code}); check AWS_ACCESS_KEY_ID / "
+                                 "AWS_SECRET_ACCESS_KEY and the bucket policy", ExitCode.ACCESS_DENIED)
+            if code in ("PreconditionFailed", "412"):
+                return PullError(f"{doing}: the object changed during the pull (its ETag is no longer the listed "
+                                 "one); run the pull again", ExitCode.VERIFY_FAILED)
+            return PullError(f"{doing}: S3 error {code}: {e}", ExitCode.FAILED)
+        return e
+
+
+def open_source(source: str, options: PullOptions) -> LocalSource | S3Source:
+    if source.startswith("s3://"):
+        bucket, _, prefix = source[len("s3://"):].partition("/")
+        if not bucket:
+            raise PullError(f"SOURCE must be s3://bucket/prefix; got {source!r}", ExitCode.USAGE)
+        return S3Source(bucket, prefix, options)
+    if source.startswith("hf://"):
+        raise PullError("hf:// sources need the Hugging Face Hub, which kvfleet pull does not reach; copy the "
+                        "snapshot to S3 (aws s3 sync) and pull s3://bucket/prefix", ExitCode.USAGE)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", source):
+        raise PullError(f"SOURCE must be s3://bucket/prefix or a local folder; got {source!r}", ExitCode.USAGE)
+    return LocalSource(Path(source))
+
+
+# ---------------------------------------------------------------- staging
+
+
+@dataclass
+class ChunkState:
+    fingerprint: str
+    size: int
+    chunk_size: int
+    done: list[int] = field(default_factory=list)
+
+
+class PartialFile:
+    """The staging copy of one file and the record of which of its chunks are on disk."""
+
+    def __init__(self, staging: Path, f: RemoteFile, chunk_size: int) -> None:
+        self.file = f
+        self.data_path = staging / (f.path + ".part")
+        self.state_path = staging / (f.path + ".part.json")
+        self.chunk_size = chunk_size
+        self.lock = threading.Lock()
+        self.state = self._load_state()
+        self.fd = -1
+
+    def _load_state(self) -> ChunkState:
+        try:
+            state = ChunkState(**json.loads(self.state_path.read_text()))
+        except (OSError, ValueError, TypeError):
+            state = None
+        fresh = ChunkState(self.file.fingerprint, self.file.size, self.chunk_size)
+        if state is None or (state.fingerprint, state.size) != (fresh.fingerprint, fresh.size) \
+                or not self.data_path.exists() or self.data_path.stat().st_size != self.file.size:
+            return fresh
+        # A different chunk size (another --chunk-size) still resumes: chunks keep their own size.
+        self.chunk_size = state.chunk_size
+        return state
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, -(-self.file.size // self.chunk_size))
+
+    def pending(self) -> list[int]:
+        done = set(self.state.done)
+        return [i for i in range(self.num_chunks) if i not in done]
+
+    def resumed_bytes(self) -> int:
+        return sum(self.bounds(i)[1] - self.bounds(i)[0] for i in self.state.done)
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.file.size)
+
+    def open(self) -> None:
+        self.data_path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.state.done:
+            self.data_path.unlink(missing_ok=True)
+        self.fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o644)
+        if not self.state.done and self.file.size:
+            # Reserve the space now: a full disk fails here, before any download.
+            os.posix_fallocate(self.fd, 0, self.file.size)
+        self._save()
+
+    def write(self, offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def mark_done(self, index: int) -> None:
+        with self.lock:
+            self.state.done.append(index)
+            self._save()
+
+    def _save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self.state)))
+        os.replace(tmp, self.state_path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+    def discard(self) -> None:
+        self.close()
+        self.data_path.unlink(missing_ok=True)
+        self.state_path.unlink(missing_ok=True)
+        self.state = ChunkState(self.file.fingerprint, self.file.size, self.chunk_size)
+
+
+# ---------------------------------------------------------------- verification
+
+
+def expected_digests(path: Path, part_size: int | None, want_sha256: bool) -> dict[str, str]:
+    """One read of the file: its S3-style ETag (plain or multipart) and, if asked, its sha256."""
+    whole_md5, sha = hashlib.md5(), hashlib.sha256()
+    part_md5s: list[bytes] = []
+    part, in_part = hashlib.md5(), 0
+    with open(path, "rb") as fh:
+        while True:
+            want = PIECE if not part_size else min(PIECE, part_size - in_part)
+            block = fh.read(want)
+            if not block:
+                break
+            if want_sha256:
+                sha.update(block)
+            if part_size:
+                part.update(block)
+                in_part += len(block)
+                if in_part == part_size:
+                    part_md5s.append(part.digest())
+                    part, in_part = hashlib.md5(), 0
+            else:
+                whole_md5.update(block)
+    if part_size and in_part:
+        part_md5s.append(part.digest())
+    out = {}
+    if part_size:
+        out["etag"] = f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
+    else:
+        out["etag"] = whole_md5.hexdigest()
+    if want_sha256:
+        out["sha256"] = sha.hexdigest()
+    return out
+
+
+ETAG_RE = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
+
+
+def verify(path: Path, f: RemoteFile, part_size: Callable[[], int | None], sha256: str | None) -> str | None:
+    """None when the staged file matches the source; otherwise what is wrong with it."""
+    size = path.stat().st_size
+    if size != f.size:
+        return f"size {size} != {f.size}"
+    # ETags of SSE-KMS objects are not MD5s: only verify the ones that are.
+    check_etag = f.etag is not None and ETAG_RE.match(f.etag) is not None
+    if not check_etag and sha256 is None:
+        return None
+    ps = part_size() if check_etag and "-" in f.etag else None
+    got = expected_digests(path, ps, sha256 is not None)
+    if check_etag and got["etag"] != f.etag:
+        return f"ETag {got['etag']} != {f.etag}"
+    if sha256 is not None and got["sha256"] != sha256:
+        return f"sha256 {got['sha256']} != {sha256} (from {MANIFEST})"
+    return None
+
+
+def parse_manifest(text: str, files: dict[str, RemoteFile]) -> dict[str, str]:
+    """`sha256sum` output: '<64 hex> [*]<path>' per line."""
+    sums = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = re.match(r"^([0-9a-fA-F]{64}) [ *](.+)$", line)
+        if not m:
+            raise PullError(f"{MANIFEST} line {lineno} is not '<sha256>  <path>': {line!r}", ExitCode.VERIFY_FAILED)
+        digest, path = m.group(1).lower(), m.group(2).removeprefix("./")
+        if path not in files:
+            raise PullError(f"{MANIFEST} lists {path!r}, which is not in the source", ExitCode.VERIFY_FAILED)
+        sums[path] = digest
+    return sums
+
+
+# ---------------------------------------------------------------- transfer
+
+
+class RateLimiter:
+    """A shared byte budget per second over all download threads (--max-bandwidth)."""
+
+    def __init__(self, bytes_per_second: int) -> None:
+        self.rate = bytes_per_second
+        self.lock = threading.Lock()
+        self.next_free = time.monotonic()
+
+    def consume(self, n: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + n / self.rate
+        time.sleep(max(0.0, start - now))
+
+
+class Transfer:
+    """Fetches the pending chunks of many files with a pool of threads."""
+
+    def __init__(self, source: LocalSource | S3Source, options: PullOptions, total: int) -> None:
+        from tqdm import tqdm
+
+        self.source = source
+        self.options = options
+        self.stop = threading.Event()
+        self.limiter = RateLimiter(options.max_bandwidth) if options.max_bandwidth else None
+        self.lock = threading.Lock()
+        self.fetched = 0
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pull",
+                        disable=(not options.progress) if options.progress is not None else None,
+                        file=sys.stderr)
+
+    def fetch_chunk(self, part: PartialFile, index: int) -> None:
+        start, end = part.bounds(index)
+        for attempt in range(self.options.retries + 1):
+            offset, written = start, 0
+            try:
+                for piece in self.source.read_range(part.file, start, end):
+                    if self.stop.is_set():
+                        return
+                    if self.limiter:
+                        self.limiter.consume(len(piece))
+                    part.write(offset, piece)
+                    offset += len(piece)
+                    written += len(piece)
+                    self._count(len(piece))
+                if offset != end:
+                    raise ConnectionError(f"short read: {offset - start} of {end - start} bytes")
+                part.mark_done(index)
+                return
+            except PullError:
+                raise
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise PullError(f"disk full writing {part.data_path}", ExitCode.DISK_FULL) from e
+                if not isinstance(e, ConnectionError) and e.errno is not None:
+                    raise
+                error: Exception = e
+            except Exception as e:  # botocore streaming errors: truncated bodies, read timeouts
+                error = e
+            self._count(-written)
+            if attempt == self.options.retries:
+                raise PullError(f"reading {part.file.path} failed after {attempt + 1} attempts: {error}",
+                                ExitCode.UNREACHABLE) from error
+            time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
+
+    def _count(self, n: int) -> None:
+        with self.lock:
+            self.fetched += n
+            self.bar.update(n)
+
+    def run(self, parts: list[PartialFile]) -> None:
+        jobs = [(p, i) for p in parts for i in p.pending()]
+        # Biggest chunks of the biggest files first keeps every thread busy to the end.
+        jobs.sort(key=lambda job: -job[0].file.size)
+        with ThreadPoolExecutor(max_workers=self.options.jobs, thread_name_prefix="pull") as pool:
+            futures: list[Future] = [pool.submit(self.fetch_chunk, p, i) for p, i in jobs]
+            try:
+                pending = set(futures)
+                while pending:
+                    done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+                    for fut in done:
+                        if fut.exception() is not None:
+                            raise fut.exception()
+            except BaseException:
+                self.stop.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ---------------------------------------------------------------- the pull
+
+
+def read_marker(dest: Path) -> dict | None:
+    try:
+        return json.loads((dest / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def unchanged_files(dest: Path, marker: dict | None, source_url: str, files: list[RemoteFile]) -> set[str]:
+    """Paths an earlier complete pull of the same source already put in DEST, with the same fingerprint."""
+    if not marker or marker.get("source") != source_url:
+        return set()
+    recorded = {m["path"]: (m["size"], m["fingerprint"]) for m in marker.get("files", [])}
+    same = set()
+    for f in files:
+        try:
+            if recorded.get(f.path) == (f.size, f.fingerprint) and (dest / f.path).stat().st_size == f.size:
+                same.add(f.path)
+        except OSError:
+            pass
+    return same
+
+
+def safe_relpath(path: str) -> str:
+    p = PurePosixPath(path)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise PullError(f"refusing source path {path!r}: it would land outside DEST", ExitCode.VERIFY_FAILED)
+    return path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pull(source: str, dest: Path, options: PullOptions) -> PullResult:
+    t0 = time.monotonic()
+    src = open_source(source, options)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PullError(f"cannot create DEST {dest}: {e.strerror}", ExitCode.FAILED) from e
+    # Two pullers on one shared volume (replicas starting together) take turns.
+    with open(dest / LOCK, "a") as lock_fh:
+        fcntl.flock(lock_fh, fcntl.LOCK_EX)
+        files = src.list_files()
+        for f in files:
+            safe_relpath(f.path)
+        marker = read_marker(dest)
+        unchanged = unchanged_files(dest, marker, src.url, files)
+        if len(unchanged) == len(files) and len(marker["files"]) == len(files):
+            total = sum(f.size for f in files)
+            return PullResult(src.url, dest, len(files), total, 0, 0, time.monotonic() - t0, up_to_date=True)
+        return _fetch_all(src, dest, files, unchanged, marker, options, t0)
+
+
+def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile], unchanged: set[str],
+               old_marker: dict | None, options: PullOptions, t0: float) -> PullResult:
+    # From here until the new marker, DEST is not a complete pull of anything.
+    (dest / MARKER).unlink(missing_ok=True)
+    staging = dest / STAGING
+    parts = [PartialFile(staging, f, options.chunk_size) for f in files if f.path not in unchanged]
+    resumed = sum(p.resumed_bytes() for p in parts)
+    total = sum(p.file.size for p in parts)
+    needed = total - resumed
+    free = shutil.disk_usage(dest).free
+    if needed > free:
+        raise PullError(f"disk full: {dest} has {free / MiB:.1f} MiB free, the pull needs {needed / MiB:.1f} MiB "
+                        "more", ExitCode.DISK_FULL)
+    transfer = Transfer(src, options, total=total)
+    transfer.bar.update(resumed)
+    try:
+        by_path = {p.file.path: p for p in parts}
+        try:
+            for p in parts:
+                p.open()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise PullError(f"disk full: cannot reserve space in {dest}", ExitCode.DISK_FULL) from e
+            raise
+        # The manifest first: the other files are checked against it.
+        manifest = by_path.get(MANIFEST)
+        sums: dict[str, str] = {}
+        if manifest is not None:
+            _fetch_verified(src, transfer, [manifest], {})
+            sums = parse_manifest(manifest.data_path.read_text(), {f.path: f for f in files})
+        elif MANIFEST in unchanged:
+            sums = parse_manifest((dest / MANIFEST).read_text(), {f.path: f for f in files})
+        _fetch_verified(src, transfer, [p for p in parts if p is not manifest], sums)
+        _install(dest, parts, files, old_marker)
+    finally:
+        transfer.close()
+        for p in parts:
+            if p.fd >= 0:
+                os.close(p.fd)
+    _write_marker(dest, src.url, files, sums)
+    shutil.rmtree(staging, ignore_errors=True)
+    return PullResult(src.url, dest, len(files), sum(f.size for f in files), transfer.fetched, resumed,
+                      time.monotonic() - t0)
+
+
+def _fetch_verified(src: LocalSource | S3Source, transfer: Transfer, parts: list[PartialFile],
+                    sums: dict[str, str]) -> None:
+    """Download, verify, and download a file again from scratch once if it does not verify."""
+    for attempt in (1, 2):
+        transfer.run(parts)
+        failed = []
+        with ThreadPoolExecutor(max_workers=min(4, len(parts) or 1)) as pool:
+            for p, problem in zip(parts, pool.map(lambda p: _check(src, p, sums), parts), strict=True):
+                if problem:
+                    failed.append((p, problem))
+        if not failed:
+            return
+        if attempt == 2:
+            p, problem = failed[0]
+            raise PullError(f"{p.file.path} does not match the source: {problem}; nothing was installed",
+                            ExitCode.VERIFY_FAILED)
+        for p, problem in failed:
+            print(f"kvfleet pull: {p.file.path}: {problem}; fetching it again", file=sys.stderr)
+            p.discard()
+            p.open()
+        parts = [p for p, _ in failed]
+
+
+def _check(src: LocalSource | S3Source, p: PartialFile, sums: dict[str, str]) -> str | None:
+    os.fsync(p.fd)
+    return verify(p.data_path, p.file, lambda: src.part_size(p.file), sums.get(p.file.path))
+
+
+def _install(dest: Path, parts: list[PartialFile], files: list[RemoteFile], old_marker: dict | None) -> None:
+    for p in parts:
+        p.close()
+        target = dest / p.file.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(p.data_path, target)
+        p.state_path.unlink(missing_ok=True)
+    # Files of an earlier pull that the source no longer has (e.g. a re-sharded checkpoint).
+    current = {f.path for f in files}
+    for entry in (old_marker or {}).get("files", []):
+        if entry["path"] not in current:
+            (dest / safe_relpath(entry["path"])).unlink(missing_ok=True)
+
+
+def _write_marker(dest: Path, source_url: str, files: list[RemoteFile], sums: dict[str, str]) -> None:
+    fsync_dir(dest)
+    marker = {
+        "source": source_url,
+        "completed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": [{**asdict(f), **({"sha256": sums[f.path]} if f.path in sums else {})} for f in files],
+    }
+    tmp = dest / (MARKER + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(marker, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, dest / MARKER)
+    fsync_dir(dest)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_size(text: str) -> int:
+    """'16M', '16MiB', '512k', '1G' or plain bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size like 16M, 512k or 1G; got {text!r}")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def _chunk_size(text: str) -> int:
+    size = parse_size(text)
+    if size < MiB:
+        raise argparse.ArgumentTypeError(f"--chunk-size must be at least 1M; got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return int(text)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "pull", help="copy a model folder from S3 or a local path into DEST (resumable, verified)",
+        description="Copy a model folder from s3://bucket/prefix (or a local folder) into DEST. Parallel ranged "
+                    "downloads, resumable, verified against sizes, ETags and a SHA256SUMS manifest when present; "
+                    f"DEST gets its files only when complete, and {MARKER} last.",
+        epilog="exit codes: 0 ok or up to date, 2 usage, 3 no such bucket/prefix, 4 access denied, "
+               "5 endpoint unreachable, 6 disk full, 7 verification failed, 130 interrupted")
+    p.add_argument("source", metavar="SOURCE", help="s3://bucket/prefix or a local folder")
+    p.add_argument("dest", metavar="DEST", help="local folder to fill")
+    p.add_argument("--endpoint-url", help="S3 endpoint (MinIO, SeaweedFS, ...); default $AWS_ENDPOINT_URL or AWS")
+    p.add_argument("--region", help="S3 region; default $AWS_REGION, the AWS config, else us-east-1")
+    p.add_argument("--addressing-style", choices=["auto", "path", "virtual"],
+                   help="S3 addressing; default path with --endpoint-url, else auto")
+    p.add_argument("--no-verify-ssl", dest="verify_ssl", action="store_false", help="do not verify TLS certificates")
+    p.add_argument("--ca-bundle", help="PEM bundle of the CA that signed the endpoint's certificate "
+                                       "(default $AWS_CA_BUNDLE)")
+    p.add_argument("--jobs", "-j", type=_positive_int, default=16, help="parallel connections (default 16)")
+    p.add_argument("--chunk-size", type=_chunk_size, default=16 * MiB, help="bytes per ranged GET (default 16M)")
+    p.add_argument("--retries", type=int, default=5, help="retries per request, with exponential backoff (default 5)")
+    p.add_argument("--max-bandwidth", type=parse_size, help="limit over all connections, bytes/s (e.g. 100M)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show a bar")
+    p.set_defaults(func=run)
+
+
+def options_from_args(args: argparse.Namespace) -> PullOptions:
+    return PullOptions(endpoint_url=args.endpoint_url, region=args.region, addressing_style=args.addressing_style,
+                       verify_ssl=args.verify_ssl, ca_bundle=args.ca_bundle, jobs=args.jobs,
+                       chunk_size=args.chunk_size, retries=args.retries, max_bandwidth=args.max_bandwidth,
+                       progress=args.progress)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    # Pod deletion sends SIGTERM: stop like Ctrl-C, keeping what is staged for the next attempt.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        result = pull(args.source, Path(args.dest), options_from_args(args))
+    except PullError as e:
+        print(f"kvfleet pull: error: {e}", file=sys.stderr)
+        return int(e.code)
+    except OSError as e:
+        code = ExitCode.DISK_FULL if e.errno == errno.ENOSPC else ExitCode.FAILED
+        print(f"kvfleet pull: error: {e}", file=sys.stderr)
+        return int(code)
+    except KeyboardInterrupt:
+        print("kvfleet pull: interrupted; run the same command again to resume", file=sys.stderr)
+        return int(ExitCode.INTERRUPTED)
+    if result.up_to_date:
+        print(f"kvfleet pull: {result.dest} is up to date with {result.source} ({result.files} files)",
+              file=sys.stderr)
+    else:
+        rate = result.bytes_fetched / MiB / max(result.seconds, 1e-9)
+        print(f"kvfleet pull: {result.files} files, {result.bytes_total / MiB:.1f} MiB from {result.source} to "
+              f"{result.dest} in {result.seconds:.1f} s: fetched {result.bytes_fetched / MiB:.1f} MiB "
+              f"({rate:.1f} MiB/s), resumed {result.bytes_resumed / MiB:.1f} MiB", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvfleet_runtime.pull SOURCE DEST`: the same command without the other subcommands' imports."""
+    parser = argparse.ArgumentParser(prog="kvfleet")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["pull", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

