@@ -1,0 +1,311 @@
+"""AsyncLLMEngine: the asyncio front of LLMEngine.
+
+LLMEngine is not thread-safe, so one background thread owns it and runs the
+step loop. Coroutines never touch it: `generate()` and `abort()` put commands
+on a thread-safe queue that the loop thread applies between steps, and the
+loop thread hands each step's outputs to per-request asyncio queues with
+`loop.call_soon_threadsafe`. A consumer that stops iterating (a client that
+disconnected, a cancelled task) aborts its request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
+from kvfleet_runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# how long the idle loop sleeps before re-checking for shutdown
+_IDLE_WAIT_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has died; no request can be served any more."""
+
+
+class EngineQueueFullError(RuntimeError):
+    """Admitting the request would exceed max_num_seqs + max_queued_requests."""
+
+
+class StatLogger(Protocol):
+    """Observes the loop thread (metrics). Called from the loop thread only."""
+
+    def record_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None: ...
+
+    def record_aborted(self, request_ids: list[str], now: float) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """Where the loop thread delivers one request's outputs."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class _Aborted:
+    """Queue item: the request was aborted before it finished."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, *, max_queued_requests: int | None = None,
+                 stat_logger: StatLogger | None = None) -> None:
+        from kvfleet_runtime.engine.engine import LLMEngine   # torch-heavy; imported on use
+        self.engine = LLMEngine(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.served_model_name: str = self.engine.served_model_name
+        self.max_queued_requests = max_queued_requests
+        self.stat_logger = stat_logger
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}     # touched under _lock from both sides
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run_loop, name="kvfleet-engine-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
+        return cls(config, **kwargs)
+
+    # ---- asyncio side ----
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def check_health(self) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+
+    def get_stats(self) -> EngineStats:
+        """The snapshot taken after the loop's last step, add or abort."""
+        return self._stats
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs until the request finishes.
+
+        Outputs that pile up while the consumer is busy are coalesced (they are
+        cumulative, so only the latest matters). Leaving the loop early, or
+        being cancelled, aborts the request.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = self._add(request_id, prompt, params)
+        last: RequestOutput | None = None
+        try:
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty() and not _is_final(item):
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, _Aborted):
+                    last = _aborted_output(request_id, prompt, params, last)
+                    yield last
+                    return
+                last = item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if last is None or not last.finished:
+                self._submit(_Abort([request_id]))
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._submit(_Abort(ids))
+
+    async def shutdown(self) -> None:
+        """Stop the loop thread; unfinished requests end as aborted."""
+        self._stopping = True
+        self._commands.put(None)
+        self._wakeup.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def check_admission(self, num_requests: int = 1) -> None:
+        """Raise unless num_requests more requests may be admitted now."""
+        self.check_health()
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        if self.max_queued_requests is None:
+            return
+        capacity = self.config.max_num_seqs + self.max_queued_requests
+        if len(self._streams) + num_requests > capacity:
+            raise EngineQueueFullError(
+                f"the server is at capacity ({self.config.max_num_seqs} running + "
+                f"{self.max_queued_requests} queued requests); retry later")
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _Stream:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self.check_admission()
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        self._submit(_Add(request_id, prompt, params, time.monotonic()))
+        return stream
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- loop thread ----
+
+    def _run_loop(self) -> None:
+        try:
+            while not self._apply_commands():
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self._publish(outputs)
+        except BaseException as e:      # noqa: BLE001 - any death must reach the clients
+            logger.exception("engine loop died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine loop has died: {e!r}"))
+            return
+        self._abort_all()
+
+    def _apply_commands(self) -> bool:
+        """Apply queued adds and aborts; True when shutdown was requested."""
+        changed = False
+        aborted: list[str] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command is None:
+                return True
+            changed = True
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            else:
+                aborted += self._apply_abort(command.request_ids)
+        if changed:
+            now = time.monotonic()
+            if aborted and self.stat_logger is not None:
+                self.stat_logger.record_aborted(aborted, now)
+            self._publish([], now)
+        return False
+
+    def _apply_add(self, command: _Add) -> None:
+        with self._lock:
+            stream = self._streams.get(command.request_id)
+        if stream is None:          # aborted before it reached the loop
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time)
+        except (ValueError, TypeError) as e:
+            self._deliver([(self._pop_stream(command.request_id), e)])
+
+    def _apply_abort(self, request_ids: list[str]) -> list[str]:
+        """Abort the requests still running; returns those."""
+        live = [rid for rid in request_ids if self._pop_stream(rid) is not None]
+        if live:
+            self.engine.abort_request(live)
+        return live
+
+    def _pop_stream(self, request_id: str) -> _Stream | None:
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _publish(self, outputs: list[RequestOutput], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._stats = self.engine.get_stats()
+        if self.stat_logger is not None:
+            self.stat_logger.record_step(self._stats, outputs, now)
+        deliveries: list[tuple[_Stream | None, object]] = []
+        for out in outputs:
+            with self._lock:
+                stream = (self._streams.pop(out.request_id, None) if out.finished
+                          else self._streams.get(out.request_id))
+            deliveries.append((stream, _snapshot(out)))
+        self._deliver(deliveries)
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple[_Stream | None, object]]) -> None:
+        # one wake-up per event loop per step, not one per request
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for stream, item in deliveries:
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:    # that loop is closed: nobody is listening
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        self._deliver([(s, error) for s in streams])
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            streams, self._streams = dict(self._streams), {}
+        if streams:
+            self.engine.abort_request(list(streams))
+            if self.stat_logger is not None:
+                self.stat_logger.record_aborted(list(streams), time.monotonic())
+        self._deliver([(s, _Aborted()) for s in streams.values()])
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _is_final(item: object) -> bool:
+    return not isinstance(item, RequestOutput) or item.finished
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the asyncio side can read while the loop thread keeps appending."""
+    return dataclasses.replace(
+        out, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids),
+                                          logprobs=None if c.logprobs is None else list(c.logprobs))
+                      for c in out.outputs])
+
+
+def _aborted_output(request_id: str, prompt: str | list[int], params: SamplingParams,
+                    last: RequestOutput | None) -> RequestOutput:
+    if last is None:
+        return RequestOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+            outputs=[CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+                     for i in range(params.n)], finished=True)
+    return dataclasses.replace(last, finished=True, outputs=[
+        c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in last.outputs])

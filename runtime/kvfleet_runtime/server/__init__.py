@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`kvfleet serve`): protocol, routes, metrics, CLI."""

@@ -1,0 +1,608 @@
+"""The HTTP face of one AsyncLLMEngine: FastAPI routes in OpenAI's wire format, SSE streaming.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+(behind --api-key when set), /health, /metrics, /version (always open: probes and
+Prometheus do not carry keys). Every error is answered in OpenAI's shape and
+counted in kvfleet_http_requests_total; a client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvfleet_runtime.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineQueueFullError,
+)
+from kvfleet_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvfleet_runtime.sampling_params import SamplingParams
+from kvfleet_runtime.server import protocol as p
+from kvfleet_runtime.server.metrics import HTTPMetrics
+
+VERSION = "0.1.0"
+# seconds a client should wait after a 503 for a full queue
+RETRY_AFTER_S = 1
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+    api_key: str | None
+    registry: CollectorRegistry
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
+              api_key: str | None = None, registry: CollectorRegistry | None = None) -> FastAPI:
+    """The app; its lifespan shuts the engine down when the server stops."""
+    state = ServerState(engine=engine,
+                        served_model_names=served_model_names or [engine.served_model_name],
+                        api_key=api_key or None,
+                        registry=registry or CollectorRegistry())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan)
+    app.state.kvfleet = state
+    app.add_middleware(_HTTPMetricsMiddleware,
+                       metrics=HTTPMetrics(state.model_name, state.registry))
+    _add_error_handlers(app)
+    open_routes = APIRouter()
+    keyed_routes = APIRouter(dependencies=[Depends(_check_api_key)])
+    _add_open_routes(open_routes)
+    _add_keyed_routes(keyed_routes)
+    app.include_router(open_routes)
+    app.include_router(keyed_routes)
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvfleet
+
+
+# ---- errors ----
+
+def _error_response(e: p.OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(p.OpenAIError)
+    async def openai_error(_: Request, e: p.OpenAIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        # a JSON syntax error's loc is a character offset, not a field
+        param = None if first.get("type") == "json_invalid" else _param_of(first) or None
+        return _error_response(p.OpenAIError(_describe_validation_error(first), param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error_response(p.OpenAIError(str(e.detail), status=e.status_code,
+                                             headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        return _error_response(p.OpenAIError(f"internal error: {e!r}", status=500))
+
+
+def _param_of(error: dict[str, Any]) -> str:
+    # loc is ("body", field, index, ...); pydantic adds the union member tried ("str", "list[int]")
+    parts = [str(x) for x in error.get("loc", ()) if x != "body"]
+    return ".".join(x for x in parts if "[" not in x and x not in ("str", "int", "float", "bool"))
+
+
+def _describe_validation_error(error: dict[str, Any]) -> str:
+    param = _param_of(error)
+    if error.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', '')}".strip()
+    if error.get("type") == "extra_forbidden":
+        return f"unknown field {param!r}"
+    if error.get("type") == "missing":
+        return f"{param} is required"
+    if not param:
+        return f"the request body must be a JSON object: {error.get('msg')}"
+    return f"{param}: {error.get('msg')}; got {error.get('input')!r}"
+
+
+async def _check_api_key(request: Request) -> None:
+    key = _state(request).api_key
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise p.OpenAIError("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            status=401, code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+class _HTTPMetricsMiddleware:
+    """Counts every answer by method, route template (not the raw path) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: HTTPMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_count(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_count)
+        finally:
+            route = scope.get("route")
+            self.metrics.record(scope["method"], getattr(route, "path", "unmatched"), status)
+
+
+# ---- open routes ----
+
+def _add_open_routes(router: APIRouter) -> None:
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        engine = _state(request).engine
+        if not engine.is_healthy:
+            raise p.OpenAIError("the engine loop has died", status=503)
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+
+# ---- keyed routes ----
+
+def _add_keyed_routes(router: APIRouter) -> None:
+    @router.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state = _state(request)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvfleet",
+             "root": state.engine.config.model, "max_model_len": state.engine.config.max_model_len}
+            for name in state.served_model_names]}
+
+    @router.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await _CompletionCall(_state(request), request, body).run()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await _ChatCall(_state(request), request, body).run()
+
+    @router.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest, request: Request) -> dict[str, Any]:
+        state = _state(request)
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise p.OpenAIError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            chat = p.ChatCompletionRequest(messages=body.messages,
+                                           add_generation_prompt=body.add_generation_prompt)
+            ids = _chat_prompt_ids(state, chat)
+        else:
+            ids = state.engine.tokenizer.encode(body.prompt,
+                                                add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.engine.config.max_model_len,
+                "tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest, request: Request) -> dict[str, str]:
+        state = _state(request)
+        _check_model(state, body.model)
+        vocab = len(state.engine.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise p.OpenAIError(f"tokens must be ids in [0, {vocab}); got {bad[:5]}",
+                                param="tokens")
+        return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.served_model_names:
+        raise p.OpenAIError(f"The model '{model}' does not exist; served: "
+                            f"{', '.join(state.served_model_names)}", status=404,
+                            param="model", code="model_not_found")
+
+
+def _chat_prompt_ids(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:
+    tokenizer = state.engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise p.OpenAIError("this model has no chat template; use /v1/completions",
+                            param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            body.template_messages(), tokenize=False,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}))
+    except p.OpenAIError:
+        raise
+    except Exception as e:      # a template's own raise_exception() names the problem
+        raise p.OpenAIError(f"the chat template rejected the messages: {e}",
+                            param="messages") from None
+    # the template writes BOS itself where the model wants one
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- generation calls ----
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str              # for echo
+    params: SamplingParams
+
+
+class _GenerationCall:
+    """One completions/chat request: prompts -> engine requests -> one response or an SSE stream."""
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+
+    def __init__(self, state: ServerState, request: Request,
+                 body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        self.state = state
+        self.request = request
+        self.body = body
+        self.request_id = p.random_id(self.id_prefix)
+        self.created = int(time.time())
+        self.tokenizer = state.engine.tokenizer
+        self.model_name = body.model or state.model_name
+        self.prompts: list[_Prompt] = []
+        self.sent: dict[int, tuple[int, int]] = {}    # choice index -> (chars, tokens) streamed
+        self.done: set[int] = set()                   # choices whose finish was streamed
+
+    # the API-specific parts
+    def make_prompts(self) -> list[_Prompt]:
+        raise NotImplementedError
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def run(self) -> Response:
+        _check_model(self.state, self.body.model)
+        engine = self.state.engine
+        self.prompts = self.make_prompts()
+        try:
+            # refuse before the response starts: a stream's status line cannot change later
+            engine.check_admission(len(self.prompts))
+        except (EngineDeadError, EngineQueueFullError) as e:
+            raise _engine_error(e) from None
+        gens = [engine.generate(pr.token_ids, pr.params, request_id=f"{self.request_id}-{i}")
+                for i, pr in enumerate(self.prompts)]
+        if self.body.stream:
+            return StreamingResponse(self._sse(gens), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        finals = await _unless_disconnected(self.request, _collect(gens))
+        if finals is None:
+            return Response(status_code=499)    # nobody is listening any more
+        return JSONResponse(self.response(finals))
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, field: str) -> int:
+        """The completion budget; 400 naming the lengths when it does not fit."""
+        max_len = self.state.engine.config.max_model_len
+        if requested is not None and prompt_len + requested > max_len:
+            raise p.OpenAIError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} in {field}). Shorten the prompt or lower {field}.",
+                param=field, code="context_length_exceeded")
+        if requested is None and prompt_len >= max_len:
+            raise p.OpenAIError(
+                f"This model's maximum context length is {max_len} tokens. However, the "
+                f"prompt has {prompt_len} tokens, leaving none for the completion.",
+                param=field, code="context_length_exceeded")
+        return requested if requested is not None else max_len - prompt_len
+
+    def usage(self, outs: list[RequestOutput]) -> p.UsageInfo:
+        return p.UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs),
+                              sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+    def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
+        return prompt_index * self.body.n + c.index
+
+    def delta(self, prompt_index: int, c: CompletionOutput) -> tuple[str, int, int, bool] | None:
+        """(new text, chars sent before, tokens sent before, first?) of a choice; marks it sent.
+
+        None once the choice's finish was sent: a request's outputs keep carrying its
+        finished samples while its other samples go on.
+        """
+        index = self.choice_index(prompt_index, c)
+        if index in self.done:
+            return None
+        if c.finished:
+            self.done.add(index)
+        first = index not in self.sent
+        chars, tokens = self.sent.get(index, (0, 0))
+        self.sent[index] = (len(c.text), len(c.token_ids))
+        return c.text[chars:], chars, tokens, first
+
+    def token_str(self, token_id: int, lp: PositionLogprobs | None) -> str:
+        entry = lp.get(token_id) if lp else None
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    async def _sse(self, gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in _merge(gens):
+                for chunk in self.chunks(i, out):
+                    if self.body.include_usage:
+                        # OpenAI's chunks carry "usage": null only when usage was asked for
+                        chunk["usage"] = None
+                    yield _sse_event(chunk)
+                if out.finished:
+                    finals[i] = out
+            if self.body.include_usage:
+                usage = self.usage([finals[i] for i in sorted(finals)])
+                yield _sse_event({"id": self.request_id, "object": self.chunk_object,
+                                  "created": self.created, "model": self.model_name,
+                                  "choices": [], "usage": usage.model_dump()})
+        except (EngineDeadError, EngineQueueFullError, ValueError) as e:
+            yield _sse_event(_engine_error(e).body())
+        yield "data: [DONE]\n\n"
+
+
+def _sorted_outputs(out: RequestOutput) -> list[CompletionOutput]:
+    return sorted(out.outputs, key=lambda c: c.index)
+
+
+class _CompletionCall(_GenerationCall):
+    body: p.CompletionRequest
+
+    def make_prompts(self) -> list[_Prompt]:
+        out = []
+        vocab = len(self.tokenizer)
+        for prompt in self.body.prompts():
+            if isinstance(prompt, str):
+                ids, text = self.tokenizer.encode(prompt), prompt
+            else:
+                if any(not 0 <= t < vocab for t in prompt):
+                    raise p.OpenAIError(f"prompt token ids must be in [0, {vocab})",
+                                        param="prompt")
+                ids, text = list(prompt), self.tokenizer.decode(prompt)
+            max_tokens = self.max_tokens_for(len(ids), self.body.max_tokens, "max_tokens")
+            params = self.body.to_sampling_params(max_tokens)
+            if self.body.echo and self.body.logprobs is not None:
+                params.prompt_logprobs = self.body.logprobs
+            out.append(_Prompt(ids, text, params))
+        return out
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = [self._choice(i, out, c, c.text, 0, 0, first=True)
+                   for i, out in enumerate(finals) for c in _sorted_outputs(out)]
+        return p.CompletionResponse(id=self.request_id, created=self.created,
+                                    model=self.model_name, choices=choices,
+                                    usage=self.usage(finals)).model_dump()
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for c in _sorted_outputs(out):
+            if (delta := self.delta(prompt_index, c)) is None:
+                continue
+            text, chars, tokens, first = delta
+            new_tokens = self.body.logprobs is not None and tokens < len(c.token_ids)
+            if not (text or new_tokens or c.finished or (first and self.body.echo)):
+                continue
+            choice = self._choice(prompt_index, out, c, text, chars, tokens, first)
+            chunks.append(p.CompletionChunk(id=self.request_id, created=self.created,
+                                            model=self.model_name,
+                                            choices=[choice]).model_dump(exclude={"usage"}))
+        return chunks
+
+    def _choice(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, text: str,
+                text_start: int, token_start: int, first: bool) -> p.CompletionChoice:
+        """A choice carrying c's text and tokens from (text_start, token_start) on."""
+        echo = self.body.echo and first
+        prefix = self.prompts[prompt_index].text if echo else ""
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = p.CompletionLogprobs()
+            if echo:
+                self._append_logprobs(logprobs, out.prompt_token_ids,
+                                      out.prompt_logprobs or [], 0, 0)
+            self._append_logprobs(logprobs, c.token_ids, c.logprobs or [], token_start,
+                                  len(prefix) + text_start)
+        return p.CompletionChoice(index=self.choice_index(prompt_index, c), text=prefix + text,
+                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                  stop_reason=c.stop_reason)
+
+    def _append_logprobs(self, result: p.CompletionLogprobs, token_ids: list[int],
+                         logprobs: list[PositionLogprobs | None], start: int,
+                         offset: int) -> None:
+        for pos in range(start, len(token_ids)):
+            lp = (logprobs[pos] if pos < len(logprobs) else None) or {}
+            token_id = token_ids[pos]
+            token = self.token_str(token_id, lp)
+            chosen = lp.get(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(chosen.logprob if chosen is not None else None)
+            result.top_logprobs.append({self.token_str(t, lp): e.logprob for t, e in
+                                        sorted(lp.items(), key=lambda kv: -kv[1].logprob)}
+                                       or None)
+            result.text_offset.append(offset)
+            offset += len(token)
+
+
+class _ChatCall(_GenerationCall):
+    body: p.ChatCompletionRequest
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def make_prompts(self) -> list[_Prompt]:
+        ids = _chat_prompt_ids(self.state, self.body)
+        field = ("max_completion_tokens" if self.body.max_completion_tokens is not None
+                 else "max_tokens")
+        max_tokens = self.max_tokens_for(len(ids), self.body.requested_max_tokens(), field)
+        return [_Prompt(ids, "", self.body.to_sampling_params(max_tokens))]
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        (out,) = finals
+        choices = [p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text),
+                                logprobs=self.logprobs(c, 0), finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
+                   for c in _sorted_outputs(out)]
+        return p.ChatCompletionResponse(id=self.request_id, created=self.created,
+                                        model=self.model_name, choices=choices,
+                                        usage=self.usage(finals)).model_dump()
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for c in _sorted_outputs(out):
+            if (delta := self.delta(prompt_index, c)) is None:
+                continue
+            text, _, tokens, first = delta
+            if first:
+                chunks.append(self._chunk(c.index, p.DeltaMessage(role="assistant", content="")))
+            if text or (self.body.logprobs and tokens < len(c.token_ids)):
+                chunks.append(self._chunk(c.index, p.DeltaMessage(content=text),
+                                          logprobs=self.logprobs(c, tokens)))
+            if c.finished:
+                chunks.append(self._chunk(c.index, p.DeltaMessage(),
+                                          finish_reason=c.finish_reason))
+        return chunks
+
+    def _chunk(self, index: int, delta: p.DeltaMessage, logprobs: p.ChatLogprobs | None = None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+        choice = p.ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                    finish_reason=finish_reason)
+        data = p.ChatCompletionChunk(id=self.request_id, created=self.created,
+                                     model=self.model_name,
+                                     choices=[choice]).model_dump(exclude={"usage"})
+        # OpenAI's deltas omit the keys they do not change (the last one is {})
+        data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        return data
+
+    def logprobs(self, c: CompletionOutput, start: int) -> p.ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        k = self.body.top_logprobs or 0
+        content = []
+        for pos in range(start, len(c.token_ids)):
+            lp = (c.logprobs[pos] if c.logprobs and pos < len(c.logprobs) else None) or {}
+            chosen = lp.get(c.token_ids[pos])
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:k]
+            top = [self._top(t, e.logprob, lp) for t, e in ranked]
+            entry = self._top(c.token_ids[pos],
+                              chosen.logprob if chosen is not None else float("-inf"), lp)
+            content.append(p.ChatTokenLogprob(**entry.model_dump(), top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float, lp: PositionLogprobs) -> p.TopLogprob:
+        token = self.token_str(token_id, lp)
+        return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+def _engine_error(e: Exception) -> p.OpenAIError:
+    """The HTTP error of what AsyncLLMEngine raises."""
+    if isinstance(e, EngineQueueFullError):
+        return p.OpenAIError(str(e), status=503, code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineDeadError):
+        return p.OpenAIError(str(e), status=503)
+    return p.OpenAIError(str(e))     # ValueError: the engine's own check of the request
+
+
+async def _collect(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in _merge(gens):
+            finals[i] = out
+    except (EngineDeadError, EngineQueueFullError, ValueError) as e:
+        raise _engine_error(e) from None
+    return [finals[i] for i in range(len(gens))]
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come; closing it aborts them all."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await work; None (and work cancelled, so its requests abort) if the client leaves first."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return work_task.result() if work_task.done() else None
+    finally:
+        work_task.cancel()
+        watch.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    # the body has been read, so the next ASGI message can only be the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse_event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

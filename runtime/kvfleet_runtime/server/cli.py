@@ -1,0 +1,155 @@
+"""`kvfleet serve [MODEL]`: load the model, then serve the OpenAI API with uvicorn.
+
+The engine flags are generated from EngineConfig's fields (`--block-size`,
+`--max-num-seqs`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...),
+so a new engine knob becomes a flag without touching this file;
+`add_engine_args` / `engine_config_from_args` serve any subcommand that builds an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import typing
+from typing import Any
+
+from kvfleet_runtime.config import DTYPES, QUANTIZATION_METHODS, EngineConfig
+
+logger = logging.getLogger("kvfleet.serve")
+
+_ENGINE_HELP = {
+    "model": "HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)",
+    "tokenizer": "tokenizer folder, when it is not the model's",
+    "dtype": "compute dtype (auto: the checkpoint's; fp32 on CPU)",
+    "device": "cuda, cpu or auto",
+    "seed": "engine seed for requests without their own",
+    "block_size": "tokens per KV-cache block: 8, 16, 32, 64 or 128",
+    "max_num_seqs": "most sequences in one running batch",
+    "max_num_batched_tokens": "token budget of one step",
+    "max_model_len": "longest prompt + completion (default: the model's)",
+    "num_gpu_blocks": "fixed number of KV-cache blocks instead of sizing from memory",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use, in (0, 1]",
+    "cpu_kv_cache_gb": "KV-cache size on CPU in GiB",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prefills across steps",
+    "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)}",
+    "enforce_eager": "no CUDA graphs",
+    "tensor_parallel_size": "GPUs to shard the model over",
+    "attention_backend": "auto, triton or torch",
+}
+_CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
+                                  "attention_backend": ["auto", "triton", "torch"]}
+# set by the server's own flags, not as engine flags
+_NOT_ENGINE_FLAGS = {"served_model_name", "extra"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field; defaults stay EngineConfig's own (shown in --help)."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_ENGINE_FLAGS:
+            continue
+        kind = _scalar_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS,
+                                      help=f"{_ENGINE_HELP.get(f.name, f.name)} "
+                                           f"(default: {default!r})")
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = f.name.upper()
+            if f.name in _CHOICES:
+                kwargs["choices"] = _CHOICES[f.name]
+                kwargs.pop("metavar")
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """EngineConfig from the flags that were given; ValueError names a bad field."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - _NOT_ENGINE_FLAGS
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return EngineConfig(**{**given, **overrides})
+
+
+def _scalar_type(hint: Any) -> type:
+    """int for `int | None`, and so on."""
+    options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    return options[0]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI API",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL",
+                        help="HF folder or .gguf file (same as --model)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
+    server.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    server.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="names clients use in 'model'; the first labels the metrics "
+                             "(default: the model's name)")
+    server.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
+                             "/detokenize (default: $KVFLEET_API_KEY)")
+    server.add_argument("--max-queued-requests", type=int, metavar="N",
+                        help="beyond max_num_seqs + N unfinished requests answer 503 "
+                             "with Retry-After (default: unbounded)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may take to finish "
+                             "(default: 30)")
+    server.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(parser)
+    parser.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from kvfleet_runtime.engine.async_engine import AsyncLLMEngine
+    from kvfleet_runtime.server.api import build_app
+    from kvfleet_runtime.server.metrics import EngineMetrics
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        print("kvfleet serve: error: --max-queued-requests must be >= 0; "
+              f"got {args.max_queued_requests}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or []
+    overrides: dict[str, Any] = {}
+    if args.model_positional:
+        overrides["model"] = args.model_positional
+    if names:
+        overrides["served_model_name"] = names[0]
+    try:
+        config = engine_config_from_args(args, **overrides)
+    except ValueError as e:
+        print(f"kvfleet serve: error: {e}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    engine = AsyncLLMEngine(config, max_queued_requests=args.max_queued_requests)
+    names = names or [engine.served_model_name]
+    registry = CollectorRegistry()
+    # set before the first request: the loop thread only reads it when requests come
+    engine.stat_logger = EngineMetrics(names[0], registry)
+    logger.info("loaded %s as %s in %.1f s (max_model_len %d)", config.model, names[0],
+                time.monotonic() - start, engine.config.max_model_len)
+    app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout))))
+    # uvicorn drains on SIGTERM, then re-raises the signal to the handler it found:
+    # a no-op one lets the drained process exit 0 instead of dying by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0

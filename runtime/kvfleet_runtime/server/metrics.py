@@ -1,0 +1,142 @@
+"""Prometheus metrics of one server: the names are a contract with the operator's HPA,
+the dashboard and the alerts (see docs/SERVER.md). Every metric has the label model_name.
+
+EngineMetrics is the AsyncLLMEngine's StatLogger: the loop thread calls it after
+every step with the engine's stats snapshot and the step's outputs, from which it
+derives per-request TTFT, ITL, queue time and end-to-end latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvfleet_runtime.outputs import EngineStats, RequestOutput
+
+FINISHED_REASONS = ("stop", "length", "abort")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                  50000, 100000)
+
+
+@dataclass
+class _RequestTrack:
+    arrival_time: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+
+        self.num_requests_running = gauge("kvfleet_num_requests_running",
+                                          "Requests in the running batch.")
+        self.num_requests_waiting = gauge("kvfleet_num_requests_waiting",
+                                          "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kvfleet_kv_cache_usage_perc",
+                                    "Fraction of KV-cache blocks in use (0..1).")
+        self.prefix_cache_queries = counter("kvfleet_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("kvfleet_prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("kvfleet_num_preemptions", "Preemptions.")
+        self.prompt_tokens = counter("kvfleet_prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("kvfleet_generation_tokens", "Generated tokens.")
+        success = Counter("kvfleet_request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=registry)
+        self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self.ttft = histogram("kvfleet_time_to_first_token_seconds",
+                              "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("kvfleet_inter_token_latency_seconds",
+                             "Time between two outputs of one request.", _LATENCY_BUCKETS)
+        self.e2e = histogram("kvfleet_e2e_request_latency_seconds",
+                             "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("kvfleet_request_queue_time_seconds",
+                                    "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("kvfleet_request_prompt_tokens",
+                                               "Prompt length of finished requests.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("kvfleet_request_generation_tokens",
+                                                   "Generated tokens of finished requests.",
+                                                   _TOKEN_BUCKETS)
+        # the engine's counters are cumulative totals: remember the last to add deltas
+        self._last_totals = EngineStats()
+        self._tracks: dict[str, _RequestTrack] = {}
+
+    # ---- StatLogger (loop thread) ----
+
+    def record_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        last = self._last_totals
+        self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries_total
+                                          - last.prefix_cache_queries_total))
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits_total
+                                       - last.prefix_cache_hits_total))
+        self.num_preemptions.inc(max(0, stats.num_preemptions_total - last.num_preemptions_total))
+        self._last_totals = stats
+        for out in outputs:
+            self._record_output(out, now)
+
+    def record_aborted(self, request_ids: list[str], now: float) -> None:
+        for rid in request_ids:
+            track = self._tracks.pop(rid, None)
+            self.request_success["abort"].inc()
+            if track is not None:
+                self.e2e.observe(now - track.arrival_time)
+
+    def _record_output(self, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        track = self._tracks.get(out.request_id)
+        if track is None:
+            track = self._tracks[out.request_id] = _RequestTrack(
+                arrival_time=m.arrival_time if m is not None else now)
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        new_tokens = num_tokens - track.num_tokens
+        if new_tokens > 0:
+            if track.last_token_time is None:
+                first = m.first_token_time if m is not None and m.first_token_time else now
+                self.ttft.observe(max(0.0, first - track.arrival_time))
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m is not None and m.first_scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, m.first_scheduled_time - track.arrival_time))
+            else:
+                self.itl.observe(now - track.last_token_time)
+            self.generation_tokens.inc(new_tokens)
+            track.num_tokens = num_tokens
+            track.last_token_time = now
+        if out.finished:
+            del self._tracks[out.request_id]
+            self.e2e.observe(now - track.arrival_time)
+            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.observe(num_tokens)
+            # with n > 1 the request counts once, by its first sample's reason
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self.request_success[reason if reason in FINISHED_REASONS else "stop"].inc()
+
+
+class HTTPMetrics:
+    """kvfleet_http_requests_total{method,route,status}: every HTTP answer, errors included."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        self._counter = Counter("kvfleet_http_requests", "HTTP answers.",
+                                ["model_name", "method", "route", "status"], registry=registry)
+        self.model_name = model_name
+
+    def record(self, method: str, route: str, status: int) -> None:
+        self._counter.labels(self.model_name, method, route, str(status)).inc()

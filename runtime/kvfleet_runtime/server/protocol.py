@@ -1,0 +1,345 @@
+"""OpenAI wire format: pydantic request/response schemas and their mapping to SamplingParams.
+
+Requests accept the fields of OpenAI's completions and chat completions APIs
+plus vLLM's sampling extras (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, ...). Unknown fields are rejected (a typo must not
+silently change nothing); fields OpenAI defines that kvfleet does not implement
+are accepted only at their neutral value and rejected with a clear message otherwise.
+Range checks live in SamplingParams, so the server and the offline API share one rule.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvfleet_runtime.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.err_type = err_type or _ERROR_TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, err_type=self.err_type, param=self.param, code=self.code)
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "invalid_request_error", 405: "invalid_request_error",
+                422: "invalid_request_error", 503: "service_unavailable"}
+
+
+def error_body(message: str, *, err_type: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def _check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported; leave it empty", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true",
+                              param="stream_options")
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_unsupported()
+        # None means "the API default" for the knobs OpenAI documents as nullable
+        knobs: dict[str, Any] = dict(
+            n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                knobs[name] = value
+        try:
+            return SamplingParams(**knobs)
+        except ValueError as e:
+            # SamplingParams says "<field> must be ...; got ...": the field is the param
+            raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]            # one prompt of token ids
+        items: list[str | list[int]] = list(p)
+        if any((isinstance(x, str) and not x) or (isinstance(x, list) and not x) for x in items):
+            raise OpenAIError("prompt must not contain empty prompts", param="prompt")
+        return items
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.suffix is not None:
+            raise OpenAIError("suffix is not supported (no fill-in-the-middle); remove it",
+                              param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(f"best_of must equal n ({self.n}); got {self.best_of}",
+                              param="best_of")
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs)
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra keys (name, tool_call_id, ...) are passed to the chat template untouched
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # accepted and ignored: they change nothing in the answer
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them (role + plain text content)."""
+        if not self.messages:
+            raise OpenAIError("messages must contain at least one message", param="messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise OpenAIError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; "
+                                  f"got {m.role!r}", param=f"messages.{i}.role")
+            # the templates we ship know "system"; OpenAI's "developer" is its newer name
+            role = "system" if m.role == "developer" else m.role
+            out.append({**(m.model_extra or {}), "role": role, "content": m.text()})
+        return out
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.tools:
+            raise OpenAIError("tools are not supported; remove the tools field", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise OpenAIError("tool_choice must be none (tools are not supported)",
+                              param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIError("response_format.type must be text; got "
+                              f"{self.response_format.type!r}", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses (plain dataclass-like models; serialized with model_dump) ----
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None

@@ -1,0 +1,126 @@
+"""A real `kvfleet serve` subprocess for tests.
+
+`start_server(model, *flags)` runs `python -m kvfleet_runtime.cli serve` bound to
+127.0.0.1 with `--port 0` (the kernel picks a free port, so parallel test runs
+never race for one), reads the port from uvicorn's start-up line and waits
+until /health answers 200. `ServerProcess.stop()` signals the PID it started.
+The server's output goes to a log file whose tail is put into every failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen = field(repr=False)
+    port: int
+    log_path: Path
+    api_key: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        """What the official openai client takes as base_url."""
+        return self.base_url + "/v1"
+
+    def log(self, tail: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:]
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, str]:
+        """(status, body) of a GET; no exception for error statuses."""
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self) -> str:
+        status, body = self.get("/metrics")
+        assert status == 200, body
+        return body
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal our PID; SIGKILL it if it outlives timeout. Returns the exit code."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(model: str | os.PathLike | None, *flags: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None, timeout: float = 300.0) -> ServerProcess:
+    """Start `kvfleet serve [model] flags...` and wait until it is healthy."""
+    log_fd, log_name = tempfile.mkstemp(prefix="kvfleet-serve-", suffix=".log")
+    cmd = [sys.executable, "-m", "kvfleet_runtime.cli", "serve",
+           *([str(model)] if model is not None else []),
+           "--host", "127.0.0.1", "--port", "0", *flags]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                **(env or {})}
+    process = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, env=full_env,
+                               stdin=subprocess.DEVNULL)
+    os.close(log_fd)
+    server = ServerProcess(process=process, port=0, log_path=Path(log_name), api_key=api_key)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"kvfleet serve exited with {process.returncode}:\n"
+                                   f"{server.log()}")
+            if not server.port:
+                found = _LISTENING.search(server.log(tail=100_000))
+                server.port = int(found.group(1)) if found else 0
+            if server.port and _healthy(server):
+                return server
+            time.sleep(0.2)
+        raise TimeoutError(f"kvfleet serve not healthy after {timeout} s:\n{server.log()}")
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+
+
+def _healthy(server: ServerProcess) -> bool:
+    try:
+        return server.get("/health", timeout=2.0)[0] == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_server(model: str | os.PathLike | None, *flags: str,
+                   **kwargs) -> Iterator[ServerProcess]:
+    """start_server as a context manager (module-scoped fixtures: `with running_server(...)`)."""
+    server = start_server(model, *flags, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+        server.log_path.unlink(missing_ok=True)
