@@ -1,0 +1,159 @@
+"""GPTQ / AWQ / FP8 methods on standalone Linear layers: fused shards loaded through the
+shared weight_loader, then dequantized on load (CPU path) or repacked for the W4A16 kernel
+(run by Triton's interpreter here), compared with x @ w of the dequantized weights in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet_kernels.fp8 import fp8_linear_ref
+from kvfleet_runtime.layers.linear import Linear
+from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig
+from kvfleet_runtime.layers.quantization.awq import pack_awq
+from kvfleet_runtime.layers.quantization.gptq import pack_gptq
+from quantization.checkpoints import quantize_fp8, quantize_int
+
+K = 128
+SHARDS = [64, 32, 32]           # q, k, v of a GQA attention
+
+
+def shard_weights(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, K, generator=g) * 0.05 for n in SHARDS]
+
+
+def build(config, prefix: str = "model.layers.0.self_attn.qkv_proj") -> Linear:
+    return Linear(K, SHARDS, bias=False, dtype=torch.float32,
+                  linear_method=config.get_linear_method(prefix), prefix=prefix)
+
+
+def load(layer: Linear, shards: list[dict[str, torch.Tensor]]) -> None:
+    # in checkpoint order v, k, q: shard placement must not depend on load order
+    for shard_id in reversed(range(len(shards))):
+        for name, tensor in shards[shard_id].items():
+            layer.weight_loader(getattr(layer, name), tensor, shard_id=shard_id)
+
+
+def int_checkpoint(method: str, bits: int, group_size: int, sym: bool, desc_act: bool):
+    """Packed tensors of each shard, and the dequantized fused weight [N, K]."""
+    tensors, dequantized = [], []
+    act_seed = 7   # one act-order for all shards: they share their input
+    for w in shard_weights():
+        iq = quantize_int(w, bits, group_size, sym, desc_act, min_zero=int(method == "gptq"),
+                          seed=act_seed)
+        tensors.append(pack_gptq(iq.q, iq.zeros, iq.scales, iq.g_idx, bits) if method == "gptq"
+                       else pack_awq(iq.q, iq.zeros, iq.scales))
+        dequantized.append(iq.dequantize())
+    return tensors, torch.cat(dequantized)
+
+
+INT_CASES = [
+    # method, bits, group_size, sym, desc_act
+    ("gptq", 4, 32, False, False),
+    ("gptq", 4, 32, True, True),
+    ("gptq", 4, 64, False, True),
+    ("gptq", 4, -1, True, False),
+    ("gptq", 8, 64, False, True),
+    ("awq", 4, 32, False, False),
+    ("awq", 4, 128, False, False),
+]
+
+
+def int_config(method: str, bits: int, group_size: int, sym: bool, desc_act: bool):
+    if method == "gptq":
+        return GPTQConfig(bits=bits, group_size=group_size, sym=sym, desc_act=desc_act)
+    return AWQConfig(group_size=group_size)
+
+
+@pytest.mark.parametrize("method, bits, group_size, sym, desc_act", INT_CASES)
+def test_cpu_path_dequantizes_on_load_exactly(method, bits, group_size, sym, desc_act):
+    tensors, w = int_checkpoint(method, bits, group_size, sym, desc_act)
+    layer = build(int_config(method, bits, group_size, sym, desc_act))
+    load(layer, tensors)
+    layer.linear_method.process_weights_after_loading(layer)
+    assert not layer.uses_kernel and not hasattr(layer, "qweight")
+    assert torch.equal(layer.weight, w)
+    x = torch.randn(5, K)
+    torch.testing.assert_close(layer(x), x @ w.t(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, bits, group_size, sym, desc_act", INT_CASES)
+def test_kernel_path_matches_fp32_reference(method, bits, group_size, sym, desc_act):
+    tensors, w = int_checkpoint(method, bits, group_size, sym, desc_act)
+    layer = build(int_config(method, bits, group_size, sym, desc_act))
+    load(layer, tensors)
+    method_ = layer.linear_method
+    method_.finalize(layer, method_.unpack(layer), use_kernel=True)
+    assert layer.uses_kernel and not hasattr(layer, "weight")
+    assert (layer.perm is not None) == desc_act
+    # the kernel's layout: 32 // bits rows per int32 word, fp16 scales/zeros per group
+    assert layer.qweight.shape == (K * bits // 32, sum(SHARDS))
+    x = torch.randn(3, K, dtype=torch.float16)
+    expected = x.float() @ w.t()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_fused_shards_must_share_act_order():
+    tensors, _ = int_checkpoint("gptq", 4, 32, False, desc_act=True)
+    tensors[1]["g_idx"] = torch.flip(tensors[1]["g_idx"], [0])
+    layer = build(GPTQConfig(bits=4, group_size=32, desc_act=True))
+    with pytest.raises(ValueError, match="g_idx of shard 1 differs"):
+        load(layer, tensors)
+
+
+def test_unequal_groups_fall_back_to_dequantized_weight():
+    # a g_idx that puts 40 rows in group 0 cannot be served by the kernel's one-group tiles
+    tensors, w = int_checkpoint("gptq", 4, 32, False, desc_act=False)
+    for t in tensors:
+        t["g_idx"] = torch.tensor([0] * 40 + [1] * 24 + [2] * 32 + [3] * 32, dtype=torch.int32)
+    layer = build(GPTQConfig(bits=4, group_size=32))
+    load(layer, tensors)
+    layer.linear_method.finalize(layer, layer.linear_method.unpack(layer), use_kernel=True)
+    assert not layer.uses_kernel
+    x = torch.randn(2, K)
+    assert torch.isfinite(layer(x)).all() and layer.weight.shape == (sum(SHARDS), K)
+
+
+def test_unpackable_output_size_is_named():
+    with pytest.raises(ValueError, match="output size 12, which must be a multiple of 8"):
+        Linear(K, [64, 12], linear_method=AWQConfig(group_size=32).get_linear_method("x.gate_up_proj"),
+               prefix="x.gate_up_proj")
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_checkpoint_scales_of_fused_shards(per_channel):
+    quantized = [quantize_fp8(w, per_channel) for w in shard_weights(1)]
+    layer = build(FP8Config(serialized=True))
+    load(layer, [{"weight": w8, "weight_scale": s} for w8, s in quantized])
+    # per-tensor scales of q, k, v become exact per-channel scales of the fused rows
+    expected_scale = torch.cat([s.expand(n) for (_, s), n in zip(quantized, SHARDS)])
+    assert torch.equal(layer.weight_scale, expected_scale)
+    weight8, scale = layer.weight.clone(), layer.weight_scale.clone()
+    layer.linear_method.process_weights_after_loading(layer)
+    assert not layer.uses_fp8        # no FP8 GEMM on CPU: dequantized on load
+    w = torch.cat([w8.float() * (s[:, None] if per_channel else s) for w8, s in quantized])
+    assert torch.equal(layer.weight, w)
+    x = torch.randn(4, K)
+    torch.testing.assert_close(layer(x), x @ w.t(), rtol=0, atol=1e-5)
+    # the GPU path also quantizes activations per token (3 mantissa bits): a few % off overall
+    error = fp8_linear_ref(x, weight8, scale) - x @ w.t()
+    assert error.norm() / (x @ w.t()).norm() < 0.05
+
+
+def test_fp8_quantize_on_load_matches_per_channel_rounding():
+    weights = shard_weights(2)
+    layer = build(FP8Config(serialized=False))
+    load(layer, [{"weight": w} for w in weights])
+    layer.linear_method.process_weights_after_loading(layer)
+    fused = torch.cat(weights)
+    w8, scale = quantize_fp8(fused, per_channel=True)
+    assert torch.equal(layer.weight, w8.float() * scale[:, None])
+    # e4m3 keeps 3 mantissa bits: each weight within 1/16 of itself relative
+    assert ((layer.weight - fused).abs() <= fused.abs() / 16 + 1e-6).all()
+
+
+def test_fp8_scale_of_wrong_size_is_named():
+    layer = build(FP8Config(serialized=True))
+    with pytest.raises(ValueError, match=r"weight_scale of shape \(5,\) is neither per-tensor"):
+        layer.weight_loader(layer.weight_scale, torch.ones(5), shard_id=1)
