@@ -223,23 +223,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                   partition_size, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   PARTITION_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
-    # per group. With NUM_SPLITS > 1 each program writes its partition's normalised output and
-    # log-sum-exp, and _decode_reduce_kernel merges them.
+    # per group. With num_splits > 1 each program writes its partition's normalised output and
+    # log-sum-exp, and _decode_reduce_kernel merges them. partition_size and num_splits follow the
+    # batch's longest context, so they are runtime arguments: a constexpr would recompile as
+    # contexts grow.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = split * PARTITION_SIZE
+    part_start = split * partition_size
     if (q_len == 0) | (part_start >= seq_len):
         return
-    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+    part_end = tl.minimum(part_start + partition_size, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + g
@@ -271,11 +273,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
     else:
-        part = (seq * NUM_HEADS + head) * NUM_SPLITS + split                             # [G]
+        part = (seq * NUM_HEADS + head) * num_splits + split                             # [G]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=g_valid[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_valid)
 
@@ -283,9 +285,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 @triton.jit
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
                           stride_ot, stride_oh,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          PARTITION_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr):
+                          partition_size, num_splits, NUM_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
     # Partitions past the sequence's end were never written, so they are masked, not read.
     seq = tl.program_id(0)
@@ -296,8 +297,8 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     s = tl.arange(0, SPLITS_PAD)
-    s_valid = s < tl.cdiv(seq_len, PARTITION_SIZE)
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    s_valid = s < tl.cdiv(seq_len, partition_size)
+    part = (seq * NUM_HEADS + head) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
     d = tl.arange(0, HEAD_DIM)
@@ -309,7 +310,7 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
 
 @dataclass(frozen=True)
 class DecodeSplit:
-    """How decode divides each context: NUM_SPLITS partitions of partition_size tokens."""
+    """How decode divides each context: num_splits partitions of partition_size tokens."""
     partition_size: int
     num_splits: int
 
@@ -331,6 +332,31 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_PARTITION_TOKENS)))
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     return DecodeSplit(partition_size=partition_size, num_splits=triton.cdiv(max_seq_len, partition_size))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of an attention kernel: BLOCK_M query rows x BLOCK_N keys per step."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, on_gpu: bool) -> TileConfig:
+    """Decode's rows are the GQA group, padded up to block_m (tl.dot needs >= 16 rows)."""
+    if not on_gpu:   # the interpreter: small steps, no pipelining
+        return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+
+
+def prefill_config(head_dim: int, group: int, on_gpu: bool) -> TileConfig:
+    """block_m is at least the GQA group so that one tile holds whole groups."""
+    if not on_gpu:
+        return TileConfig(block_m=max(32, triton.next_power_of_2(group)), block_n=16,
+                          num_warps=4, num_stages=1)
+    return TileConfig(block_m=max(128, triton.next_power_of_2(group)), block_n=64,
+                      num_warps=8 if head_dim >= 128 else 4, num_stages=2)
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
@@ -385,8 +411,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if max_query_len == 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        block_n = 64 if on_gpu else 32
-        split = decode_split(num_seqs, num_kv_heads, max_seq_len, block_n, query.device)
+        cfg = decode_config(head_dim, on_gpu)
+        split = decode_split(num_seqs, num_kv_heads, max_seq_len, cfg.block_n, query.device)
         if split.num_splits > 1:
             part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
                                    dtype=torch.float32, device=query.device)
@@ -396,28 +422,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             part_out = part_lse = out
         _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
             query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
-            query_start_loc, scale_log2, *strides,
-            NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            PARTITION_SIZE=split.partition_size, NUM_SPLITS=split.num_splits,
-            num_warps=4, num_stages=2 if on_gpu else 1,
+            query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits,
+            NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
+            BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split.num_splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, PARTITION_SIZE=split.partition_size,
-                NUM_SPLITS=split.num_splits, SPLITS_PAD=triton.next_power_of_2(split.num_splits),
+                split.partition_size, split.num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                SPLITS_PAD=triton.next_power_of_2(split.num_splits),
             )
         return out
 
-    block_m = max(128 if on_gpu else 32, triton.next_power_of_2(group))
-    tokens_per_tile = block_m // group
-    block_n = 64 if on_gpu else 16
+    cfg = prefill_config(head_dim, group, on_gpu)
+    tokens_per_tile = cfg.block_m // group
     grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, *strides,
-        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        num_warps=8 if on_gpu and head_dim >= 128 else 4, num_stages=2 if on_gpu else 1,
+        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

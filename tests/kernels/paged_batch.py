@@ -33,7 +33,7 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], *, num_heads: int, 
                      head_dim: int, block_size: int, dtype: torch.dtype, device: str | torch.device,
                      seed: int, spare_blocks: int = 3) -> PagedBatch:
     """Sequence i has seq_lens[i] tokens of context, of which the last q_lens[i] are new queries."""
-    assert len(q_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
+    assert len(q_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(q_lens, seq_lens, strict=True))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks

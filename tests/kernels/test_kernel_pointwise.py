@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_ref
 from kvfleet_kernels.norm import rms_norm, rms_norm_ref
 from kvfleet_kernels.rotary import rotary_embedding, rotary_embedding_ref

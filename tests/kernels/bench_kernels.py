@@ -1,0 +1,158 @@
+"""Time the paged-attention kernels on a GPU at Llama-3.1-8B attention shapes (not a test).
+
+    python tests/kernels/bench_kernels.py [--dtype bf16] [--block-size 16] [--sweep]
+
+Decode: Triton split-KV kernel vs paged_attention_ref vs torch SDPA over the same context held
+contiguously ([B, Hkv, S, D], no paging: the dense best case). Achieved bandwidth counts the K and
+V bytes every sequence reads once (2 * sum(seq_len) * Hkv * D * itemsize) over the kernel time.
+Prefill: Triton prefill kernel vs the reference vs causal SDPA (flash) on fresh prompts, and a
+prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
+--sweep also times each tile configuration of both kernels and prints the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
+import kvfleet_kernels.paged_attention as pa  # noqa: E402
+from paged_batch import PagedBatch, make_paged_batch  # noqa: E402
+
+HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+sdpa = torch.nn.functional.scaled_dot_product_attention
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DECODE_CASES = [(1, 1024), (1, 8192), (16, 4096), (64, 2048), (128, 4096), (256, 1024),
+                (256, 4096), (64, 8192)]                               # (num_seqs, context)
+PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] * 16),
+                 ([2048], [8192])]                                      # (q_lens, seq_lens)
+
+
+def ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def triton_call(b: PagedBatch) -> Callable[[], torch.Tensor]:
+    out = torch.empty_like(b.query)
+    return lambda: pa.paged_attention(*b.args(), b.max_seq_len, out=out)
+
+
+def dense_kv(b: PagedBatch, cache: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # [B, Hkv, S, D] copy of equal-length contexts, for SDPA
+    blocks = -(-seq_len // cache.shape[1])
+    return cache[b.block_tables[:, :blocks].long()].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+
+
+def bench_decode(dtype: torch.dtype, block_size: int) -> None:
+    print(f"\n## decode ({dtype}, block_size {block_size}, 32 q heads / 8 kv heads, D=128)\n")
+    print("| seqs | context | splits | triton ms | TB/s | ref ms | SDPA (dense) ms | SDPA TB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for num_seqs, ctx in DECODE_CASES:
+        b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size, dtype=dtype,
+                             device="cuda", seed=num_seqs, **HEADS)
+        b.max_query_len = 1
+        kv_bytes = 2 * num_seqs * ctx * HEADS["num_kv_heads"] * HEADS["head_dim"] * b.k_cache.element_size()
+        split = pa.decode_split(num_seqs, 8, ctx, pa.decode_config(128, True).block_n, b.query.device)
+        t_triton = ms(triton_call(b))
+        t_ref = ms(partial(pa.paged_attention_ref, *b.args())) if num_seqs * ctx <= 2 ** 20 else float("nan")
+        k, v = dense_kv(b, b.k_cache, ctx), dense_kv(b, b.v_cache, ctx)
+        q = b.query.view(num_seqs, 32, 1, 128)
+        t_sdpa = ms(partial(sdpa, q, k, v, scale=b.scale, enable_gqa=True))
+        print(f"| {num_seqs} | {ctx} | {split.num_splits} | {t_triton:.3f} | {kv_bytes / t_triton / 1e9:.2f} "
+              f"| {t_ref:.3f} | {t_sdpa:.3f} | {kv_bytes / t_sdpa / 1e9:.2f} |")
+
+
+def causal_flops(q_lens: list[int], seq_lens: list[int]) -> float:
+    # QK^T and PV: 2 * 2 * H * D per visible (query, key) pair
+    pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(q_lens, seq_lens, strict=True))
+    return 4 * HEADS["num_heads"] * HEADS["head_dim"] * pairs
+
+
+def bench_prefill(dtype: torch.dtype, block_size: int) -> None:
+    print(f"\n## prefill ({dtype}, block_size {block_size})\n")
+    print("| q_lens | seq_lens | triton ms | TFLOP/s | ref ms | SDPA causal ms | SDPA TFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for q_lens, seq_lens in PREFILL_CASES:
+        b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, device="cuda",
+                             seed=len(q_lens), **HEADS)
+        flops = causal_flops(q_lens, seq_lens)
+        t_triton = ms(triton_call(b))
+        t_ref = ms(partial(pa.paged_attention_ref, *b.args()))
+        t_sdpa = float("nan")
+        if q_lens == seq_lens:      # SDPA's is_causal aligns top-left: fresh prompts only
+            n, s = len(q_lens), q_lens[0]
+            q = b.query.view(n, s, 32, 128).transpose(1, 2)
+            k, v = dense_kv(b, b.k_cache, s), dense_kv(b, b.v_cache, s)
+            t_sdpa = ms(partial(sdpa, q, k, v, is_causal=True, scale=b.scale, enable_gqa=True))
+        print(f"| {_short(q_lens)} | {_short(seq_lens)} | {t_triton:.3f} | {flops / t_triton / 1e9:.1f} "
+              f"| {t_ref:.3f} | {t_sdpa:.3f} | {flops / t_sdpa / 1e9:.1f} |")
+
+
+def _short(lens: list[int]) -> str:
+    return f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(lens)
+
+
+def sweep(dtype: torch.dtype, block_size: int) -> None:
+    """Time every tile configuration; the library keeps using its defaults afterwards."""
+    default_decode, default_prefill = pa.decode_config, pa.prefill_config
+    print(f"\n## sweep ({dtype}, block_size {block_size})")
+    try:
+        for num_seqs, ctx in [(1, 8192), (64, 2048), (256, 4096)]:
+            b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
+                                 dtype=dtype, device="cuda", seed=1, **HEADS)
+            b.max_query_len = 1
+            results = []
+            for block_n, warps, stages in itertools.product([32, 64, 128], [4, 8], [2, 3]):
+                cfg = pa.TileConfig(16, block_n, warps, stages)
+                pa.decode_config = lambda *_a, cfg=cfg: cfg
+                results.append((ms(triton_call(b)), cfg))
+            results.sort(key=lambda r: r[0])
+            print(f"decode {num_seqs}x{ctx}: best {results[0][0]:.3f} ms {results[0][1]}; "
+                  f"default {next(t for t, c in results if c == default_decode(128, True)):.3f} ms")
+            pa.decode_config = default_decode
+        for q_lens in ([8192], [512] * 16):
+            b = make_paged_batch(q_lens, q_lens, block_size=block_size, dtype=dtype, device="cuda",
+                                 seed=2, **HEADS)
+            results = []
+            for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
+                cfg = pa.TileConfig(block_m, block_n, warps, stages)
+                pa.prefill_config = lambda *_a, cfg=cfg: cfg
+                try:
+                    results.append((ms(triton_call(b)), cfg))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+            results.sort(key=lambda r: r[0])
+            print(f"prefill {_short(q_lens)}: best {results[0][0]:.3f} ms {results[0][1]}; "
+                  f"default {next(t for t, c in results if c == default_prefill(128, 4, True)):.3f} ms")
+            pa.prefill_config = default_prefill
+    finally:
+        pa.decode_config, pa.prefill_config = default_decode, default_prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64])
+    parser.add_argument("--sweep", action="store_true", help="also time every tile configuration")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    dtype = DTYPES[args.dtype]
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    bench_decode(dtype, args.block_size)
+    bench_prefill(dtype, args.block_size)
+    if args.sweep:
+        sweep(dtype, args.block_size)
+
+
+if __name__ == "__main__":
+    main()
