@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-from kvfleet_runtime.layers.sampler import (SampledToken, Sampler, SamplingBatch,
-                                            apply_penalties, make_generator)
+from kvfleet_runtime.layers.sampler import (
+    SampledToken,
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    make_generator,
+)
 from kvfleet_runtime.sampling_params import SamplingParams
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 VOCAB = 64
 
@@ -76,7 +80,7 @@ def test_sampling_at_temperature_one_follows_the_distribution():
     num = 20000
     drawn = sample_many(probs, num)
     observed = torch.bincount(torch.tensor(drawn), minlength=len(probs)).tolist()
-    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs))
+    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs, strict=True))
     assert chi2 < 25.0, (observed, chi2)  # 5 degrees of freedom: p(chi2 > 25) ~ 1e-4
 
 
@@ -87,7 +91,7 @@ def test_seeded_rows_follow_the_distribution():
     params = [SamplingParams(seed=i) for i in range(num)]
     drawn = [t.token_id for t in Sampler()(logits, make_batch(params))]
     observed = torch.bincount(torch.tensor(drawn), minlength=3).tolist()
-    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs))
+    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs, strict=True))
     assert chi2 < 20.0, (observed, chi2)
 
 
@@ -149,7 +153,7 @@ def test_logprobs_ranks_and_top_k_match_log_softmax():
               SamplingParams(logprobs=1, temperature=0.5)]
     out = Sampler()(logits, make_batch(params, outputs=[[0, 1, 2]] * 6))
     reference = torch.log_softmax(logits, dim=-1)
-    for i, (tok, p) in enumerate(zip(out, params)):
+    for i, (tok, p) in enumerate(zip(out, params, strict=True)):
         row = reference[i]
         assert tok.logprob == pytest.approx(row[tok.token_id].item(), abs=1e-6)
         if p.logprobs is None:
@@ -187,7 +191,7 @@ def seeded_run(position: int, companions: list[SamplingParams], seed: int,
         logits[position] = torch.randn(VOCAB, generator=torch.Generator().manual_seed(len(tokens)))
         out: list[SampledToken] = Sampler()(logits, batch)
         tokens.append(out[position].token_id)
-        for row, tok in zip(batch.output_token_ids, out):
+        for row, tok in zip(batch.output_token_ids, out, strict=True):
             row.append(tok.token_id)
     return tokens
 

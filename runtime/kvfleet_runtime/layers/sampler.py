@@ -129,7 +129,7 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = raw.shape[1]
     mask_rows: list[int] = []
     mask_cols: list[int] = []
-    for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids)):
+    for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids, strict=True)):
         if len(out) < p.min_tokens:
             for t in p._eos_token_ids.union(p.stop_token_ids):
                 if t < vocab:
@@ -216,7 +216,7 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
     normalizer = raw.logsumexp(dim=-1)                                 # [N]
     logprobs = (chosen - normalizer).tolist()
     ids = token_ids.tolist()
-    result = [SampledToken(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs)]
+    result = [SampledToken(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs, strict=True)]
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if not wanted:
         return result

@@ -1,0 +1,98 @@
+"""IncrementalDetokenizer: one sequence's generated token ids -> the text that may be shown.
+
+Owns three things: turning tokens into text one step at a time without ever showing a
+broken UTF-8 character (vLLM's prefix/read offsets), catching stop strings (also across
+token boundaries) and holding back the tail that could still turn out to start one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvfleet_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded in front of the first generated token, so that tokenizers which
+# drop a word's leading space at the start of a decode (SentencePiece) keep it there.
+_PROMPT_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"   # what a decode of a partial UTF-8 byte sequence ends with
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = len(tokenizer)
+        self._skip_special_tokens = params.skip_special_tokens
+        self._stop: list[str] = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        # a stop string may still complete over the last max_stop_len - 1 characters
+        self._num_held_back = max(params.max_stop_len - 1, 0)
+        self._ids = [t for t in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:] if self._known(t)]
+        # tokens[prefix_offset:read_offset] were already turned into text; decoding them
+        # again in front of the new tokens gives the new tokens' text in context
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._text = ""
+        self._finished = False
+
+    @property
+    def output_text(self) -> str:
+        if self._finished or not self._num_held_back:
+            return self._text
+        return self._text[:max(len(self._text) - self._num_held_back, 0)]
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Appends tokens; returns the stop string they completed (the text then ends), else None."""
+        if self._finished:
+            raise RuntimeError("IncrementalDetokenizer.update called after the sequence finished")
+        searched_up_to = len(self._text)
+        for token_id in new_token_ids:
+            # ids beyond the tokenizer (random-weight models have larger vocabularies) are blank
+            if self._known(token_id):
+                self._ids.append(token_id)
+                self._text += self._decode_new_suffix()
+        return self._find_stop(searched_up_to)
+
+    def finish(self) -> None:
+        """Generation ended for another reason (EOS, length, abort): release the held-back text."""
+        self._finished = True
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's own text, as shown next to its logprob."""
+        if not self._known(token_id):
+            return ""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _known(self, token_id: int) -> bool:
+        return 0 <= token_id < self._vocab_size
+
+    def _decode(self, ids: list[int]) -> str:
+        # no clean-up: it rewrites spaces across token boundaries, so a shown prefix could change
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
+
+    def _decode_new_suffix(self) -> str:
+        """The text the tokens after read_offset add; "" while it ends inside a character."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_INCOMPLETE):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def _find_stop(self, searched_up_to: int) -> str | None:
+        """The earliest stop string that ends in the text after `searched_up_to`; truncates there."""
+        match: tuple[int, str] | None = None
+        for stop in self._stop:
+            start = self._text.find(stop, max(searched_up_to - len(stop) + 1, 0))
+            if start != -1 and (match is None or start < match[0]):
+                match = (start, stop)
+        if match is None:
+            return None
+        start, stop = match
+        self._text = self._text[:start + len(stop) if self._include_stop else start]
+        self._finished = True
+        return stop
