@@ -132,10 +132,15 @@ class GGUFCheckpoint:
 
     def load_tokenizer(self) -> PreTrainedTokenizerFast:
         """The tokenizer stored in the GGUF, with its chat template."""
-        from transformers import AutoTokenizer
+        return gguf_tokenizer(self.path)
 
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(self.path)),
-                                             gguf_file=os.path.basename(self.path))
+
+def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer stored in the GGUF file at `path` (no tensors or config read)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                         gguf_file=os.path.basename(path))
 
 
 def _scalar(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
