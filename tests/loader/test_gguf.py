@@ -11,7 +11,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-
 from kvfleet_runtime.config import default_model
 from kvfleet_runtime.gguf_loader import load_gguf
 

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from support.tiny_models import tokenizer_dir
-
 from kvfleet_runtime import cli
 from kvfleet_runtime.make_model import make_model
+from safetensors import safe_open
+from support.tiny_models import tokenizer_dir
 
 
 def _make(out: Path, preset: str, *extra: str) -> None:
