@@ -198,7 +198,11 @@ def check_references(api: KubeApi, spec: LLMServiceSpec) -> None:
 def _write_status(api: KubeApi, body: Mapping[str, Any], new: dict[str, Any]) -> None:
     if status.status_changed(body.get("status"), new):
         meta = body["metadata"]
-        api.patch(KIND, meta["namespace"], meta["name"], {"status": new}, subresource="status")
+        try:
+            api.patch(KIND, meta["namespace"], meta["name"], {"status": new}, subresource="status")
+        except ApiException as e:
+            if e.status != 404:  # 404: deleted meanwhile; its children go with it
+                raise
 
 
 def _fail(api: KubeApi, body: Mapping[str, Any], reason: str, message: str) -> None:

@@ -1,0 +1,207 @@
+"""The operator running for real (kopf's KopfRunner) against the Kubernetes emulator over HTTP.
+
+The emulator has no controllers: the tests play the Deployment controller by
+patching the Deployment's /status, and the garbage collector by calling
+`collect_garbage()`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import yaml
+from conftest import ROOT, operator_runner
+from support.kube import KubeCluster, wait_for
+
+NS = "default"
+LLMS = ("kvfleet.io/v1alpha1", "llmservices")
+DEPLOYMENTS = ("apps/v1", "deployments")
+SERVICES = ("v1", "services")
+HPAS = ("autoscaling/v2", "horizontalpodautoscalers")
+PDBS = ("policy/v1", "poddisruptionbudgets")
+
+
+def example() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Secret and the LLMService of examples/llmservice.yaml (S3 model, autoscaling 2..8)."""
+    secret, service = yaml.safe_load_all((ROOT / "examples" / "llmservice.yaml").read_text())
+    for obj in (secret, service):
+        obj["metadata"]["namespace"] = NS
+    return secret, service
+
+
+def get(cluster: KubeCluster, kind: tuple[str, str], name: str = "llama-8b") -> dict | None:
+    return cluster.get(*kind, NS, name)
+
+
+def condition(obj: dict | None, type_: str) -> dict:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return cond
+    return {}
+
+
+def create_example(cluster: KubeCluster) -> dict[str, Any]:
+    secret, service = example()
+    cluster.create(secret, "secrets")
+    return cluster.create(service, "llmservices")
+
+
+def play_deployment_controller(cluster: KubeCluster, name: str = "llama-8b",
+                               ready: int = 2) -> None:
+    """What the Deployment controller would write once `ready` pods pass their readiness probe."""
+    deployment = wait_for(lambda: get(cluster, DEPLOYMENTS, name), what="the Deployment")
+    cluster.patch(*DEPLOYMENTS, NS, name, {"status": {
+        "observedGeneration": deployment["metadata"]["generation"],
+        "replicas": ready, "updatedReplicas": ready, "readyReplicas": ready,
+        "availableReplicas": ready,
+        "conditions": [
+            {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"},
+            {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"},
+        ]}}, subresource="status")
+
+
+def serve_command(cluster: KubeCluster) -> list[str]:
+    deployment = get(cluster, DEPLOYMENTS) or {}
+    return deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_create_makes_adopted_children_and_ready_status(cluster, operator):
+    owner = create_example(cluster)
+    uid = owner["metadata"]["uid"]
+
+    for kind in (DEPLOYMENTS, SERVICES, HPAS, PDBS):
+        child = wait_for(lambda kind=kind: get(cluster, kind), what=f"the {kind[1]} child")
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == \
+            ("LLMService", "llama-8b", uid, True)
+        assert child["metadata"]["labels"]["kvfleet.io/llmservice"] == "llama-8b"
+
+    init = get(cluster, DEPLOYMENTS)["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][:4] == ["kvfleet", "pull", "s3://models/meta-llama/Llama-3.1-8B-Instruct",
+                                   "/models"]
+    status = wait_for(lambda: (get(cluster, LLMS) or {}).get("status"), what="a status")
+    assert status["url"] == "http://llama-8b.default.svc.cluster.local/v1"
+    assert condition(get(cluster, LLMS), "Ready")["status"] == "False"
+
+    play_deployment_controller(cluster, ready=2)
+    ready = wait_for(lambda: condition(get(cluster, LLMS), "Ready").get("status") == "True"
+                     and get(cluster, LLMS), what="Ready=True")
+    assert ready["status"]["readyReplicas"] == 2
+    assert ready["status"]["observedGeneration"] == ready["metadata"]["generation"] == 1
+    assert condition(ready, "ModelReady")["status"] == "True"
+    assert condition(ready, "Progressing")["status"] == "False"
+    assert condition(ready, "Degraded")["status"] == "False"
+
+    # Settled: reconciles triggered by the operator's own writes must write nothing.
+    version = cluster.emulator.last_rv
+    time.sleep(1.0)
+    assert cluster.emulator.last_rv == version, "the operator keeps writing to a settled world"
+
+
+def test_spec_change_rolls_the_deployment_and_drops_the_autoscaler(cluster, operator):
+    create_example(cluster)
+    wait_for(lambda: get(cluster, HPAS), what="the HPA")
+    first_generation = wait_for(lambda: get(cluster, DEPLOYMENTS))["metadata"]["generation"]
+
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {
+        "quantization": "fp8", "engine": {"maxNumSeqs": 64}, "autoscaling": None, "replicas": 1}})
+
+    wait_for(lambda: "--quantization" in serve_command(cluster), what="the new serve flags")
+    command = serve_command(cluster)
+    assert command[command.index("--max-num-seqs") + 1] == "64"
+    assert command[command.index("--quantization") + 1] == "fp8"
+    deployment = get(cluster, DEPLOYMENTS)
+    assert deployment["metadata"]["generation"] > first_generation  # a new rollout
+    assert deployment["spec"]["replicas"] == 1
+    wait_for(lambda: get(cluster, HPAS) is None, what="the HPA to go")
+    wait_for(lambda: get(cluster, PDBS) is None, what="the PDB to go (1 replica)")
+    observed = wait_for(lambda: (get(cluster, LLMS)["status"] or {}).get("observedGeneration") == 2,
+                        what="observedGeneration 2")
+    assert observed
+
+
+def test_deleted_or_hand_edited_children_are_restored(cluster, operator):
+    create_example(cluster)
+    service = wait_for(lambda: get(cluster, SERVICES), what="the Service")
+    wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment")
+
+    cluster.delete(*SERVICES, NS, "llama-8b")
+    restored = wait_for(lambda: get(cluster, SERVICES), what="the Service to come back")
+    assert restored["metadata"]["uid"] != service["metadata"]["uid"]
+    assert restored["spec"]["ports"][0]["port"] == 80
+
+    edited = copy.deepcopy(get(cluster, DEPLOYMENTS)["spec"]["template"])
+    edited["spec"]["containers"][0]["command"] = ["sleep", "infinity"]
+    cluster.patch(*DEPLOYMENTS, NS, "llama-8b", {"spec": {"template": edited}})
+    wait_for(lambda: serve_command(cluster)[:2] == ["kvfleet", "serve"],
+             what="the serve command to be restored")
+
+
+def test_operator_restart_resumes_and_catches_up(cluster, operator_env):
+    with operator_runner():
+        create_example(cluster)
+        wait_for(lambda: get(cluster, SERVICES), what="the Service")
+    # While the operator is down: a spec change and a lost child.
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {"engine": {"maxModelLen": 4096}}})
+    cluster.delete(*SERVICES, NS, "llama-8b")
+
+    with operator_runner():
+        wait_for(lambda: get(cluster, SERVICES), what="the Service after the restart")
+        wait_for(lambda: "4096" in serve_command(cluster), what="the spec change after the restart")
+        wait_for(lambda: get(cluster, LLMS)["status"].get("observedGeneration") == 2,
+                 what="observedGeneration after the restart")
+
+
+def test_missing_secret_degrades_without_children_until_it_exists(cluster, operator):
+    secret, service = example()
+    cluster.create(service, "llmservices")
+
+    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
+                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    assert degraded["reason"] == "MissingSecret"
+    assert "spec.s3.credentialsSecret" in degraded["message"] and "model-store" in degraded["message"]
+    events = wait_for(lambda: [e for e in cluster.list("v1", "events", NS)
+                               if e.get("reason") == "MissingSecret"], what="a Warning Event")
+    assert events[0]["type"] == "Warning"
+    assert events[0]["involvedObject"]["name"] == "llama-8b"
+    for kind in (DEPLOYMENTS, SERVICES, HPAS, PDBS):
+        assert cluster.list(*kind, NS) == [], f"half-created {kind[1]}"
+
+    cluster.create(secret, "secrets")  # the operator retries and recovers
+    wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment once the Secret exists")
+    wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "False",
+             what="Degraded=False")
+
+
+def test_invalid_spec_past_the_schema_degrades_and_creates_nothing(cluster, operator):
+    _, service = example()
+    service["spec"]["model"]["uri"] = "hf://meta-llama/Llama-3.1-8B-Instruct"  # s3 block now wrong
+    cluster.create(service, "llmservices")
+    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
+                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    assert degraded["reason"] == "InvalidSpec"
+    assert "spec.s3" in degraded["message"]
+    wait_for(lambda: any(e.get("reason") == "InvalidSpec"
+                         for e in cluster.list("v1", "events", NS)), what="an InvalidSpec Event")
+    assert cluster.list(*DEPLOYMENTS, NS) == [] and cluster.list(*SERVICES, NS) == []
+
+
+def test_deletion_is_left_to_garbage_collection(cluster, operator):
+    create_example(cluster)
+    for kind in (DEPLOYMENTS, SERVICES, HPAS, PDBS):
+        wait_for(lambda kind=kind: get(cluster, kind), what=f"the {kind[1]}")
+
+    cluster.delete(*LLMS, NS, "llama-8b")  # no finalizer: gone at once
+    assert get(cluster, LLMS) is None
+    # A reconcile already in flight may still create a child of the deleted owner;
+    # the garbage collector removes such orphans too, so collect in two rounds.
+    collected = {key[0][2] for key in cluster.collect_garbage()}
+    time.sleep(1.0)
+    collected |= {key[0][2] for key in cluster.collect_garbage()}
+    assert collected == {"deployments", "services", "horizontalpodautoscalers",
+                         "poddisruptionbudgets"}
+    time.sleep(1.0)  # the child watchers saw the deletions; none may resurrect an orphan
+    for kind in (DEPLOYMENTS, SERVICES, HPAS, PDBS):
+        assert cluster.list(*kind, NS) == []
