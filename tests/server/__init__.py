@@ -1,0 +1,1 @@
+"""Tests of `kvfleet serve`, the async engine, metrics and `kvfleet bench serve`."""

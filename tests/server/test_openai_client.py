@@ -1,0 +1,221 @@
+"""The official openai client (sync and async, streaming and not) against a real `kvfleet serve`
+of a tiny random Llama, behind an API key and two served names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from support.server import ServerProcess, running_server
+
+API_KEY = "test-key-123"
+NAME = "tiny"
+# greedy, fixed length: the tiny model's EOS would otherwise end outputs at random places
+FIXED = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path) -> Iterator[ServerProcess]:
+    with running_server(tiny_llama, "--served-model-name", NAME, "tiny-alias",
+                        "--max-model-len", "256", api_key=API_KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.openai_base_url, api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def test_models_lists_every_served_name(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME, "tiny-alias"]
+    assert all(m.owned_by == "kvfleet" for m in models.data)
+
+
+def test_completion_usage_equals_the_tokenizers_count(client, tokenizer) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=7, logprobs=0, **FIXED)
+    assert r.object == "text_completion" and r.model == NAME
+    (choice,) = r.choices
+    assert choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == 7
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_alias_name_and_omitted_max_tokens_default_to_16(client) -> None:
+    r = client.completions.create(model="tiny-alias", prompt="Hello", **FIXED)
+    assert r.model == "tiny-alias"
+    assert r.usage.completion_tokens == 16
+
+
+def test_streamed_completion_equals_the_non_streamed_one(client) -> None:
+    kwargs = dict(model=NAME, prompt="Once upon a time", max_tokens=8, **FIXED)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert all(c.usage is None for c in text_chunks)
+
+
+def test_chat_uses_the_chat_template_and_max_completion_tokens(client, tokenizer) -> None:
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Italy?"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=5,
+                                       **FIXED)
+    assert r.object == "chat.completion"
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(templated)
+    assert r.usage.completion_tokens == 5
+    legacy = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, **FIXED)
+    assert legacy.choices[0].message.content == choice.message.content
+
+
+def test_streamed_chat_matches_openais_chunk_format(client) -> None:
+    kwargs = dict(model=NAME, messages=[{"role": "user", "content": "Tell me a story"}],
+                  max_tokens=6, **FIXED)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].delta.content is None
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content
+
+
+def test_n_2_gives_two_choices_and_counts_both(client) -> None:
+    r = client.completions.create(model=NAME, prompt="Numbers:", max_tokens=4, n=2, seed=7,
+                                  temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model=NAME, prompt="Numbers:", max_tokens=4, n=2,
+                                            seed=7, temperature=1.0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    for c in r.choices:
+        streamed = [ch.choices[0] for ch in chunks if ch.choices[0].index == c.index]
+        assert "".join(s.text for s in streamed) == c.text
+        assert [s.finish_reason for s in streamed].count("length") == 1
+
+
+def test_list_of_prompts_and_token_id_prompts_with_echo(client, tokenizer) -> None:
+    r = client.completions.create(model=NAME, prompt=["Hello there", "Good morning"],
+                                  max_tokens=3, **FIXED)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == len(tokenizer.encode("Hello there")) + \
+        len(tokenizer.encode("Good morning"))
+    ids = tokenizer.encode("Good morning")
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=3, echo=True, **FIXED)
+    assert by_ids.choices[0].text == "Good morning" + r.choices[1].text
+
+
+def test_stop_string_ends_the_text_before_it(client) -> None:
+    kwargs = dict(model=NAME, prompt="A list of words:", max_tokens=12, **FIXED)
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:text.index(stop)]
+
+
+def test_vllm_extras_stop_token_ids_and_min_tokens(client, tokenizer) -> None:
+    kwargs = dict(model=NAME, prompt="Counting:", max_tokens=6, temperature=0.0)
+    free = client.completions.create(logprobs=0, extra_body={"ignore_eos": True}, **kwargs)
+    third = tokenizer.convert_tokens_to_ids(
+        tokenizer.tokenize(free.choices[0].logprobs.tokens[2]))[0]
+    r = client.completions.create(extra_body={"ignore_eos": True, "stop_token_ids": [third],
+                                              "top_k": 5, "min_p": 0.0,
+                                              "repetition_penalty": 1.0}, **kwargs)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == third
+    assert r.usage.completion_tokens <= 3
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_ones(client) -> None:
+    r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=3, **FIXED)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and logprob <= 0.0
+        assert logprob == pytest.approx(max(top.values()))
+        assert top[token] == pytest.approx(logprob)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
+        top_logprobs=2, **FIXED)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+               for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+
+
+def test_seed_makes_sampling_reproducible(client) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model=NAME, prompt="Random:", max_tokens=8,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert sample(1234) == sample(1234)
+    assert sample(1234) != sample(4321)
+
+
+async def test_async_client_streams_and_completes(server: ServerProcess) -> None:
+    client = openai.AsyncOpenAI(base_url=server.openai_base_url, api_key=API_KEY, max_retries=0)
+    kwargs = dict(model=NAME, messages=[{"role": "user", "content": "async?"}], max_tokens=5,
+                  **FIXED)
+    whole = await client.chat.completions.create(**kwargs)
+    stream = await client.chat.completions.create(stream=True, **kwargs)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == whole.choices[0].message.content
+    await client.close()
+
+
+def test_api_key_is_required_except_on_probes(server: ServerProcess) -> None:
+    bad = openai.OpenAI(base_url=server.openai_base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    for open_path in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.base_url + open_path).status_code == 200
+
+
+def test_tokenize_and_detokenize_round_trip(server: ServerProcess, tokenizer) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(server.base_url + "/tokenize", headers=headers,
+                   json={"model": NAME, "prompt": "Hello tokenizer"}).json()
+    assert r["tokens"] == tokenizer.encode("Hello tokenizer") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    chat = httpx.post(server.base_url + "/tokenize", headers=headers,
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
+    back = httpx.post(server.base_url + "/detokenize", headers=headers,
+                      json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": "Hello tokenizer"}
+    assert httpx.get(server.base_url + "/version").json() == {"version": "0.1.0"}
