@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import yaml
-from conftest import ROOT, operator_runner
+from operator_harness import ROOT, operator_runner
 from support.kube import KubeCluster, wait_for
 
 NS = "default"

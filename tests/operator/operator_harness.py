@@ -1,0 +1,114 @@
+"""Shared pieces of the operator tests: paths, the CRD, the examples, the runner, bad specs.
+
+(Kept out of conftest.py so test modules can import them without clashing with
+the other test folders' conftest modules.)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kopf.testing import KopfRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "llmservice.yaml"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def load_crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+def example_docs(path: Path, namespace: str = "default") -> list[dict[str, Any]]:
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for doc in docs:
+        doc["metadata"].setdefault("namespace", namespace)
+    return docs
+
+
+def example_llmservices() -> list[dict[str, Any]]:
+    return [doc for path in EXAMPLES for doc in example_docs(path) if doc["kind"] == "LLMService"]
+
+
+def operator_runner() -> KopfRunner:
+    """The real operator module under kopf, as `kvfleet-operator` runs it (minus liveness)."""
+    return KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "kvfleet_operator.main"],
+                      timeout=30)
+
+
+def minimal_llmservice(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "LLMService",
+            "metadata": {"name": "demo", "namespace": "default"},
+            "spec": {"model": {"uri": "s3://models/llama"}, **spec}}
+
+
+@dataclass(frozen=True)
+class BadSpec:
+    """An LLMService the CRD must reject, and what each layer says about it."""
+
+    id: str
+    spec: dict[str, Any]
+    crd_error: str  # substring of the schema or CEL message
+    operator_error: str  # substring of spec.py's SpecError
+
+    def body(self) -> dict[str, Any]:
+        body = minimal_llmservice(**copy.deepcopy(self.spec))
+        # A null field is dropped, as the API server prunes nulls of non-nullable fields.
+        body["spec"] = {k: v for k, v in body["spec"].items() if v is not None}
+        return body
+
+
+BAD_SPECS = [
+    BadSpec("quantization-enum", {"quantization": "int3"},
+            "'int3' is not one of ['none', 'gptq', 'awq', 'fp8']",
+            "spec.quantization must be one of none, gptq, awq, fp8; got 'int3'"),
+    BadSpec("uri-scheme", {"model": {"uri": "ftp://host/model"}},
+            "does not match", "spec.model.uri must start with s3://, hf://, pvc:// or /"),
+    BadSpec("model-missing", {"model": None}, "'model' is a required property",
+            "spec.model is required"),
+    BadSpec("negative-replicas", {"replicas": -1}, "-1 is less than the minimum of 0",
+            "spec.replicas must be at least 0"),
+    BadSpec("block-size", {"engine": {"blockSize": 12}}, "12 is not one of [8, 16, 32, 64, 128]",
+            "spec.engine.blockSize must be one of 8, 16, 32, 64, 128; got 12"),
+    BadSpec("gpu-memory-utilization", {"engine": {"gpuMemoryUtilization": 1.5}},
+            "1.5 is greater than the maximum of 1",
+            "spec.engine.gpuMemoryUtilization must be in (0, 1]; got 1.5"),
+    BadSpec("zero-gpu-memory-utilization", {"engine": {"gpuMemoryUtilization": 0}},
+            "less than or equal to the minimum of 0",
+            "spec.engine.gpuMemoryUtilization must be in (0, 1]; got 0"),
+    BadSpec("min-replicas-zero",
+            {"autoscaling": {"minReplicas": 0, "maxReplicas": 2,
+                             "targetTokensPerSecondPerReplica": 100}},
+            "0 is less than the minimum of 1", "spec.autoscaling.minReplicas must be at least 1"),
+    BadSpec("autoscaling-target-missing", {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+            "'targetTokensPerSecondPerReplica' is a required property",
+            "spec.autoscaling.targetTokensPerSecondPerReplica is required"),
+    BadSpec("memory-quantity", {"resources": {"memory": "lots"}}, "does not match",
+            "spec.resources.memory must be a Kubernetes quantity"),
+    BadSpec("toleration-effect", {"resources": {"tolerations": [{"key": "a", "effect": "Never"}]}},
+            "'Never' is not one of", "spec.resources.tolerations[0].effect must be one of"),
+    # CEL rules (x-kubernetes-validations)
+    BadSpec("min-above-max",
+            {"autoscaling": {"minReplicas": 5, "maxReplicas": 2,
+                             "targetTokensPerSecondPerReplica": 100}},
+            "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+            "spec.autoscaling.minReplicas (5) must be <= spec.autoscaling.maxReplicas (2)"),
+    BadSpec("s3-without-s3-uri",
+            {"model": {"uri": "hf://org/model"}, "s3": {"endpoint": "http://minio:9000"}},
+            "s3 is allowed only with an s3:// model.uri",
+            "spec.s3 is allowed only with an s3:// model.uri"),
+    BadSpec("tensor-parallel-above-gpus",
+            {"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}},
+            "engine.tensorParallelSize must be <= resources.gpus",
+            "spec.engine.tensorParallelSize (4) must be <= spec.resources.gpus (2)"),
+    BadSpec("tensor-parallel-default-gpus", {"engine": {"tensorParallelSize": 2}},
+            "engine.tensorParallelSize must be <= resources.gpus",
+            "spec.engine.tensorParallelSize (2) must be <= spec.resources.gpus (1)"),
+    BadSpec("cache-both", {"cache": {"size": "10Gi", "persistentVolumeClaim": "models"}},
+            "cache takes either size or persistentVolumeClaim, not both",
+            "spec.cache takes either size (an emptyDir) or persistentVolumeClaim, not both"),
+]
