@@ -50,6 +50,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"         # auto | triton | torch
+    load_format: str = "auto"               # auto | dummy (random weights, no checkpoint read)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be one of auto, triton, torch; "
                              f"got {self.attention_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 

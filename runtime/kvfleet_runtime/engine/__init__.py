@@ -1,0 +1,1 @@
+"""The engine core: block pool, KV cache manager, scheduler, model runner, engine loop."""

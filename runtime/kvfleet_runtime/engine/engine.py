@@ -1,0 +1,215 @@
+"""LLMEngine: add / abort requests; step() = schedule -> run -> update -> outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.detokenizer import IncrementalDetokenizer
+from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet_runtime.engine.model_runner import ModelRunner
+from kvfleet_runtime.engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet_runtime.layers.backend import set_backend
+from kvfleet_runtime.layers.sampler import SampledToken
+from kvfleet_runtime.loader import load_model
+from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kvfleet_runtime.request import Request, RequestStatus
+from kvfleet_runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        set_backend(config.attention_backend)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config)
+        config.finalize(loaded.config.max_position_embeddings)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.served_model_name = config.served_model_name or loaded.name
+        self.eos_token_ids = set(loaded.config.eos_token_ids)
+        self.runner = ModelRunner(config, loaded)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.groups: dict[str, list[Request]] = {}
+        self.prompts: dict[str, str | None] = {}
+        self.last_step: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "step_s": 0.0}
+        log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, device %s",
+                 self.served_model_name, self.runner.num_blocks, config.block_size,
+                 loaded.dtype, config.device)
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self.tokenize(prompt)
+        params = params.clone()
+        self._check_lengths(len(prompt_ids), params)
+        params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            r = Request(child_id, prompt_ids, params, arrival_time, group_id=request_id, index=i)
+            if params.seed is not None:
+                r.generator = torch.Generator(device=self.config.torch_device).manual_seed(
+                    params.seed + i)
+            r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            if i and self.config.enable_prefix_caching and params.prompt_logprobs is None:
+                r.sibling = children[0]
+            children.append(r)
+        self.groups[request_id] = children
+        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        for r in children:
+            self.scheduler.add_request(r)
+
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if params.max_tokens is None:
+            params.max_tokens = max_len - num_prompt
+        if num_prompt + params.max_tokens > max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.")
+        need = self.kv.num_blocks_for(num_prompt + params.max_tokens)
+        if need > self.kv.block_pool.num_usable_blocks:
+            raise ValueError(f"the request needs {need} KV blocks but the cache holds only "
+                             f"{self.kv.block_pool.num_usable_blocks}; lower max_tokens")
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for r in self.groups.pop(rid, []):
+                if not r.is_finished:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            self.prompts.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
+                     for s in sched.scheduled}
+        result = self.runner.execute(sched, block_ids)
+        touched = self._update(sched, result)
+        outputs = [self._make_output(gid) for gid in touched]
+        self.last_step = {"prepare_s": result.prepare_s, "forward_s": result.forward_s,
+                          "step_s": time.perf_counter() - t0}
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result) -> list[str]:
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for s in sched.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = now
+            for tok in result.prompt_logprobs.get(r.request_id, ()):
+                r.prompt_logprobs.append(self._position_logprobs(tok))
+            tok = result.sampled.get(r.request_id)
+            if tok is None:
+                continue
+            self._append(r, tok, now)
+            touched[r.group_id] = None
+        return list(touched)
+
+    def _append(self, r: Request, tok: SampledToken, now: float) -> None:
+        r.append_token(tok.token_id)
+        if tok.logprob is not None:
+            r.add_logprobs(self._position_logprobs(tok), tok.logprob)
+        if r.metrics.first_token_time is None:
+            r.metrics.first_token_time = now
+        r.metrics.last_token_time = now
+        r.metrics.num_generation_tokens += 1
+        stop_str = r.detokenizer.update([tok.token_id])
+        status = self._check_stop(r, tok.token_id, stop_str)
+        if status is not None:
+            if not isinstance(r.stop_reason, str):
+                r.detokenizer.finish()
+            r.metrics.finished_time = now
+            self.scheduler.finish(r, status)
+
+    def _check_stop(self, r: Request, token_id: int, stop_str: str | None) -> RequestStatus | None:
+        p = r.params
+        if len(r.output_token_ids) >= p.min_tokens:
+            if token_id in p._eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in p.stop_token_ids:
+                r.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                r.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _position_logprobs(self, tok: SampledToken) -> dict[int, Logprob]:
+        decode = None
+        pos = {}
+        for rank, (tid, lp) in enumerate(zip(tok.top_ids or [], tok.top_logprobs or []), 1):
+            pos[tid] = Logprob(lp, rank, self._decode_token(tid))
+        if tok.token_id not in pos:
+            decode = self._decode_token(tok.token_id)
+            pos = {tok.token_id: Logprob(tok.logprob, tok.rank, decode), **pos}
+        return pos
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if token_id < len(self.tokenizer) else ""
+
+    def _make_output(self, group_id: str) -> RequestOutput:
+        children = self.groups[group_id]
+        first = children[0]
+        outs = [CompletionOutput(
+            index=c.index, text=c.detokenizer.output_text, token_ids=list(c.output_token_ids),
+            cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+            finish_reason=c.status.value if c.is_finished else None,
+            stop_reason=c.stop_reason) for c in children]
+        finished = all(c.is_finished for c in children)
+        out = RequestOutput(
+            request_id=group_id, prompt=self.prompts.get(group_id),
+            prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=finished,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=first.metrics)
+        if finished:
+            del self.groups[group_id]
+            self.prompts.pop(group_id, None)
+        return out
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries_total=self.kv.prefix_cache_queries,
+            prefix_cache_hits_total=self.kv.prefix_cache_hits,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            extra=dict(self.last_step))

@@ -1,0 +1,98 @@
+"""KV cache manager: request -> blocks. Prefix-cache lookups, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from kvfleet_runtime.engine.block_pool import BlockPool, KVCacheBlock
+from kvfleet_runtime.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained block hash: equal only when the whole prefix up to this block is equal."""
+    return hash((parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}   # leading blocks already hashed into the cache
+        self.prefix_cache_queries = 0   # tokens looked up
+        self.prefix_cache_hits = 0      # tokens found
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def _update_block_hashes(self, request: Request) -> list[int]:
+        hashes, bs = request.block_hashes, self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[start:start + bs])))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks; at least one token is always left to compute."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(computed)
+        # hits sitting in the free queue are not free for new allocations once touched
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(computed)
+        blocks.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # tokens are known before their KV is computed; the KV is written in this very step,
+        # before any attention of that layer reads it, so a same-step hit is safe
+        hashes = self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(hashes))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)

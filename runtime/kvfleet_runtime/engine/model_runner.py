@@ -1,0 +1,217 @@
+"""Model runner: SchedulerOutput -> input tensors -> forward -> sampled tokens.
+
+Owns the KV cache tensors (sized from memory), builds the flat batch
+(input_ids, positions, slot_mapping, block tables) and, on CUDA, replays
+captured CUDA graphs for decode-only batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.engine.scheduler import SchedulerOutput
+from kvfleet_runtime.layers.attention import AttentionMetadata
+from kvfleet_runtime.layers.sampler import SampledToken, Sampler, SamplingBatch
+from kvfleet_runtime.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
+    prepare_s: float = 0.0       # CPU time building inputs
+    forward_s: float = 0.0       # forward + sampling, synchronised
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.dtype = loaded.dtype
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.sampler = Sampler()
+        self.num_blocks = self._determine_num_blocks()
+        self._allocate_kv_cache()
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from kvfleet_runtime.engine.cuda_graphs import CUDAGraphRunner
+            self.graph_runner = CUDAGraphRunner(self)
+
+    # ---- KV memory ---------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        c = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _determine_num_blocks(self) -> int:
+        cfg = self.config
+        # more blocks than max_num_seqs full-length sequences can never be used
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size) + 1
+        if cfg.num_gpu_blocks is not None:
+            return cfg.num_gpu_blocks
+        if self.device.type == "cuda":
+            available = self._profile_free_memory()
+        else:
+            available = int(cfg.cpu_kv_cache_gb * (1 << 30))
+        num = min(int(available // self.bytes_per_block()), useful)
+        if num < 2:
+            raise ValueError(f"not enough memory for the KV cache: {available / 2**30:.2f} GiB "
+                             f"available, {self.bytes_per_block() / 2**20:.1f} MiB per block; "
+                             "raise gpu_memory_utilization or lower max_model_len")
+        return num
+
+    @torch.inference_mode()
+    def _profile_free_memory(self) -> int:
+        """Peak memory of a forward at the full token budget, then what utilization leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = self.config.max_num_batched_tokens
+        c = self.model_config
+        dummy = torch.zeros(2, self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                            device=self.device)
+        for layer in self.model.attention_layers():
+            layer.kv_cache = (dummy, dummy)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=1)
+        # one sequence of num_tokens queries over a 1-token context is invalid attention;
+        # profile it as num_tokens sequences of one token each instead
+        meta.block_tables = torch.zeros(num_tokens, 1, dtype=torch.int32, device=self.device)
+        meta.seq_lens = torch.ones(num_tokens, dtype=torch.int32, device=self.device)
+        meta.query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device)
+        meta.max_query_len = 1
+        hidden = self.model(ids, ids, meta)
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # memory other processes hold counts against us too
+        free, _ = torch.cuda.mem_get_info()
+        used_elsewhere = max(total - free - torch.cuda.memory_reserved(), 0)
+        budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        log.info("memory profile: peak %.2f GiB, KV budget %.2f GiB", peak / 2**30, budget / 2**30)
+        return int(max(budget, 0))
+
+    def _allocate_kv_cache(self) -> None:
+        c = self.model_config
+        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
+                                    c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.kv_cache = (self.kv_cache[i, 0], self.kv_cache[i, 1])
+
+    # ---- one step -------------------------------------------------------------------------
+    def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []          # flat-batch rows whose logits we need
+        bs = self.block_size
+        for s in sched.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            ids = block_ids[r.request_id]
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            tables.append(ids)
+            base = query_start[-1]
+            query_start.append(base + s.num_new_tokens)
+            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+                logits_rows.extend(range(base, base + min(end, r.num_prompt_tokens - 1) - start))
+            if s.samples:
+                logits_rows.append(base + s.num_new_tokens - 1)
+        width = max(len(t) for t in tables)
+        table = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long),
+            block_tables=tensor(table, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(query_start, torch.int32),
+            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            max_seq_len=max(seq_lens))
+        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, logits_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        input_ids, positions, meta, logits_rows = self._prepare(sched, block_ids)
+        t1 = time.perf_counter()
+        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(sched.scheduled)):
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))      # [N, V] fp32
+        out = ModelRunnerOutput(prepare_s=t1 - t0)
+        self._prompt_logprobs(sched, logits, out)
+        sampling = [s for s in sched.scheduled if s.samples]
+        if sampling:
+            batch = SamplingBatch(
+                params=[s.request.params for s in sampling],
+                prompt_token_ids=[s.request.prompt_token_ids for s in sampling],
+                output_token_ids=[s.request.output_token_ids for s in sampling],
+                generators=[s.request.generator for s in sampling])
+            # sampling rows are interleaved with prompt-logprob rows; pick them in order
+            sample_idx = self._sample_row_indices(sched)
+            last = logits if len(sample_idx) == logits.shape[0] else \
+                logits.index_select(0, torch.tensor(sample_idx, device=self.device))
+            for s, tok in zip(sampling, self.sampler(last, batch)):
+                out.sampled[s.request.request_id] = tok
+        out.forward_s = time.perf_counter() - t1
+        return out
+
+    @staticmethod
+    def _sample_row_indices(sched: SchedulerOutput) -> list[int]:
+        """Index into the logits rows of each sampling request's last-token row."""
+        idx, n = [], 0
+        for s in sched.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+                n += min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
+            if s.samples:
+                idx.append(n)
+                n += 1
+        return idx
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        n = 0
+        for s in sched.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+                count = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
+                targets = r.prompt_token_ids[start + 1:start + 1 + count]
+                out.prompt_logprobs[r.request_id] = self.sampler.prompt_logprobs(
+                    logits[n:n + count], targets, r.params.prompt_logprobs)
+                n += count
+            if s.samples:
+                n += 1

@@ -1,0 +1,136 @@
+"""Scheduler: one rule — each running request's num_computed_tokens catches up with its tokens
+inside a token budget.
+
+Decode (1 new token), chunked prefill (a slice of the prompt) and prefix-cache
+skips (num_computed_tokens starts past the cached blocks) all fall out of it.
+Running requests go first, in admission order; then waiting ones, FCFS. When
+blocks run out the most recently admitted running request is preempted by
+recompute: its blocks are freed (full ones stay in the prefix cache) and it
+goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet_runtime.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so a new token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break   # the request preempted itself: nothing below it runs either
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.sibling is not None and not self._sibling_prompt_cached(request):
+                # n > 1: let the first sample compute the prompt, the others then hit the cache
+                skipped.append(self.waiting.popleft())
+                continue
+            computed, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    @staticmethod
+    def _sibling_prompt_cached(request: Request) -> bool:
+        sib = request.sibling
+        return sib.is_finished or sib.num_computed_tokens >= sib.num_prompt_tokens
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out (finished or aborted) and free its blocks."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request)

@@ -1,0 +1,66 @@
+"""Rotary position embedding (neox / rotate_half style), with llama3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvfleet_runtime.layers.backend import use_triton
+
+
+def _inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type must be one of default, linear, llama3; got {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, rot_dim: int, max_position: int, base: float,
+                 scaling: dict | None = None) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rot_dim = rot_dim
+        inv_freq = _inv_freq(rot_dim, base, scaling)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = t[:, None] * inv_freq[None, :]                           # [P, rot/2]
+        # [P, rot]: cos half then sin half (the layout the Triton kernel reads)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]
+        if use_triton(q):
+            from kvfleet_kernels.rotary import rotary_embedding
+            return rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, True)
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)      # [T, rot/2]
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :]                 # [T, 1, rot]
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :]
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        rot, rest = x[..., :self.rot_dim], x[..., self.rot_dim:]
+        half = self.rot_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        if rest.shape[-1]:
+            out = torch.cat([out, rest], dim=-1)
+        return out.reshape(shape)

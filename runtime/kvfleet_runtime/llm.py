@@ -1,0 +1,70 @@
+"""LLM: the offline API — `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat()`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.engine.engine import LLMEngine
+from kvfleet_runtime.outputs import RequestOutput
+from kvfleet_runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Keyword arguments are EngineConfig fields (block_size, max_num_seqs, max_model_len, ...)."""
+
+    def __init__(self, model: str = "", **kwargs) -> None:
+        fields = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
+                            f"expected EngineConfig fields: {', '.join(sorted(fields))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                             f"{len(prompts)} prompts; give one or one per prompt")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, params in zip(ids, prompts, sampling_params):
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except ValueError:
+            self.engine.abort_request(added)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # the template already carries BOS where the model wants it
+        prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate(prompt_ids, sampling_params)

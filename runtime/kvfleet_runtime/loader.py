@@ -1,0 +1,142 @@
+"""Loads a model and its tokenizer: HF folders (config.json, safetensors shards, tokenizer) and GGUF files.
+
+Weights stream tensor by tensor from the checkpoint into the model built on the
+target device; nothing is materialised twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.layers.linear import Linear
+from kvfleet_runtime.models import get_model_class
+from kvfleet_runtime.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: object          # transformers PreTrainedTokenizerFast
+    dtype: torch.dtype
+    name: str                  # default served name
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {path} holds no *.safetensors file")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def _eos_ids(path: Path | None, cfg: ModelConfig, tokenizer) -> list[int]:
+    ids = list(cfg.eos_token_ids)
+    gen = path / "generation_config.json" if path else None
+    if gen is not None and gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def _resolve(config: EngineConfig):
+    """(hf config dict, tensor iterator factory, tokenizer, folder or None, name)."""
+    src = Path(config.model)
+    if not src.exists():
+        raise ValueError(f"model {config.model!r} is neither a folder nor a .gguf file "
+                         "(pull remote models first: kvfleet pull s3://... DIR)")
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise ValueError(f"model file {src} must be a .gguf file (or give an HF folder)")
+        from kvfleet_runtime.gguf_loader import load_gguf
+        ckpt = load_gguf(str(src))
+        name = src.name.split(".")[0] if ".Q" in src.name else src.stem
+        tokenizer = ckpt.load_tokenizer() if config.tokenizer is None else _hf_tokenizer(config.tokenizer)
+        return ckpt.config, ckpt.tensors, tokenizer, None, name
+    cfg_file = src / "config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"model folder {src} has no config.json")
+    hf = json.loads(cfg_file.read_text())
+    files = _safetensors_files(src) if config.load_format != "dummy" else []
+    tokenizer = _hf_tokenizer(config.tokenizer or str(src))
+    return hf, (lambda: _iter_safetensors(files)), tokenizer, src, src.name
+
+
+def _hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:   # noqa: BLE001 - transformers raises many kinds here
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    hf, tensors, tokenizer, folder, name = _resolve(config)
+    cfg = ModelConfig.from_hf(hf)
+    cls = get_model_class(cfg)
+    dtype = config.resolve_dtype(cfg.checkpoint_dtype)
+    quant_config = None
+    if config.quantization is not None or "quantization_config" in hf or (
+            folder is not None and (folder / "quantize_config.json").exists()):
+        from kvfleet_runtime.layers.quantization import get_quant_config
+        quant_config = get_quant_config(hf, str(folder) if folder else None, config.quantization)
+    with torch.device(config.torch_device):
+        model = cls(cfg, dtype, quant_config)
+    if config.load_format == "dummy":
+        _init_dummy(model)
+    else:
+        loaded = model.load_weights(tensors())
+        expected = {n for n, _ in model.named_parameters()}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint {config.model} lacks {len(missing)} tensors, e.g. "
+                             f"{', '.join(missing[:3])}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.linear_method.process_weights_after_loading(module)
+    cfg.eos_token_ids = _eos_ids(folder, cfg, tokenizer)
+    model.eval()
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, dtype=dtype, name=name)
+
+
+def _init_dummy(model: torch.nn.Module) -> None:
+    """Random weights of the right shapes (benchmarks of real-sized models without a checkpoint)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
+                         if p.numel() < 1 << 24 else
+                         torch.empty_like(p).normal_(0, 0.02))
+
+
+def model_size_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+__all__ = ["LoadedModel", "load_model", "model_size_bytes"]

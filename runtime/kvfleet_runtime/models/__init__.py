@@ -1,0 +1,23 @@
+"""Model registry: HF `architectures` name -> our implementation."""
+
+from __future__ import annotations
+
+from kvfleet_runtime.models.config import ModelConfig
+from kvfleet_runtime.models.llama import LlamaForCausalLM
+from kvfleet_runtime.models.qwen2 import Qwen2ForCausalLM
+from kvfleet_runtime.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(config: ModelConfig):
+    try:
+        return MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise ValueError(f"architecture must be one of {', '.join(MODEL_REGISTRY)}; "
+                         f"got {config.architecture!r}") from None

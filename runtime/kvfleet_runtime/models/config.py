@@ -1,0 +1,68 @@
+"""ModelConfig: the architecture facts our model code needs, read from an HF config dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    checkpoint_dtype: torch.dtype | None
+    hf_config: dict
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM",
+                                       "mistral": "MistralForCausalLM"}.get(hf.get("model_type"), "")
+        heads = hf["num_attention_heads"]
+        # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                             else None)
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+            checkpoint_dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or ""),
+            hf_config=hf,
+        )

@@ -1,0 +1,169 @@
+"""Llama-family decoder (Llama 2/3, Mistral); Qwen2/Qwen3 reuse it with their switches.
+
+Math only: projections are fused (qkv, gate_up), K/V go through the paged
+Attention layer, and the batch is a flat run of tokens ([T, ...]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvfleet_runtime.layers.activation import SiluAndMul
+from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
+from kvfleet_runtime.layers.linear import Linear
+from kvfleet_runtime.layers.norm import RMSNorm
+from kvfleet_runtime.layers.rotary import RotaryEmbedding
+from kvfleet_runtime.models.config import ModelConfig
+
+
+def _method(quant_config, prefix: str):
+    return quant_config.get_linear_method(prefix) if quant_config is not None else None
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias=cfg.attention_bias, dtype=dtype,
+                               linear_method=_method(quant_config, f"{prefix}.qkv_proj"),
+                               prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype,
+                             linear_method=_method(quant_config, f"{prefix}.o_proj"),
+                             prefix=f"{prefix}.o_proj")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, cfg.max_position_embeddings,
+                                          cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), meta))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype,
+                                   linear_method=_method(quant_config, f"{prefix}.gate_up_proj"),
+                                   prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False, dtype=dtype,
+                                linear_method=_method(quant_config, f"{prefix}.down_proj"),
+                                prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, dtype, quant_config, f"{prefix}.self_attn")
+        self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}")
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)                                   # [T, D]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our fused module, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config=None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, dtype, quant_config)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, D]
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, D] -> logits [N, V] in fp32
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Route checkpoint tensors (HF names) into our parameters; returns the names loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_path, param_name = name.rsplit(".", 1)
+            parent, _, proj = module_path.rpartition(".")
+            if proj in self.stacked_params:
+                fused, shard = self.stacked_params[proj]
+                target = f"{parent}.{fused}"
+                module = modules[target]
+                module.weight_loader(getattr(module, param_name), tensor, shard)
+                loaded.add(f"{target}.{param_name}")
+                continue
+            module = modules.get(module_path)
+            if module is None or f"{module_path}.{param_name}" not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{self.config.architecture}")
+            param = params[f"{module_path}.{param_name}"]
+            if hasattr(module, "weight_loader"):
+                module.weight_loader(param, tensor, None)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"model shape {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(f"{module_path}.{param_name}")
+        return loaded

