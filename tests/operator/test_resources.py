@@ -1,0 +1,183 @@
+"""resources.py: spec -> child manifests, each validated against the official Kubernetes schemas."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+from operator_harness import example_llmservices, minimal_llmservice
+
+from kvfleet_operator.resources import (
+    build_children,
+    build_deployment,
+    build_hpa,
+    build_pdb,
+    build_service,
+    serve_command,
+    service_url,
+)
+from kvfleet_operator.spec import parse_spec
+
+# The oldest version whose schema has every field we emit (preStop sleep: 1.30), and the newest.
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+
+
+def spec_of(**spec):
+    return parse_spec(minimal_llmservice(**spec))
+
+
+def pod_spec(spec):
+    return build_deployment(spec)["spec"]["template"]["spec"]
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("body", example_llmservices() + [minimal_llmservice()],
+                         ids=lambda b: b["metadata"]["name"])
+def test_every_child_validates_against_the_official_schema(body, version):
+    children = [m for m in build_children(parse_spec(body)).values() if m is not None]
+    assert {m["kind"] for m in children} >= {"Deployment", "Service"}
+    for manifest in children:
+        kubernetes_validate.validate(manifest, version, strict=True)
+
+
+def test_serve_command_carries_every_engine_flag():
+    spec = spec_of(model={"uri": "s3://b/llama", "name": "llama"}, quantization="awq",
+                   engine={"blockSize": 32, "maxNumSeqs": 12, "maxNumBatchedTokens": 4096,
+                           "maxModelLen": 2048, "gpuMemoryUtilization": 0.85,
+                           "enablePrefixCaching": False, "tensorParallelSize": 2,
+                           "extraArgs": ["--extra", "1"]},
+                   resources={"gpus": 2})
+    command = serve_command(spec)
+    assert command[:3] == ["kvfleet", "serve", "/models"]
+    expected = {"--host": "0.0.0.0", "--port": "8000", "--served-model-name": "llama",
+                "--block-size": "32", "--max-num-seqs": "12", "--max-num-batched-tokens": "4096",
+                "--max-model-len": "2048", "--gpu-memory-utilization": "0.85",
+                "--quantization": "awq", "--tensor-parallel-size": "2", "--shutdown-timeout": "30"}
+    assert {name: flag(command, name) for name in expected} == expected
+    assert "--no-enable-prefix-caching" in command and "--enable-prefix-caching" not in command
+    assert command[-2:] == ["--extra", "1"]
+    assert build_deployment(spec)["spec"]["template"]["spec"]["containers"][0]["command"] == command
+
+
+def test_no_quantization_and_no_max_model_len_add_no_flag():
+    command = serve_command(spec_of())
+    assert "--quantization" not in command and "--max-model-len" not in command
+    assert "--enable-prefix-caching" in command
+
+
+def test_s3_model_is_pulled_by_an_init_container_with_secret_credentials_and_endpoint():
+    spec = spec_of(model={"uri": "s3://bucket/llama"},
+                   s3={"endpoint": "http://seaweedfs:8333", "region": "eu-1",
+                       "credentialsSecret": "store", "insecure": True})
+    (init,) = pod_spec(spec)["initContainers"]
+    assert init["command"] == ["kvfleet", "pull", "s3://bucket/llama", "/models",
+                               "--region", "eu-1", "--no-verify-ssl"]
+    env = {e["name"]: e for e in init["env"]}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[key]["valueFrom"]["secretKeyRef"] == {"name": "store", "key": key}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://seaweedfs:8333"
+    mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": False}
+    assert pod_spec(spec)["volumes"][0] == {"name": "models", "emptyDir": {"sizeLimit": "50Gi"}}
+
+
+def test_hf_model_is_pulled_at_its_revision_and_pvc_or_image_models_are_not_pulled():
+    hf = spec_of(model={"uri": "hf://org/model", "revision": "v2"})
+    assert pod_spec(hf)["initContainers"][0]["command"][2] == "hf://org/model@v2"
+    pvc = spec_of(model={"uri": "pvc://weights/llama/8b"})
+    assert "initContainers" not in pod_spec(pvc)
+    assert serve_command(pvc)[2] == "/models/llama/8b"
+    assert pod_spec(pvc)["volumes"][0]["persistentVolumeClaim"] == {"claimName": "weights",
+                                                                     "readOnly": True}
+    baked = spec_of(model={"uri": "/opt/models/llama"})
+    assert "initContainers" not in pod_spec(baked) and serve_command(baked)[2] == "/opt/models/llama"
+
+
+def test_cache_pvc_replaces_the_empty_dir():
+    spec = spec_of(cache={"persistentVolumeClaim": "model-cache"})
+    assert pod_spec(spec)["volumes"][0] == {"name": "models",
+                                            "persistentVolumeClaim": {"claimName": "model-cache"}}
+
+
+def test_gpus_node_selection_and_tolerations():
+    spec = spec_of(resources={"gpus": 4, "gpuType": "NVIDIA-H200", "nodeSelector": {"pool": "a"},
+                              "tolerations": [{"key": "dedicated", "operator": "Equal",
+                                               "value": "llm", "effect": "NoSchedule"}],
+                              "cpu": "8", "memory": "64Gi"})
+    pod = pod_spec(spec)
+    container = pod["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+                                      "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "4"}}
+    assert pod["nodeSelector"] == {"pool": "a", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert [t["key"] for t in pod["tolerations"]] == ["dedicated", "nvidia.com/gpu"]
+    cpu_only = pod_spec(spec_of(resources={"gpus": 0}))
+    assert "resources" not in cpu_only["containers"][0] and "tolerations" not in cpu_only
+
+
+def test_runtime_container_is_probed_non_root_scraped_and_drained():
+    spec = spec_of(apiKeySecret="api-key")
+    template = build_deployment(spec)["spec"]["template"]
+    pod, container = template["spec"], template["spec"]["containers"][0]
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60  # model loading
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    assert pod["terminationGracePeriodSeconds"] > 30 + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVFLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api-key",
+                                                                   "key": "KVFLEET_API_KEY"}
+
+
+def test_service_exposes_port_80_named_http_to_the_pods():
+    spec = spec_of()
+    service = build_service(spec)
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http",
+                                         "protocol": "TCP"}]
+    assert service["spec"]["selector"] == build_deployment(spec)["spec"]["selector"]["matchLabels"]
+    assert service_url(spec) == "http://demo.default.svc.cluster.local/v1"
+
+
+def test_autoscaling_makes_an_hpa_on_tokens_per_second_and_leaves_replicas_to_it():
+    spec = spec_of(autoscaling={"minReplicas": 2, "maxReplicas": 6,
+                                "targetTokensPerSecondPerReplica": 1500,
+                                "scaleDownStabilizationSeconds": 120})
+    hpa = build_hpa(spec)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": "demo"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric == {"type": "Pods", "pods": {
+        "metric": {"name": "kvfleet_generation_tokens_per_second"},
+        "target": {"type": "AverageValue", "averageValue": "1500"}}}
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 120
+    assert "replicas" not in build_deployment(spec)["spec"]
+    assert build_pdb(spec)["spec"]["maxUnavailable"] == 1
+
+
+def test_fixed_replicas_make_no_hpa_and_a_pdb_only_above_one():
+    assert build_hpa(spec_of(replicas=3)) is None
+    assert build_deployment(spec_of(replicas=3))["spec"]["replicas"] == 3
+    assert build_pdb(spec_of(replicas=3)) is not None
+    assert build_pdb(spec_of(replicas=1)) is None
+    assert build_pdb(spec_of(replicas=0)) is None
+
+
+def test_children_share_labels_and_a_stable_selector():
+    spec = spec_of()
+    for manifest in filter(None, build_children(spec).values()):
+        assert manifest["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvfleet-operator"
+        assert manifest["metadata"]["labels"]["kvfleet.io/llmservice"] == "demo"
+        assert (manifest["metadata"]["name"], manifest["metadata"]["namespace"]) == ("demo", "default")
+    changed = spec_of(quantization="fp8", replicas=4)
+    assert (build_deployment(changed)["spec"]["selector"]
+            == build_deployment(spec)["spec"]["selector"])  # Deployment selectors are immutable

@@ -1,0 +1,89 @@
+"""spec.py: the typed LLMServiceSpec, its defaults (the same as the CRD's) and its errors."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from operator_harness import BAD_SPECS, BadSpec, load_crd, minimal_llmservice
+
+from kvfleet_operator.spec import LLMServiceSpec, SpecError, parse_spec
+
+
+def crd_defaults(schema: dict[str, Any], path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Every `default:` in the CRD's spec schema, by field path."""
+    found = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        if "default" in sub:
+            found[path + (key,)] = sub["default"]
+        found.update(crd_defaults(sub, path + (key,)))
+    return found
+
+
+def snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def test_defaults_equal_the_crds_defaults():
+    schema = load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    defaults = crd_defaults(schema["properties"]["spec"])
+    assert len(defaults) >= 10
+    # Every optional section present but empty, so each default has somewhere to land.
+    spec = parse_spec(minimal_llmservice(
+        s3={}, engine={}, resources={}, cache={},
+        autoscaling={"minReplicas": 1, "maxReplicas": 1, "targetTokensPerSecondPerReplica": 1}))
+    for path, default in defaults.items():
+        value: Any = spec
+        for part in path:
+            value = getattr(value, snake(part))
+        assert value == default, f"spec.{'.'.join(path)}: spec.py {value!r} != CRD {default!r}"
+
+
+def test_minimal_spec_gets_defaults_and_a_served_name_from_the_uri():
+    spec = parse_spec(minimal_llmservice(model={"uri": "s3://models/meta-llama/Llama-3.1-8B/"}))
+    assert isinstance(spec, LLMServiceSpec)
+    assert (spec.name, spec.namespace) == ("demo", "default")
+    assert spec.model.name == "Llama-3.1-8B"
+    assert spec.model.scheme == "s3"
+    assert spec.autoscaling is None and spec.s3 is None
+    assert spec.min_replicas == 1
+
+
+def test_full_spec_is_read_field_by_field():
+    spec = parse_spec(minimal_llmservice(
+        model={"uri": "s3://b/m", "name": "m", "revision": "r1"},
+        s3={"endpoint": "http://s3:8333", "region": "eu-1", "credentialsSecret": "creds",
+            "insecure": True},
+        quantization="gptq",
+        engine={"blockSize": 32, "maxNumSeqs": 7, "maxNumBatchedTokens": 99, "maxModelLen": 512,
+                "gpuMemoryUtilization": 0.5, "enablePrefixCaching": False,
+                "tensorParallelSize": 2, "extraArgs": ["--x"]},
+        resources={"gpus": 2, "gpuType": "H100", "nodeSelector": {"a": "b"},
+                   "tolerations": [{"key": "k", "operator": "Exists"}], "cpu": 4, "memory": "8Gi"},
+        replicas=3, cache={"persistentVolumeClaim": "pvc"}, image="img:1", apiKeySecret="key"))
+    assert spec.s3.insecure and spec.s3.credentials_secret == "creds"
+    assert spec.engine.max_model_len == 512 and spec.engine.extra_args == ("--x",)
+    assert spec.resources.cpu == "4" and spec.resources.tolerations[0]["operator"] == "Exists"
+    assert spec.cache.persistent_volume_claim == "pvc"
+    assert spec.secret_names() == {"creds": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+                                   "key": ("KVFLEET_API_KEY",)}
+
+
+@pytest.mark.parametrize("bad", BAD_SPECS, ids=lambda b: b.id)
+def test_bad_specs_raise_errors_naming_the_field(bad: BadSpec):
+    with pytest.raises(SpecError) as error:
+        parse_spec(bad.body())
+    assert bad.operator_error in str(error.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"metadata": {"name": "Bad_Name", "namespace": "d"}, "spec": {}},
+     "metadata.name must be a DNS-1035 label"),
+    ({"metadata": {"name": "ok", "namespace": "d"}}, "spec is required"),
+    (minimal_llmservice(replicas=True), "spec.replicas must be an integer; got True"),
+    (minimal_llmservice(engine={"extraArgs": [1]}), "spec.engine.extraArgs must be a list of strings"),
+])
+def test_shapes_the_schema_would_stop_are_caught_too(body, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec(body)
