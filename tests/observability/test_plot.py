@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from matplotlib.image import imread
-
 from kvfleet_runtime.benchmarks.plot import plot_serve, plot_throughput
+from matplotlib.image import imread
 
 
 def serve_run(rate: float, concurrency: int | None, load: float) -> dict:

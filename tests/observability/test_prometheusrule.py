@@ -8,8 +8,15 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from chart import (RUNBOOK, alerts, helm_template, promtool_binary, render,
-                   rendered_rule_groups, write_rules_file)
+from chart import (
+    RUNBOOK,
+    alerts,
+    helm_template,
+    promtool_binary,
+    render,
+    rendered_rule_groups,
+    write_rules_file,
+)
 
 ALERTS_TEST = Path(__file__).with_name("alerts_test.yaml")
 
