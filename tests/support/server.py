@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 _LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
@@ -61,6 +63,13 @@ class ServerProcess:
         status, body = self.get("/metrics")
         assert status == 200, body
         return body
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample on /metrics (summed over the labels not given); 0 if absent."""
+        return sum(sample.value for family in text_string_to_metric_families(self.metrics())
+                   for sample in family.samples
+                   if sample.name == name
+                   and all(sample.labels.get(k) == v for k, v in labels.items()))
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Signal our PID; SIGKILL it if it outlives timeout. Returns the exit code."""
