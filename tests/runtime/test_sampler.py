@@ -8,6 +8,7 @@ from kvfleet_runtime.layers.sampler import (
     SampledToken,
     Sampler,
     SamplingBatch,
+    _top_k_top_p,
     apply_penalties,
     make_generator,
 )
@@ -15,27 +16,37 @@ from kvfleet_runtime.sampling_params import SamplingParams
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 VOCAB = 64
+# the GPU runs repeat the CPU checks where kernels differ: CUDA generators, sort, scatter
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def make_batch(params: list[SamplingParams], outputs: list[list[int]] | None = None,
-               prompts: list[list[int]] | None = None) -> SamplingBatch:
+               prompts: list[list[int]] | None = None, device: str = "cpu") -> SamplingBatch:
     n = len(params)
     return SamplingBatch(params=params,
                          prompt_token_ids=prompts or [[1, 2, 3]] * n,
                          output_token_ids=outputs or [[] for _ in range(n)],
-                         generators=[make_generator(p.seed, "cpu") for p in params])
+                         generators=[make_generator(p.seed, device) for p in params])
 
 
-def sample_many(probs: list[float], num: int, **knobs) -> list[int]:
+def sample_many(probs: list[float], num: int, device: str = "cpu", **knobs) -> list[int]:
     """`num` independent draws from one distribution, as `num` rows of one batch."""
-    logits = torch.tensor(probs).log().expand(num, -1).contiguous()
+    logits = torch.tensor(probs, device=device).log().expand(num, -1).contiguous()
     torch.manual_seed(0)
-    return [t.token_id for t in Sampler()(logits, make_batch([SamplingParams(**knobs)] * num))]
+    batch = make_batch([SamplingParams(**knobs)] * num, device=device)
+    return [t.token_id for t in Sampler()(logits, batch)]
 
 
-def test_greedy_is_argmax():
-    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(1))
-    out = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 8))
+def chi_square(drawn: list[int], probs: list[float]) -> float:
+    observed = torch.bincount(torch.tensor(drawn), minlength=len(probs)).tolist()
+    return sum((o - len(drawn) * p) ** 2 / (len(drawn) * p)
+               for o, p in zip(observed, probs, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax(device):
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(1)).to(device)
+    out = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 8, device=device))
     assert [t.token_id for t in out] == logits.argmax(dim=-1).tolist()
 
 
@@ -54,14 +65,43 @@ def test_low_temperature_sampling_equals_greedy():
     assert [t.token_id for t in cold] == [t.token_id for t in greedy]
 
 
-def test_top_k_2_never_samples_the_third():
-    drawn = sample_many([0.4, 0.35, 0.25], 3000, top_k=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_2_never_samples_the_third(device):
+    drawn = sample_many([0.4, 0.35, 0.25], 3000, device, top_k=2)
     assert set(drawn) == {0, 1}
 
 
 @pytest.mark.parametrize(("top_p", "allowed"), [(0.7, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
-def test_top_p_keeps_the_smallest_set_holding_top_p(top_p, allowed):
-    assert set(sample_many([0.5, 0.3, 0.15, 0.05], 3000, top_p=top_p)) == allowed
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_keeps_the_smallest_set_holding_top_p(top_p, allowed, device):
+    assert set(sample_many([0.5, 0.3, 0.15, 0.05], 3000, device, top_p=top_p)) == allowed
+
+
+def reference_top_k_top_p(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """The kept ids, the slow way: k best, then the fewest of those holding p of their mass."""
+    best = row.topk(k).indices.tolist()
+    probs = torch.softmax(row[best], dim=0).tolist()
+    kept, mass = [], 0.0
+    for token, prob in zip(best, probs, strict=True):
+        kept.append(token)
+        mass += prob
+        if mass >= p:
+            break
+    return set(kept)
+
+
+def test_top_k_top_p_filter_matches_a_reference_on_both_paths():
+    vocab = 4096                      # larger than the top-k candidate limit: rows off it sort
+    x = torch.randn(2, vocab, generator=torch.Generator().manual_seed(7)) * 3
+    few = _top_k_top_p(x[:1], [40], [0.8])                          # topk candidates
+    mixed = _top_k_top_p(x, [40, vocab], [0.8, 0.9])                # full sort
+    for filtered in (few[0], mixed[0]):
+        assert set(torch.isfinite(filtered).nonzero().flatten().tolist()) == \
+            reference_top_k_top_p(x[0], 40, 0.8)
+    assert set(torch.isfinite(mixed[1]).nonzero().flatten().tolist()) == \
+        reference_top_k_top_p(x[1], vocab, 0.9)
+    kept = torch.isfinite(few[0])
+    assert torch.equal(few[0][kept], x[0][kept]), "kept logits are left as they were"
 
 
 @pytest.mark.parametrize(("min_p", "allowed"), [(0.2, {0, 1, 2}), (0.5, {0, 1})])
@@ -75,24 +115,21 @@ def test_top_k_then_top_p_renormalise_between_them():
     assert set(sample_many([0.4, 0.3, 0.2, 0.1], 3000, top_k=3, top_p=0.75)) == {0, 1}
 
 
-def test_sampling_at_temperature_one_follows_the_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_at_temperature_one_follows_the_distribution(device):
     probs = [0.3, 0.25, 0.2, 0.15, 0.07, 0.03]
-    num = 20000
-    drawn = sample_many(probs, num)
-    observed = torch.bincount(torch.tensor(drawn), minlength=len(probs)).tolist()
-    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs, strict=True))
-    assert chi2 < 25.0, (observed, chi2)  # 5 degrees of freedom: p(chi2 > 25) ~ 1e-4
+    chi2 = chi_square(sample_many(probs, 20000, device), probs)
+    assert chi2 < 25.0  # 5 degrees of freedom: p(chi2 > 25) ~ 1e-4
 
 
-def test_seeded_rows_follow_the_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_follow_the_distribution(device):
     probs = [0.5, 0.3, 0.2]
     num = 3000
-    logits = torch.tensor(probs).log().expand(num, -1).contiguous()
-    params = [SamplingParams(seed=i) for i in range(num)]
-    drawn = [t.token_id for t in Sampler()(logits, make_batch(params))]
-    observed = torch.bincount(torch.tensor(drawn), minlength=3).tolist()
-    chi2 = sum((o - num * p) ** 2 / (num * p) for o, p in zip(observed, probs, strict=True))
-    assert chi2 < 20.0, (observed, chi2)
+    logits = torch.tensor(probs, device=device).log().expand(num, -1).contiguous()
+    batch = make_batch([SamplingParams(seed=i) for i in range(num)], device=device)
+    chi2 = chi_square([t.token_id for t in Sampler()(logits, batch)], probs)
+    assert chi2 < 20.0  # 2 degrees of freedom: p(chi2 > 20) ~ 5e-5
 
 
 def test_penalties_match_hand_computed_values():
@@ -132,26 +169,29 @@ def test_penalty_changes_the_greedy_choice_but_not_the_raw_logprob():
     assert tok.rank == 2
 
 
-def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached(device):
     eos, stop = 5, 7
     logits = torch.zeros(1, VOCAB)
     logits[0, eos], logits[0, stop], logits[0, 9] = 10.0, 9.0, 8.0
+    logits = logits.to(device)
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop])
     params._eos_token_ids = {eos}
     sampler = Sampler()
-    assert sampler(logits, make_batch([params], outputs=[[1]]))[0].token_id == 9
-    assert sampler(logits, make_batch([params], outputs=[[1, 2]]))[0].token_id == 9
-    assert sampler(logits, make_batch([params], outputs=[[1, 2, 3]]))[0].token_id == eos
+    for output, expected in [([1], 9), ([1, 2], 9), ([1, 2, 3], eos)]:
+        batch = make_batch([params], outputs=[output], device=device)
+        assert sampler(logits, batch)[0].token_id == expected
 
 
-def test_logprobs_ranks_and_top_k_match_log_softmax():
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_ranks_and_top_k_match_log_softmax(device):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(6, VOCAB, generator=gen) * 2
     params = [SamplingParams(logprobs=5), SamplingParams(logprobs=0, temperature=0.0),
               SamplingParams(logprobs=None), SamplingParams(logprobs=3, top_k=4, seed=1),
               SamplingParams(logprobs=20, repetition_penalty=1.8),
               SamplingParams(logprobs=1, temperature=0.5)]
-    out = Sampler()(logits, make_batch(params, outputs=[[0, 1, 2]] * 6))
+    out = Sampler()(logits.to(device), make_batch(params, outputs=[[0, 1, 2]] * 6, device=device))
     reference = torch.log_softmax(logits, dim=-1)
     for i, (tok, p) in enumerate(zip(out, params, strict=True)):
         row = reference[i]
@@ -178,33 +218,36 @@ def test_prompt_logprobs_score_the_next_prompt_token():
         assert tok.top_ids == reference[i].topk(2).indices.tolist()
 
 
-def seeded_run(position: int, companions: list[SamplingParams], seed: int,
-               steps: int = 20) -> list[int]:
+def seeded_run(position: int, companions: list[SamplingParams], seed: int, device: str,
+               vocab: int, steps: int = 20) -> list[int]:
     """Sample `steps` tokens for one seeded row placed at `position` among `companions`."""
     target = SamplingParams(seed=seed, temperature=0.9, top_p=0.95)
     params = companions[:position] + [target] + companions[position:]
-    batch = make_batch(params)                      # generators live as long as the request
+    batch = make_batch(params, device=device)       # generators live as long as the request
     noise = torch.Generator().manual_seed(99)
     tokens: list[int] = []
     for _ in range(steps):
-        logits = torch.randn(len(params), VOCAB, generator=noise)
-        logits[position] = torch.randn(VOCAB, generator=torch.Generator().manual_seed(len(tokens)))
-        out: list[SampledToken] = Sampler()(logits, batch)
+        logits = torch.randn(len(params), vocab, generator=noise)
+        logits[position] = torch.randn(vocab, generator=torch.Generator().manual_seed(len(tokens)))
+        out: list[SampledToken] = Sampler()(logits.to(device), batch)
         tokens.append(out[position].token_id)
         for row, tok in zip(batch.output_token_ids, out, strict=True):
             row.append(tok.token_id)
     return tokens
 
 
-def test_seeded_row_is_reproducible_regardless_of_batch_composition():
+# on the GPU: a real vocabulary and 63 companions, where kernels may pick other launch shapes
+@pytest.mark.parametrize(("device", "vocab", "repeat"),
+                         [("cpu", VOCAB, 1), pytest.param("cuda", 49152, 9, marks=pytest.mark.gpu)])
+def test_seeded_row_is_reproducible_regardless_of_batch_composition(device, vocab, repeat):
     companions = [SamplingParams(), SamplingParams(seed=7), SamplingParams(temperature=0.0),
                   SamplingParams(top_k=5, seed=8), SamplingParams(min_p=0.1),
                   SamplingParams(repetition_penalty=1.2, seed=9), SamplingParams(top_p=0.5)]
-    alone = seeded_run(0, [], seed=1234)
+    alone = seeded_run(0, [], 1234, device, vocab)
     torch.manual_seed(123)                    # the unseeded companions draw from the global RNG
-    amid = seeded_run(3, companions, seed=1234)
+    amid = seeded_run(3, companions * repeat, 1234, device, vocab)
     assert alone == amid
-    assert seeded_run(0, [], seed=4321) != alone, "another seed must give another sequence"
+    assert seeded_run(0, [], 4321, device, vocab) != alone, "another seed, another sequence"
 
 
 def test_mismatched_batch_is_rejected_with_the_field_named():
