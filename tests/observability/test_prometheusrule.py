@@ -92,4 +92,4 @@ def test_manifest_is_a_prometheus_operator_rule(tmp_path):
     assert rule["metadata"]["namespace"] == "llm"
     # prometheus-operator's ruleSelector usually matches the release label
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert rule["metadata"]["labels"]["app.kubernetes.io/name"] == "kvfleet"
+    assert rule["metadata"]["labels"]["app.kubernetes.io/instance"] == "kvfleet"   # the release
