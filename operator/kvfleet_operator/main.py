@@ -58,8 +58,8 @@ for _group, _version, _plural in CHILD_RESOURCES:
                   labels={LABEL_MANAGED_BY: OPERATOR_NAME})(_child_changed)
 
 
-def run(argv: list[str] | None = None) -> int:
-    """`kvfleet-operator [--namespace NS ...] [--liveness URL]`: run kopf on this module."""
+def kopf_args(argv: list[str] | None = None) -> list[str]:
+    """`kvfleet-operator` arguments -> the `kopf run` command line for this module."""
     parser = argparse.ArgumentParser(prog="kvfleet-operator", description=__doc__.splitlines()[0])
     parser.add_argument("--namespace", "-n", action="append", default=[],
                         help="watch only this namespace (repeatable); default: all namespaces")
@@ -67,11 +67,16 @@ def run(argv: list[str] | None = None) -> int:
                         help="liveness endpoint served by kopf (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
-    kopf_args = ["run", "--standalone", "-m", __name__, "--liveness", args.liveness]
-    kopf_args += [arg for ns in args.namespace for arg in ("--namespace", ns)] or ["--all-namespaces"]
-    if args.verbose:
-        kopf_args.append("--verbose")
-    return kopf.cli.main(args=kopf_args, prog_name="kvfleet-operator", standalone_mode=False) or 0
+    # --standalone: one replica, no peering objects (the chart runs a single replica).
+    command = ["run", "--standalone", "-m", __name__, "--liveness", args.liveness]
+    command += [arg for ns in args.namespace for arg in ("--namespace", ns)] or ["--all-namespaces"]
+    return command + (["--verbose"] if args.verbose else [])
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The `kvfleet-operator` console script: kopf on this module until stopped."""
+    return kopf.cli.main(args=kopf_args(argv), prog_name="kvfleet-operator",
+                         standalone_mode=False) or 0
 
 
 if __name__ == "__main__":

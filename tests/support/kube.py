@@ -16,6 +16,8 @@ the gaps of kmock 0.8):
   the `resourceVersion` it was given (or the current objects as ADDED when
   none), so nothing is lost or repeated across reconnects; `labelSelector`
   with `k=v` terms is honoured on list and watch;
+- `/api/v1/namespaces` (which kmock's path parser fails on) lists and watches
+  the namespaces that hold objects, plus `default`;
 - the request log is trimmed, so requests stay fast in long tests.
 
 Like kmock, it has no controllers: `collect_garbage()` does what the garbage
@@ -145,6 +147,37 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return self._changed
 
     # ------------------------------------------------------------ routing
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock's path parser reads /api/v1/namespaces as "namespace <missing>" and fails
+        # with a 500; kopf lists and watches it when it serves specific namespaces.
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
+            return await self._serve_namespaces(raw_request)
+        return await super().__call__(raw_request)
+
+    def _namespaces(self) -> list[dict[str, Any]]:
+        """Namespaces exist implicitly: 'default' and every namespace holding an object."""
+        names = {"default"} | {ns for (_, ns, _) in self.store if ns}
+        return [{"apiVersion": "v1", "kind": "Namespace",
+                 "metadata": {"name": name, "uid": f"namespace-{name}", "resourceVersion": "1"}}
+                for name in sorted(names)]
+
+    async def _serve_namespaces(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw.query.get("watch") != "true":
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "NamespaceList",
+                "metadata": {"resourceVersion": str(self.last_rv)}, "items": self._namespaces()})
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(raw)
+        sent: set[str] = set()
+        while True:
+            for namespace in self._namespaces():
+                if namespace["metadata"]["name"] not in sent:
+                    sent.add(namespace["metadata"]["name"])
+                    line = json.dumps({"type": "ADDED", "object": namespace}) + "\n"
+                    await response.write(line.encode())
+            async with self.changed:
+                await self.changed.wait()
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         self._trim_request_log()
