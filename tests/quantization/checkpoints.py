@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# projections that read the same input, hence get the same act-order from GPTQ
+SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+              "up_proj": "gate_up"}
 FP8_MAX = 448.0
 
 
@@ -92,7 +96,7 @@ def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits:
         tensors.update(load_file(f))
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
-    for seed, (name, w) in enumerate(sorted(tensors.items())):
+    for name, w in sorted(tensors.items()):
         module = name.removesuffix(".weight")
         if not _is_projection(name) or any(p in module for p in not_convert):
             quantized[name] = dequantized[name] = w
@@ -102,6 +106,8 @@ def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits:
             quantized[name], quantized[f"{module}.weight_scale"] = w8, scale
             dequantized[name] = w8.float() * (scale[:, None] if per_channel else scale)
             continue
+        parent, _, proj = module.rpartition(".")
+        seed = zlib.crc32(f"{parent}.{SAME_INPUT.get(proj, proj)}".encode())
         iq = quantize_int(w, bits, group_size, sym, act_order=desc_act,
                           min_zero=1 if method == "gptq" else 0, seed=seed)
         packed = (pack_gptq(iq.q, iq.zeros, iq.scales, iq.g_idx, bits) if method == "gptq"

@@ -1,0 +1,108 @@
+"""On the GPU: the W4A16 kernel and the FP8 GEMM against their fp32 references, and the
+quantized methods choosing them after loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet_kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_fp8_rowwise
+from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref
+from kvfleet_runtime.layers.linear import Linear
+from kvfleet_runtime.layers.quantization import FP8Config, GPTQConfig
+from kvfleet_runtime.layers.quantization.gptq import pack_gptq
+from kvfleet_runtime.layers.quantization.packing import pack_int32
+from quantization.checkpoints import quantize_int
+from quantization.test_linear_methods import (INT_CASES, K, SHARDS, build, int_checkpoint,
+                                              int_config, load)
+
+pytestmark = pytest.mark.gpu
+
+
+def random_layer(k: int, n: int, bits: int, group_size: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    groups = 1 if group_size == -1 else k // group_size
+    q = torch.randint(0, 1 << bits, (k, n), device="cuda", generator=g)
+    scales = (torch.rand(groups, n, device="cuda", generator=g) * 0.02 + 1e-3).half()
+    zeros = torch.randint(0, 1 << bits, (groups, n), device="cuda", generator=g).half()
+    return pack_int32(q, bits, dim=0), scales, zeros
+
+
+SHAPES = [  # m, k, n, bits, group_size
+    (1, 4096, 4096, 4, 128), (1, 4096, 6144, 4, 64), (3, 14336, 4096, 4, 128),
+    (16, 4096, 28672, 4, 32), (17, 2048, 1000, 4, -1), (64, 4096, 4096, 8, 128),
+    (100, 1024, 3000, 4, 128), (256, 4096, 14336, 4, 128), (1000, 512, 512, 8, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n, bits, group_size", SHAPES)
+def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
+    qweight, scales, zeros = random_layer(k, n, bits, group_size, seed=m + n)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    out = w4a16_gemm(x, qweight, scales, zeros, bits, k if group_size == -1 else group_size)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, bits,
+                         k if group_size == -1 else group_size)
+    # bf16/fp16 rounding of the dequantized weight (<= 2**-8 relative) summed over K
+    tol = ref.abs().max().item() * 1e-2
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("split_k", [1, 3, 8])
+def test_w4a16_split_k_is_exact_up_to_summation_order(split_k):
+    qweight, scales, zeros = random_layer(4096, 512, 4, 128, seed=1)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
+    base = pick_config(4, 512, 4096, 128, x.device)
+    cfg = GemmConfig(base.block_m, base.block_n, base.block_k, split_k, base.num_warps,
+                     base.num_stages)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 128)
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, 128, cfg)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 1e-2)
+
+
+@pytest.mark.parametrize("method, bits, group_size, sym, desc_act", INT_CASES)
+def test_int_methods_use_the_kernel_on_gpu(method, bits, group_size, sym, desc_act):
+    tensors, w = int_checkpoint(method, bits, group_size, sym, desc_act)
+    with torch.device("cuda"):
+        layer = build(int_config(method, bits, group_size, sym, desc_act))
+    load(layer, [{k: v.cuda() for k, v in t.items()} for t in tensors])
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.uses_kernel
+    x = torch.randn(9, K, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ w.cuda().t()
+    torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-2)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (33, 4096, 14336), (512, 1024, 6144)])
+def test_fp8_scaled_mm_matches_reference(m, k, n):
+    w = torch.randn(n, k, device="cuda") * 0.02
+    w8, scale = quantize_fp8_rowwise(w)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = fp8_linear_ref(x.float(), w8, scale.reshape(-1))
+    out = fp8_linear(x, w8, scale.reshape(-1))
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 1e-2)
+
+
+def test_fp8_quantize_on_load_uses_scaled_mm():
+    weights = [torch.randn(n, K) * 0.05 for n in SHARDS]
+    with torch.device("cuda"):
+        layer = build(FP8Config(serialized=False))
+    load(layer, [{"weight": w.cuda()} for w in weights])
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.uses_fp8 and layer.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(5, K, device="cuda")
+    ref = x @ torch.cat(weights).cuda().t()
+    assert (layer(x) - ref).norm() / ref.norm() < 0.05
+
+
+def test_gptq_layer_on_gpu_is_smaller_than_fp16():
+    w = torch.randn(4096, 4096) * 0.02
+    iq = quantize_int(w, 4, 128, sym=True, act_order=False, min_zero=1)
+    with torch.device("cuda"):
+        layer = Linear(4096, 4096, dtype=torch.float16,
+                       linear_method=GPTQConfig(bits=4, group_size=128).get_linear_method("o_proj"))
+    for name, t in pack_gptq(iq.q, iq.zeros, iq.scales, iq.g_idx, 4).items():
+        layer.weight_loader(getattr(layer, name), t.cuda())
+    layer.linear_method.process_weights_after_loading(layer)
+    size = sum(p.numel() * p.element_size() for p in layer.parameters())
+    assert size < 4096 * 4096 * 2 * 0.3      # 4.25 bits of 16
