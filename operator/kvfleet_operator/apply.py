@@ -23,6 +23,8 @@ the child watchers from looping on their own writes).
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from kvfleet_operator import resources, status
 from kvfleet_operator.spec import API_GROUP, API_VERSION, KIND, LLMServiceSpec, SpecError, parse_spec
 
 MERGE_PATCH = "application/merge-patch+json"
+LAST_APPLIED = f"{API_GROUP}/last-applied-configuration"
 
 
 @dataclass(frozen=True)
@@ -135,15 +138,30 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 # ---------------------------------------------------------------- children
 
 
-def is_subset(desired: Any, live: Any) -> bool:
-    """Whether `live` already holds everything `desired` says (the server adds defaults)."""
-    if isinstance(desired, Mapping):
+def is_applied(patch: Any, live: Any) -> bool:
+    """Whether `live` already holds everything the merge patch says (the server adds defaults)."""
+    if isinstance(patch, Mapping):
         return isinstance(live, Mapping) and all(
-            key in live and is_subset(value, live[key]) for key, value in desired.items())
-    if isinstance(desired, list):
-        return (isinstance(live, list) and len(desired) == len(live)
-                and all(is_subset(d, v) for d, v in zip(desired, live)))
-    return desired == live
+            key not in live if value is None else key in live and is_applied(value, live[key])
+            for key, value in patch.items())
+    if isinstance(patch, list):
+        return (isinstance(live, list) and len(patch) == len(live)
+                and all(is_applied(p, v) for p, v in zip(patch, live)))
+    return patch == live
+
+
+def removals(last: Any, desired: Any) -> Any:
+    """`desired` plus a null for every map key the last apply set and `desired` no longer has.
+
+    This is kubectl's client-side three-way merge: a removed nodeSelector entry
+    or a dropped init container disappears, while fields the API server or
+    other controllers added (never in our last apply) are left alone.
+    """
+    if not (isinstance(last, Mapping) and isinstance(desired, Mapping)):
+        return desired
+    patch = {key: removals(last.get(key), value) for key, value in desired.items()}
+    patch.update({key: None for key in last if key not in desired})
+    return patch
 
 
 def adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,6 +172,10 @@ def adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
 def apply_child(api: KubeApi, manifest: dict[str, Any]) -> dict[str, Any]:
     """Create the child, or patch it where it differs from `manifest`; returns the live object."""
     kind, meta = manifest["kind"], manifest["metadata"]
+    # Remember what was applied, for the next apply's removals (as kubectl apply does).
+    applied = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    manifest = copy.deepcopy(manifest)
+    manifest["metadata"].setdefault("annotations", {})[LAST_APPLIED] = applied
     live = api.get(kind, meta["namespace"], meta["name"])
     if live is None:
         try:
@@ -162,9 +184,11 @@ def apply_child(api: KubeApi, manifest: dict[str, Any]) -> dict[str, Any]:
             if e.status != 409:  # 409: created meanwhile (another reconcile); patch it below
                 raise
             live = api.get(kind, meta["namespace"], meta["name"]) or {}
-    if is_subset(manifest, live):
+    last = ((live.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
+    patch = removals(json.loads(last) if last else {}, manifest)
+    if is_applied(patch, live):
         return live
-    return api.patch(kind, meta["namespace"], meta["name"], manifest)
+    return api.patch(kind, meta["namespace"], meta["name"], patch)
 
 
 def remove_child(api: KubeApi, kind: str, namespace: str, name: str, owner_uid: str) -> None:

@@ -122,6 +122,20 @@ def test_spec_change_rolls_the_deployment_and_drops_the_autoscaler(cluster, oper
     assert observed
 
 
+def test_fields_dropped_from_the_spec_are_removed_from_the_children(cluster, operator):
+    create_example(cluster)
+    pod = lambda: get(cluster, DEPLOYMENTS)["spec"]["template"]["spec"]  # noqa: E731
+    wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment")
+    assert "initContainers" in pod() and "nvidia.com/gpu.product" in pod()["nodeSelector"]
+
+    # The model moves from S3 to a PVC, and any GPU type will do.
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {
+        "model": {"uri": "pvc://weights/llama"}, "s3": None, "resources": {"gpuType": None}}})
+    wait_for(lambda: "initContainers" not in pod(), what="the pull init container to go")
+    assert "nodeSelector" not in pod() or "nvidia.com/gpu.product" not in pod()["nodeSelector"]
+    assert pod()["volumes"][0]["persistentVolumeClaim"]["claimName"] == "weights"
+
+
 def test_deleted_or_hand_edited_children_are_restored(cluster, operator):
     create_example(cluster)
     service = wait_for(lambda: get(cluster, SERVICES), what="the Service")
