@@ -58,10 +58,25 @@ def test_streamed_text_equals_a_full_decode_and_never_shows_a_broken_char(tokeni
         assert expected.startswith(shown)
 
 
-def test_updates_of_several_tokens_give_the_same_text(tokenizer):
+class SlowTokenizer:
+    """The same tokenizer seen as one without a Rust backend (the decode path of slow ones)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        return self._tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_updates_of_several_tokens_give_the_same_text(tokenizer, slow):
     rng = random.Random(42)
     ids = encode(tokenizer, "".join(rng.choice(SNIPPETS) for _ in range(40)))
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok = IncrementalDetokenizer(SlowTokenizer(tokenizer) if slow else tokenizer, [],
+                                   SamplingParams())
     i = 0
     while i < len(ids):
         size = rng.randint(1, 4)
