@@ -154,6 +154,49 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     )
 
 
+# Which keys of a K/V tile _attend_tile masks out.
+_MASK_NONE: tl.constexpr = tl.constexpr(0)     # every key of the tile is visible to every row
+_MASK_END: tl.constexpr = tl.constexpr(1)      # keys at or past kv_end are hidden
+_MASK_CAUSAL: tl.constexpr = tl.constexpr(2)   # key n is visible to a row at q_pos >= n only
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_log2,
+                 k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 MASK: tl.constexpr):
+    # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
+    # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if MASK == _MASK_NONE:
+        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+    else:
+        block = tl.load(table + n // BLOCK_SIZE, mask=n < kv_end, other=0).to(tl.int64)
+    offset = n % BLOCK_SIZE
+    k_ptrs = k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ks + kv_head * stride_kh + d[:, None]
+    v_ptrs = v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+    if MASK == _MASK_NONE:
+        k = tl.load(k_ptrs)                                              # [D, N]
+        v = tl.load(v_ptrs)                                              # [N, D]
+    else:
+        k = tl.load(k_ptrs, mask=(n < kv_end)[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=(n < kv_end)[:, None], other=0.0)
+    qk = tl.dot(q, k, input_precision="ieee") * scale_log2              # [M, N]
+    if MASK == _MASK_END:
+        qk = tl.where((n < kv_end)[None, :], qk, float("-inf"))
+    if MASK == _MASK_CAUSAL:
+        qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
+    # Every row sees at least one key in its first tile, so m_new is finite from the start.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
                     query_start_loc_ptr, scale_log2,
@@ -164,7 +207,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
-    tile = tl.program_id(0)
+    # Tiles run last-first: late tiles see the most keys, and starting them first evens out
+    # the tail of the grid.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -183,35 +228,25 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
     q_pos = num_cached + tok              # [BLOCK_M] position in the context (causal limit)
-
-    # Keys past the tile's last query position are masked for every row: stop there.
-    kv_end = num_cached + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
-    # Keys below the tile's first query position are visible to every row: no causal mask there.
+    # Keys below the tile's first query position are visible to every row: no mask there.
+    # Keys from the tile's last query position on are hidden from every valid row: stop there.
     kv_full = (num_cached + first_tok) // BLOCK_N * BLOCK_N
+    kv_end = num_cached + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
     table = block_tables_ptr + seq * stride_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < kv_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ks
-                    + kv_head * stride_kh + d[:, None], mask=n_valid[None, :], other=0.0)   # [D, N]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + kv_head * stride_vh + d[None, :], mask=n_valid[:, None], other=0.0)   # [N, D]
-        qk = tl.dot(q, k, input_precision="ieee") * scale_log2                            # [M, N]
-        if start >= kv_full:
-            qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
-        # Row 0..M each see key 0 in the first tile, so m_new is finite from the start.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    for start in range(0, kv_full, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
+                                     scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
+                                     stride_kh, stride_vb, stride_vs, stride_vh,
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE)
+    for start in range(kv_full, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
+                                     scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
+                                     stride_kh, stride_vb, stride_vs, stride_vh,
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -242,6 +277,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     if (q_len == 0) | (part_start >= seq_len):
         return
     part_end = tl.minimum(part_start + partition_size, seq_len)
+    full_end = part_start + (part_end - part_start) // BLOCK_N * BLOCK_N
 
     g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + g
@@ -254,23 +290,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(part_start, part_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < part_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ks
-                    + kv_head * stride_kh + d[:, None], mask=n_valid[None, :], other=0.0)   # [D, N]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + kv_head * stride_vh + d[None, :], mask=n_valid[:, None], other=0.0)   # [N, D]
-        qk = tl.dot(q, k, input_precision="ieee") * scale_log2                            # [G, N]
-        qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))   # finite: the partition holds >= 1 key
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    for start in range(part_start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, part_end, q_start, table, kv_head,
+                                     scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
+                                     stride_kh, stride_vb, stride_vs, stride_vh,
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE)
+    if full_end < part_end:     # the context's last, partial tile
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
+                                     scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
+                                     stride_kh, stride_vb, stride_vs, stride_vh,
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END)
 
     out = acc / l_i[:, None]
     if num_splits == 1:
@@ -343,20 +372,20 @@ class TileConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int, on_gpu: bool) -> TileConfig:
+def decode_config(on_gpu: bool) -> TileConfig:
     """Decode's rows are the GQA group, padded up to block_m (tl.dot needs >= 16 rows)."""
     if not on_gpu:   # the interpreter: small steps, no pipelining
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(head_dim: int, group: int, on_gpu: bool) -> TileConfig:
+def prefill_config(group: int, on_gpu: bool) -> TileConfig:
     """block_m is at least the GQA group so that one tile holds whole groups."""
     if not on_gpu:
         return TileConfig(block_m=max(32, triton.next_power_of_2(group)), block_n=16,
                           num_warps=4, num_stages=1)
     return TileConfig(block_m=max(128, triton.next_power_of_2(group)), block_n=64,
-                      num_warps=8 if head_dim >= 128 else 4, num_stages=2)
+                      num_warps=4, num_stages=3)
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
@@ -411,7 +440,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if max_query_len == 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        cfg = decode_config(head_dim, on_gpu)
+        cfg = decode_config(on_gpu)
         split = decode_split(num_seqs, num_kv_heads, max_seq_len, cfg.block_n, query.device)
         if split.num_splits > 1:
             part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
@@ -435,7 +464,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             )
         return out
 
-    cfg = prefill_config(head_dim, group, on_gpu)
+    cfg = prefill_config(group, on_gpu)
     tokens_per_tile = cfg.block_m // group
     grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
     _prefill_kernel[grid](

@@ -2,6 +2,8 @@
 
     python tests/kernels/bench_kernels.py [--dtype bf16] [--block-size 16] [--sweep]
 
+Triton and SDPA are timed as CUDA-graph replays (GPU time; eager launch overhead is printed
+apart), the reference eagerly (it syncs on .tolist()).
 Decode: Triton split-KV kernel vs paged_attention_ref vs torch SDPA over the same context held
 contiguously ([B, Hkv, S, D], no paging: the dense best case). Achieved bandwidth counts the K and
 V bytes every sequence reads once (2 * sum(seq_len) * Hkv * D * itemsize) over the kernel time.
@@ -41,6 +43,20 @@ def ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
+def graph_ms(fn: Callable[[], object]) -> float:
+    """GPU time of fn replayed from a CUDA graph, as the engine's decode step runs: no Python
+    launch overhead (which exceeds a small decode's kernel time several times over)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):      # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return ms(graph.replay)
+
+
 def triton_call(b: PagedBatch) -> Callable[[], torch.Tensor]:
     out = torch.empty_like(b.query)
     return lambda: pa.paged_attention(*b.args(), b.max_seq_len, out=out)
@@ -54,21 +70,21 @@ def dense_kv(b: PagedBatch, cache: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 def bench_decode(dtype: torch.dtype, block_size: int) -> None:
     print(f"\n## decode ({dtype}, block_size {block_size}, 32 q heads / 8 kv heads, D=128)\n")
-    print("| seqs | context | splits | triton ms | TB/s | ref ms | SDPA (dense) ms | SDPA TB/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| seqs | context | splits | triton ms | TB/s | triton eager ms | ref ms | SDPA (dense) ms | SDPA TB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for num_seqs, ctx in DECODE_CASES:
         b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size, dtype=dtype,
                              device="cuda", seed=num_seqs, **HEADS)
         b.max_query_len = 1
         kv_bytes = 2 * num_seqs * ctx * HEADS["num_kv_heads"] * HEADS["head_dim"] * b.k_cache.element_size()
-        split = pa.decode_split(num_seqs, 8, ctx, pa.decode_config(128, True).block_n, b.query.device)
-        t_triton = ms(triton_call(b))
+        split = pa.decode_split(num_seqs, 8, ctx, pa.decode_config(True).block_n, b.query.device)
+        t_triton, t_eager = graph_ms(triton_call(b)), ms(triton_call(b))
         t_ref = ms(partial(pa.paged_attention_ref, *b.args())) if num_seqs * ctx <= 2 ** 20 else float("nan")
         k, v = dense_kv(b, b.k_cache, ctx), dense_kv(b, b.v_cache, ctx)
         q = b.query.view(num_seqs, 32, 1, 128)
-        t_sdpa = ms(partial(sdpa, q, k, v, scale=b.scale, enable_gqa=True))
+        t_sdpa = graph_ms(partial(sdpa, q, k, v, scale=b.scale, enable_gqa=True))
         print(f"| {num_seqs} | {ctx} | {split.num_splits} | {t_triton:.3f} | {kv_bytes / t_triton / 1e9:.2f} "
-              f"| {t_ref:.3f} | {t_sdpa:.3f} | {kv_bytes / t_sdpa / 1e9:.2f} |")
+              f"| {t_eager:.3f} | {t_ref:.3f} | {t_sdpa:.3f} | {kv_bytes / t_sdpa / 1e9:.2f} |")
 
 
 def causal_flops(q_lens: list[int], seq_lens: list[int]) -> float:
@@ -85,20 +101,25 @@ def bench_prefill(dtype: torch.dtype, block_size: int) -> None:
         b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, device="cuda",
                              seed=len(q_lens), **HEADS)
         flops = causal_flops(q_lens, seq_lens)
-        t_triton = ms(triton_call(b))
+        t_triton = graph_ms(triton_call(b))
         t_ref = ms(partial(pa.paged_attention_ref, *b.args()))
         t_sdpa = float("nan")
         if q_lens == seq_lens:      # SDPA's is_causal aligns top-left: fresh prompts only
             n, s = len(q_lens), q_lens[0]
             q = b.query.view(n, s, 32, 128).transpose(1, 2)
             k, v = dense_kv(b, b.k_cache, s), dense_kv(b, b.v_cache, s)
-            t_sdpa = ms(partial(sdpa, q, k, v, is_causal=True, scale=b.scale, enable_gqa=True))
+            t_sdpa = graph_ms(partial(sdpa, q, k, v, is_causal=True, scale=b.scale, enable_gqa=True))
         print(f"| {_short(q_lens)} | {_short(seq_lens)} | {t_triton:.3f} | {flops / t_triton / 1e9:.1f} "
               f"| {t_ref:.3f} | {t_sdpa:.3f} | {flops / t_sdpa / 1e9:.1f} |")
 
 
 def _short(lens: list[int]) -> str:
     return f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(lens)
+
+
+def _print_best(case: str, results: list[tuple[float, pa.TileConfig]], default: pa.TileConfig) -> None:
+    top = "; ".join(f"{t:.3f} ms {c}" for t, c in results[:3])
+    print(f"{case}: default {next(t for t, c in results if c == default):.3f} ms; best {top}")
 
 
 def sweep(dtype: torch.dtype, block_size: int) -> None:
@@ -114,25 +135,23 @@ def sweep(dtype: torch.dtype, block_size: int) -> None:
             for block_n, warps, stages in itertools.product([32, 64, 128], [4, 8], [2, 3]):
                 cfg = pa.TileConfig(16, block_n, warps, stages)
                 pa.decode_config = lambda *_a, cfg=cfg: cfg
-                results.append((ms(triton_call(b)), cfg))
+                results.append((graph_ms(triton_call(b)), cfg))
             results.sort(key=lambda r: r[0])
-            print(f"decode {num_seqs}x{ctx}: best {results[0][0]:.3f} ms {results[0][1]}; "
-                  f"default {next(t for t, c in results if c == default_decode(128, True)):.3f} ms")
+            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(128, True))
             pa.decode_config = default_decode
-        for q_lens in ([8192], [512] * 16):
+        for q_lens in ([8192], [2048] * 4, [512] * 16):
             b = make_paged_batch(q_lens, q_lens, block_size=block_size, dtype=dtype, device="cuda",
                                  seed=2, **HEADS)
             results = []
-            for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64], [4, 8], [2, 3]):
+            for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3]):
                 cfg = pa.TileConfig(block_m, block_n, warps, stages)
                 pa.prefill_config = lambda *_a, cfg=cfg: cfg
                 try:
-                    results.append((ms(triton_call(b)), cfg))
+                    results.append((graph_ms(triton_call(b)), cfg))
                 except triton.runtime.errors.OutOfResources:
                     continue
             results.sort(key=lambda r: r[0])
-            print(f"prefill {_short(q_lens)}: best {results[0][0]:.3f} ms {results[0][1]}; "
-                  f"default {next(t for t, c in results if c == default_prefill(128, 4, True)):.3f} ms")
+            _print_best(f"prefill {_short(q_lens)}", results, default_prefill(4, True))
             pa.prefill_config = default_prefill
     finally:
         pa.decode_config, pa.prefill_config = default_decode, default_prefill

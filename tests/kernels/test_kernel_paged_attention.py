@@ -77,7 +77,7 @@ def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) 
     seq_lens = [600, 37, 290]
     batch = _batch([1, 1, 1], seq_lens, dtype, block_size=block_size, seed=4)
     # Pin that this case really takes several partitions (and partitions of unequal use).
-    block_n = decode_config(32, on_gpu=False).block_n
+    block_n = decode_config(on_gpu=False).block_n
     split = decode_split(len(seq_lens), 2, max(seq_lens), block_n, torch.device("cpu"))
     assert split.num_splits > 2
     _check(batch, decode_only=True)
@@ -86,7 +86,7 @@ def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (8, 1, 64)])
 def test_decode_single_partition_gqa(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     seq_lens = [17, 50]
-    block_n = decode_config(head_dim, on_gpu=False).block_n
+    block_n = decode_config(on_gpu=False).block_n
     assert decode_split(2, num_kv_heads, 50, block_n, torch.device("cpu")).num_splits == 1
     _check(_batch([1, 1], seq_lens, torch.float32, num_heads=num_heads, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, seed=5), decode_only=True)

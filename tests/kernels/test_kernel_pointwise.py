@@ -15,8 +15,9 @@ from kvfleet_kernels.rotary import rotary_embedding, rotary_embedding_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU_DTYPES = [torch.bfloat16, torch.float16]
-# One rounding step of the output dtype (fp32: summation order only).
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# Two rounding steps of the output dtype (fp32: summation order only): rms_norm rounds the
+# normalised value before the weight multiply, so a last-bit difference there can double.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
