@@ -36,7 +36,14 @@ import kubernetes.config
 from kubernetes.client.rest import ApiException
 
 from kvfleet_operator import resources, status
-from kvfleet_operator.spec import API_GROUP, API_VERSION, KIND, LLMServiceSpec, SpecError, parse_spec
+from kvfleet_operator.spec import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    LLMServiceSpec,
+    SpecError,
+    parse_spec,
+)
 
 MERGE_PATCH = "application/merge-patch+json"
 LAST_APPLIED = f"{API_GROUP}/last-applied-configuration"
@@ -146,7 +153,7 @@ def is_applied(patch: Any, live: Any) -> bool:
             for key, value in patch.items())
     if isinstance(patch, list):
         return (isinstance(live, list) and len(patch) == len(live)
-                and all(is_applied(p, v) for p, v in zip(patch, live)))
+                and all(is_applied(p, v) for p, v in zip(patch, live, strict=True)))
     return patch == live
 
 

@@ -32,7 +32,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=API_GROUP, key="last-handled-configuration")
-    settings.persistence.finalizer = f"{API_GROUP}/finalizer"
     # Only warnings become Kubernetes Events; info logs would flood `kubectl describe`.
     settings.posting.level = logging.WARNING
 

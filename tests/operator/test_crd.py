@@ -18,9 +18,8 @@ import celpy
 import jsonschema
 import kubernetes_validate
 import pytest
-from operator_harness import BAD_SPECS, EXAMPLES, BadSpec, example_docs, load_crd
-
 from kvfleet_operator.spec import parse_spec
+from operator_harness import BAD_SPECS, EXAMPLES, BadSpec, example_docs, load_crd
 
 KUBERNETES_VERSION = "1.37.0"
 CRD = load_crd()

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import httpx
+from kvfleet_operator.main import kopf_args
 from operator_harness import minimal_llmservice
 from support.kube import wait_for
-
-from kvfleet_operator.main import kopf_args
 
 BIN = Path(sys.executable).parent / "kvfleet-operator"
 

@@ -79,9 +79,11 @@ def test_status_is_a_separate_subresource_and_spec_changes_bump_generation(clust
 
 
 def test_garbage_collection_follows_owner_references_transitively(cluster):
+    def ref(obj: dict) -> list[dict]:
+        return [{"apiVersion": "v1", "kind": "ConfigMap", "name": obj["metadata"]["name"],
+                 "uid": obj["metadata"]["uid"]}]
+
     owner = cluster.create(configmap("owner"), "configmaps")
-    ref = lambda obj: [{"apiVersion": "v1", "kind": "ConfigMap", "name": obj["metadata"]["name"],
-                        "uid": obj["metadata"]["uid"]}]  # noqa: E731
     child = cluster.create({**configmap("child"), "metadata": {
         "name": "child", "namespace": "ns", "ownerReferences": ref(owner)}}, "configmaps")
     cluster.create({**configmap("grandchild"), "metadata": {

@@ -124,7 +124,9 @@ def test_spec_change_rolls_the_deployment_and_drops_the_autoscaler(cluster, oper
 
 def test_fields_dropped_from_the_spec_are_removed_from_the_children(cluster, operator):
     create_example(cluster)
-    pod = lambda: get(cluster, DEPLOYMENTS)["spec"]["template"]["spec"]  # noqa: E731
+    def pod() -> dict:
+        return get(cluster, DEPLOYMENTS)["spec"]["template"]["spec"]
+
     wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment")
     assert "initContainers" in pod() and "nvidia.com/gpu.product" in pod()["nodeSelector"]
 

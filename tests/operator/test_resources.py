@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from operator_harness import example_llmservices, minimal_llmservice
-
 from kvfleet_operator.resources import (
     build_children,
     build_deployment,
@@ -16,6 +14,7 @@ from kvfleet_operator.resources import (
     service_url,
 )
 from kvfleet_operator.spec import parse_spec
+from operator_harness import example_llmservices, minimal_llmservice
 
 # The oldest version whose schema has every field we emit (preStop sleep: 1.30), and the newest.
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")

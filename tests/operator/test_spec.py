@@ -6,9 +6,8 @@ import re
 from typing import Any
 
 import pytest
-from operator_harness import BAD_SPECS, BadSpec, load_crd, minimal_llmservice
-
 from kvfleet_operator.spec import LLMServiceSpec, SpecError, parse_spec
+from operator_harness import BAD_SPECS, BadSpec, load_crd, minimal_llmservice
 
 
 def crd_defaults(schema: dict[str, Any], path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
