@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 import triton
@@ -49,9 +50,9 @@ def main() -> None:
             ref = w4a16_gemm_ref(x, qweight, scales, zeros, args.bits, args.group_size)
             err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
             assert err < 2e-2, f"{name} M={m}: kernel off by {err:.3g} of max"
-            t_q = triton.testing.do_bench(
-                lambda: w4a16_gemm(x, qweight, scales, zeros, args.bits, args.group_size)) * 1e3
-            t_b = triton.testing.do_bench(lambda: torch.matmul(x, w_bf16)) * 1e3
+            t_q = triton.testing.do_bench(partial(w4a16_gemm, x, qweight, scales, zeros,
+                                                  args.bits, args.group_size)) * 1e3
+            t_b = triton.testing.do_bench(partial(torch.matmul, x, w_bf16)) * 1e3
             io = (m * k + m * n) * 2
             cfg = pick_config(m, n, k, args.group_size, dev)
             print(f"{name:<14}{m:>5}{t_q:>10.1f}{(q_bytes + io) / t_q / 1e6:>7.2f}{t_b:>9.1f}"

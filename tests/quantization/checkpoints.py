@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
+from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # projections that read the same input, hence get the same act-order from GPTQ

@@ -6,9 +6,7 @@ import json
 import logging
 
 import pytest
-
-from kvfleet_runtime.layers.quantization import (AWQConfig, FP8Config, GPTQConfig,
-                                                 get_quant_config)
+from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig, get_quant_config
 from kvfleet_runtime.layers.quantization.awq import AWQLinearMethod
 from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod
 from kvfleet_runtime.layers.quantization.gptq import GPTQLinearMethod

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvfleet_kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_fp8_rowwise
 from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref
 from kvfleet_runtime.layers.linear import Linear
 from kvfleet_runtime.layers.quantization import FP8Config, GPTQConfig
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
 from kvfleet_runtime.layers.quantization.packing import pack_int32
+
 from quantization.checkpoints import quantize_int
-from quantization.test_linear_methods import (INT_CASES, K, SHARDS, build, int_checkpoint,
-                                              int_config, load)
+from quantization.test_linear_methods import (
+    INT_CASES,
+    SHARDS,
+    K,
+    build,
+    int_checkpoint,
+    int_config,
+    load,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvfleet_kernels.fp8 import fp8_linear_ref
 from kvfleet_runtime.layers.linear import Linear
 from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig
 from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
+
 from quantization.checkpoints import quantize_fp8, quantize_int
 
 K = 128
@@ -127,7 +127,7 @@ def test_fp8_checkpoint_scales_of_fused_shards(per_channel):
     layer = build(FP8Config(serialized=True))
     load(layer, [{"weight": w8, "weight_scale": s} for w8, s in quantized])
     # per-tensor scales of q, k, v become exact per-channel scales of the fused rows
-    expected_scale = torch.cat([s.expand(n) for (_, s), n in zip(quantized, SHARDS)])
+    expected_scale = torch.cat([s.expand(n) for (_, s), n in zip(quantized, SHARDS, strict=True)])
     assert torch.equal(layer.weight_scale, expected_scale)
     weight8, scale = layer.weight.clone(), layer.weight_scale.clone()
     layer.linear_method.process_weights_after_loading(layer)

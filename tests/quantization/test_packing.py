@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvfleet_runtime.layers.quantization.awq import pack_awq, unpack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq, unpack_gptq
 from kvfleet_runtime.layers.quantization.packing import AWQ_ORDER, pack_int32, unpack_int32

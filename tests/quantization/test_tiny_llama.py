@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvfleet_runtime import LLM, SamplingParams
-from quantization.checkpoints import write_quantized
 from support.tiny_models import make_tiny_model
+
+from quantization.checkpoints import write_quantized
 
 MAX_NEW = 10
 # name -> (write_quantized arguments, how far the rounding may move a prompt token's log-prob
@@ -55,8 +55,8 @@ def kvfleet_run(model_dir: Path, prompts: list[list[int]], **engine_args):
                             prompt_logprobs=0)
     outs = llm.generate(prompts, params)
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [torch.tensor([pos[tok].logprob for pos, tok in zip(o.prompt_logprobs[1:], p[1:])])
-                for o, p in zip(outs, prompts)]
+    logprobs = [torch.tensor([pos[tok].logprob for pos, tok in zip(o.prompt_logprobs[1:], p[1:], strict=True)])
+                for o, p in zip(outs, prompts, strict=True)]
     return tokens, logprobs
 
 
@@ -80,7 +80,7 @@ def test_quantized_tiny_llama_matches_hf_on_dequantized_weights(case, tiny_llama
     tokens, logprobs = kvfleet_run(quantized, prompts)
     ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
     assert tokens == ref_tokens
-    for our_lp, ref_lp, fp32_lp in zip(logprobs, ref_logprobs, fp32_reference):
+    for our_lp, ref_lp, fp32_lp in zip(logprobs, ref_logprobs, fp32_reference, strict=True):
         torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
         # quantization moved the model, but only so far (and it did move it)
         drift = (our_lp - fp32_lp).abs().max().item()
@@ -95,7 +95,7 @@ def test_fp8_quantized_on_load_matches_hf_on_its_rounding(tiny_llama, tmp_path):
     tokens, logprobs = kvfleet_run(tiny_llama, prompts, quantization="fp8")
     ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
     assert tokens == ref_tokens
-    for our_lp, ref_lp in zip(logprobs, ref_logprobs):
+    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
         torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
 
 

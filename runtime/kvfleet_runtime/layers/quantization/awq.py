@@ -16,8 +16,12 @@ from torch import nn
 
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
 from kvfleet_runtime.layers.quantization.base import QuantConfig, read_choice, read_not_convert
-from kvfleet_runtime.layers.quantization.int_weight import (IntWeight, IntWeightMethod,
-                                                            check_divisible, default_g_idx)
+from kvfleet_runtime.layers.quantization.int_weight import (
+    IntWeight,
+    IntWeightMethod,
+    check_divisible,
+    default_g_idx,
+)
 from kvfleet_runtime.layers.quantization.packing import AWQ_ORDER, pack_int32, unpack_int32
 
 BITS = 4

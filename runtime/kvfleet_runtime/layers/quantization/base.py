@@ -64,7 +64,7 @@ class QuantConfig:
         if all(skipped):
             return "modules_to_not_convert"
         if any(skipped):
-            listed = [s for s, skip in zip(shards, skipped) if skip]
+            listed = [s for s, skip in zip(shards, skipped, strict=True) if skip]
             raise ValueError(f"{self.name}: modules_to_not_convert lists {listed} but not the other "
                              f"shards of the fused layer {prefix}; its shards must all be "
                              "quantized or all be left unquantized")

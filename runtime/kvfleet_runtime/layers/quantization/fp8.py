@@ -15,12 +15,17 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from kvfleet_kernels.fp8 import FP8, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from torch import nn
 
-from kvfleet_kernels.fp8 import FP8, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
-from kvfleet_runtime.layers.quantization.base import (QuantConfig, log_once, read_choice,
-                                                      read_not_convert)
+from kvfleet_runtime.layers.quantization.base import (
+    QuantConfig,
+    log_once,
+    read_choice,
+    read_not_convert,
+)
+
 
 def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
                        shard_id: int | None) -> None:

@@ -18,11 +18,19 @@ import torch
 from torch import nn
 
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
-from kvfleet_runtime.layers.quantization.base import (QuantConfig, read_bool, read_choice,
-                                                      read_not_convert)
-from kvfleet_runtime.layers.quantization.int_weight import (IntWeight, IntWeightMethod,
-                                                            check_divisible, default_g_idx,
-                                                            num_groups)
+from kvfleet_runtime.layers.quantization.base import (
+    QuantConfig,
+    read_bool,
+    read_choice,
+    read_not_convert,
+)
+from kvfleet_runtime.layers.quantization.int_weight import (
+    IntWeight,
+    IntWeightMethod,
+    check_divisible,
+    default_g_idx,
+    num_groups,
+)
 from kvfleet_runtime.layers.quantization.packing import pack_int32, unpack_int32
 
 ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}

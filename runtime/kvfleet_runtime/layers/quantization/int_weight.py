@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvfleet_kernels.w4a16 import kernel_supports, w4a16_gemm
 from torch import nn
 
-from kvfleet_kernels.w4a16 import kernel_supports, w4a16_gemm
 from kvfleet_runtime.layers.linear import Linear, LinearMethod
 from kvfleet_runtime.layers.quantization.base import log_once
 from kvfleet_runtime.layers.quantization.packing import pack_int32
+
 
 @dataclass
 class IntWeight:
