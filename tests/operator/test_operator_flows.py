@@ -212,12 +212,18 @@ def test_deletion_is_left_to_garbage_collection(cluster, operator):
     cluster.delete(*LLMS, NS, "llama-8b")  # no finalizer: gone at once
     assert get(cluster, LLMS) is None
     # A reconcile already in flight may still create a child of the deleted owner;
-    # the garbage collector removes such orphans too, so collect in two rounds.
-    collected = {key[0][2] for key in cluster.collect_garbage()}
-    time.sleep(1.0)
-    collected |= {key[0][2] for key in cluster.collect_garbage()}
+    # the garbage collector removes such orphans too. Collect until nothing moves:
+    # an operator that resurrected orphans would never go quiet.
+    collected: set[str] = set()
+
+    def quiet() -> bool:
+        collected.update(key[0][2] for key in cluster.collect_garbage())
+        version = cluster.emulator.last_rv
+        time.sleep(0.5)
+        return cluster.emulator.last_rv == version
+
+    wait_for(quiet, what="no more writes after the deletion")
     assert collected == {"deployments", "services", "horizontalpodautoscalers",
                          "poddisruptionbudgets"}
-    time.sleep(1.0)  # the child watchers saw the deletions; none may resurrect an orphan
     for kind in (DEPLOYMENTS, SERVICES, HPAS, PDBS):
         assert cluster.list(*kind, NS) == []
