@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from grafana_schema import VARIABLE_RE
+from observability.grafana_schema import VARIABLE_RE
 
 # "All" of a multi-value variable is its allValue, ".*"; so every label filter
 # of the dashboard then matches every series, as in Grafana with nothing picked.

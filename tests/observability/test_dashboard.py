@@ -10,9 +10,10 @@ import subprocess
 import kubernetes_validate
 import pytest
 import yaml
-from chart import load_dashboard, only, promtool_binary, render
-from expressions import dashboard_queries
-from grafana_schema import dashboard_problems
+
+from observability.chart import load_dashboard, only, promtool_binary, render
+from observability.expressions import dashboard_queries
+from observability.grafana_schema import dashboard_problems
 
 CONTRACT_METRICS = [
     "kvfleet_num_requests_running", "kvfleet_num_requests_waiting", "kvfleet_kv_cache_usage_perc",

@@ -23,12 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-from chart import alerts, load_dashboard, rendered_rule_groups, write_rules_file
-from expressions import dashboard_queries, variable_queries
-from kube_state_metrics import Hpa, serve_kube_state_metrics
 from support.prometheus import PrometheusServer, start_prometheus
 from support.server import ServerProcess, running_server
 from support.tiny_models import make_tiny_model
+
+from observability.chart import alerts, load_dashboard, rendered_rule_groups, write_rules_file
+from observability.expressions import dashboard_queries, variable_queries
+from observability.kube_state_metrics import Hpa, serve_kube_state_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from chart import (
+
+from observability.chart import (
     RUNBOOK,
     alerts,
     helm_template,

@@ -1,0 +1,1 @@
+"""Tests of the observability pack: dashboard, alert rules, benchmark plots."""
