@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from pull.conftest import BUCKET, PART_SIZE, run_pull
+from kvfleet_runtime import pull as pullmod
 from support.s3 import S3Server
 
-from kvfleet_runtime import pull as pullmod
+from pull.conftest import BUCKET, PART_SIZE, run_pull
 
 
 def tree(root: Path) -> dict[str, str]:
