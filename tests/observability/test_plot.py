@@ -86,6 +86,23 @@ def test_plot_throughput_accepts_batch_size_and_a_single_run(tmp_path):
     assert ink_fraction(read_png(path)) > 0.01
 
 
+def color_fraction(pixels: np.ndarray, rgb: tuple[int, int, int]) -> float:
+    return float((np.abs(pixels - np.array(rgb) / 255).max(axis=-1) < 0.08).mean())
+
+
+def test_plot_throughput_draws_one_line_per_backend(tmp_path):
+    # `bench throughput --backend kvfleet,hf`: the same setting, one run per backend
+    runs = [{**throughput_run(n), "backend": "kvfleet"} for n in (8, 64)]
+    runs += [{**r, "backend": "hf", "output_tokens_per_s": r["output_tokens_per_s"] / 3,
+              "total_tokens_per_s": r["total_tokens_per_s"] / 3, "elapsed_s": 3 * r["elapsed_s"]}
+             for r in runs]
+    path = tmp_path / "backends.png"
+    plot_throughput(runs, str(path))
+    pixels = read_png(path)
+    for rgb in ((31, 119, 180), (255, 127, 14)):        # tab:blue, tab:orange
+        assert color_fraction(pixels, rgb) > 0.001, rgb
+
+
 def test_missing_key_is_named(tmp_path):
     run = serve_run(1.0, None, 0.1)
     del run["itl_ms_p99"]

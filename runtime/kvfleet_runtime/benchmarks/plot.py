@@ -34,27 +34,37 @@ THROUGHPUT_KEYS = (
 BATCH_KEYS = ("max_num_seqs", "batch_size")
 
 DPI = 100
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 LATENCY_STATS = (("mean", "o-"), ("median", "s--"), ("p99", "^:"))
 
 
 @dataclass(frozen=True)
 class SweepAxis:
-    """Where each run sits on the x axis, in plotting order."""
-    keys: list[str]             # the result keys that were swept
-    order: list[int]            # indices into results, sorted by the swept values
-    tick_labels: list[str]
+    """The distinct settings of a sweep, in order, one x position each."""
+    keys: list[str]                 # the result keys that were swept
+    settings: list[tuple]           # sorted distinct values of `keys`; index = x position
 
     @property
     def title(self) -> str:
         return ", ".join(self.keys)
+
+    @property
+    def tick_labels(self) -> list[str]:
+        if len(self.keys) == 1:
+            return [_fmt(values[0]) for values in self.settings]
+        return ["\n".join(f"{k}={_fmt(v)}" for k, v in zip(self.keys, values, strict=True))
+                for values in self.settings]
+
+    def position(self, run: dict) -> int:
+        return self.settings.index(tuple(run.get(k) for k in self.keys))
 
 
 def plot_serve(results: list[dict], path: str) -> None:
     """Write a PNG of an online-serving sweep: throughput and TTFT/TPOT/ITL against rate or concurrency."""
     _require_keys(results, SERVE_KEYS, "plot_serve")
     axis = _sweep_axis(results, ("request_rate", "max_concurrency"))
-    x = list(range(len(axis.order)))
-    runs = [results[i] for i in axis.order]
+    runs = sorted(results, key=axis.position)
+    x = [axis.position(r) for r in runs]
 
     fig = Figure(figsize=(12, 8), dpi=DPI, layout="constrained")
     (ax_tput, ax_ttft), (ax_tpot, ax_itl) = fig.subplots(2, 2)
@@ -88,7 +98,10 @@ def plot_serve(results: list[dict], path: str) -> None:
 
 
 def plot_throughput(results: list[dict], path: str) -> None:
-    """Write a PNG of an offline-throughput sweep: tokens/s and elapsed time against batch size or lengths."""
+    """Write a PNG of an offline-throughput sweep: tokens/s and elapsed time against batch size or lengths.
+
+    Runs that name a `backend` (kvfleet, hf) are drawn as one line per backend.
+    """
     _require_keys(results, THROUGHPUT_KEYS, "plot_throughput")
     for i, r in enumerate(results):
         if not any(k in r for k in BATCH_KEYS):
@@ -96,22 +109,30 @@ def plot_throughput(results: list[dict], path: str) -> None:
                              f"{', '.join(BATCH_KEYS)}; got keys {sorted(r)}")
     batch_key = next(k for k in BATCH_KEYS if k in results[0])
     axis = _sweep_axis(results, (batch_key, "num_prompts", "input_len", "output_len"))
-    x = list(range(len(axis.order)))
-    runs = [results[i] for i in axis.order]
+    backends = list(dict.fromkeys(r.get("backend") for r in results))
 
     fig = Figure(figsize=(12, 4.5), dpi=DPI, layout="constrained")
     ax_tok, ax_time = fig.subplots(1, 2)
-    ax_tok.plot(x, [r["output_tokens_per_s"] for r in runs], "o-", label="output tokens/s")
-    ax_tok.plot(x, [r["total_tokens_per_s"] for r in runs], "s--", label="total tokens/s")
+    for i, backend in enumerate(backends):
+        color = COLORS[i % len(COLORS)]
+        runs = sorted((r for r in results if r.get("backend") == backend), key=axis.position)
+        x = [axis.position(r) for r in runs]
+        prefix = f"{backend} " if backend is not None else ""
+        ax_tok.plot(x, [r["output_tokens_per_s"] for r in runs], "o-", color=color,
+                    label=f"{prefix}output tokens/s")
+        ax_tok.plot(x, [r["total_tokens_per_s"] for r in runs], "s--", color=color,
+                    label=f"{prefix}total tokens/s")
+        ax_time.plot(x, [r["elapsed_s"] for r in runs], "o-", color=color,
+                     label=backend or "elapsed")
     ax_tok.set_title("Throughput")
     ax_tok.set_ylabel("tokens/s")
-    ax_tok.set_ylim(bottom=0)
     ax_tok.legend(loc="upper left")
-    ax_time.plot(x, [r["elapsed_s"] for r in runs], "o-", color="tab:green")
     ax_time.set_title("Elapsed time")
     ax_time.set_ylabel("s")
-    ax_time.set_ylim(bottom=0)
+    if len(backends) > 1:
+        ax_time.legend(loc="upper right")
     for ax in (ax_tok, ax_time):
+        ax.set_ylim(bottom=0)
         _set_sweep_ticks(ax, axis)
 
     fixed = [f"{k}={_fmt(results[0][k])}" for k in ("num_prompts", "input_len", "output_len")
@@ -131,17 +152,13 @@ def _require_keys(results: Sequence[dict], keys: Sequence[str], who: str) -> Non
 
 
 def _sweep_axis(results: Sequence[dict], candidates: Sequence[str]) -> SweepAxis:
-    """Pick the keys whose values differ between runs and order the runs by them."""
+    """Pick the keys whose values differ between runs; their distinct settings become the x axis."""
     swept = [k for k in candidates if len({_sort_key(r.get(k)) for r in results}) > 1]
-    if not swept:       # a single run or repeats of one setting: label by the first knob
+    if not swept:       # a single setting (one run, or one per backend): label by the first knob
         swept = [candidates[0]]
-    order = sorted(range(len(results)),
-                   key=lambda i: tuple(_sort_key(results[i].get(k)) for k in swept))
-    if len(swept) == 1:
-        labels = [_fmt(results[i].get(swept[0])) for i in order]
-    else:
-        labels = ["\n".join(f"{k}={_fmt(results[i].get(k))}" for k in swept) for i in order]
-    return SweepAxis(keys=swept, order=order, tick_labels=labels)
+    settings = sorted({tuple(r.get(k) for k in swept) for r in results},
+                      key=lambda values: tuple(_sort_key(v) for v in values))
+    return SweepAxis(keys=swept, settings=settings)
 
 
 def _sort_key(value: object) -> float:
@@ -160,6 +177,6 @@ def _fmt(value: object) -> str:
 
 
 def _set_sweep_ticks(ax, axis: SweepAxis) -> None:
-    ax.set_xticks(range(len(axis.tick_labels)), axis.tick_labels)
+    ax.set_xticks(range(len(axis.settings)), axis.tick_labels)
     ax.set_xlabel(axis.title)
     ax.grid(True, alpha=0.3)
