@@ -51,7 +51,9 @@ def _child_changed(body: kopf.Body, **_: Any) -> None:
 
 
 # Drift repair and status: any change to a child (including its deletion or
-# the Deployment's rollout progress) reconciles the owning LLMService.
+# the Deployment's rollout progress) reconciles the owning LLMService. (No
+# kopf timer for a periodic resync: timers make kopf put a finalizer on every
+# LLMService, and deletion must not depend on the operator running.)
 for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural,
                   labels={LABEL_MANAGED_BY: OPERATOR_NAME})(_child_changed)

@@ -319,6 +319,17 @@ def build_service(spec: LLMServiceSpec) -> Manifest:
     }
 
 
+def decimal_quantity(value: int) -> str:
+    """An integer in the API server's canonical quantity form (2000 -> "2k"), so the
+    live object reads back exactly what was applied and no needless patch follows."""
+    suffixes = ("", "k", "M", "G", "T", "P", "E")
+    index = 0
+    while value and value % 1000 == 0 and index < len(suffixes) - 1:
+        value //= 1000
+        index += 1
+    return f"{value}{suffixes[index]}"
+
+
 def build_hpa(spec: LLMServiceSpec) -> Manifest | None:
     auto = spec.autoscaling
     if auto is None:
@@ -336,7 +347,8 @@ def build_hpa(spec: LLMServiceSpec) -> Manifest | None:
                 "pods": {
                     "metric": {"name": TOKENS_PER_SECOND_METRIC},
                     "target": {"type": "AverageValue",
-                               "averageValue": str(auto.target_tokens_per_second_per_replica)},
+                               "averageValue": decimal_quantity(
+                                   auto.target_tokens_per_second_per_replica)},
                 },
             }],
             "behavior": {"scaleDown": {

@@ -10,6 +10,7 @@ from kvfleet_operator.resources import (
     build_hpa,
     build_pdb,
     build_service,
+    decimal_quantity,
     serve_command,
     service_url,
 )
@@ -158,6 +159,9 @@ def test_autoscaling_makes_an_hpa_on_tokens_per_second_and_leaves_replicas_to_it
     assert metric == {"type": "Pods", "pods": {
         "metric": {"name": "kvfleet_generation_tokens_per_second"},
         "target": {"type": "AverageValue", "averageValue": "1500"}}}
+    # The API server stores quantities canonically; applying that form avoids needless patches.
+    assert [decimal_quantity(v) for v in (1, 999, 1000, 2000, 1500, 3_000_000, 10**18)] == \
+        ["1", "999", "1k", "2k", "1500", "3M", "1E"]
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 120
     assert "replicas" not in build_deployment(spec)["spec"]
     assert build_pdb(spec)["spec"]["maxUnavailable"] == 1
