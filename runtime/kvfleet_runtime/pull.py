@@ -750,8 +750,8 @@ def _interrupted(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Pod deletion sends SIGTERM: stop like Ctrl-C, keeping what is staged for the next attempt.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupted)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupted) if in_main else None
     try:
         result = pull(args.source, Path(args.dest), options_from_args(args))
     except PullError as e:
@@ -764,6 +764,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvfleet pull: interrupted; run the same command again to resume", file=sys.stderr)
         return int(ExitCode.INTERRUPTED)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     if result.up_to_date:
         print(f"kvfleet pull: {result.dest} is up to date with {result.source} ({result.files} files)",
               file=sys.stderr)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,9 +42,32 @@ def uploaded(s3: S3Server, checkpoint: Path) -> str:
     return f"s3://{BUCKET}/{PREFIX}"
 
 
-def run_pull(s3: S3Server | None, *args: str, env: dict[str, str] | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
-    """`kvfleet pull ...` in a child process, as an init container runs it."""
+@dataclass
+class PullRun:
+    returncode: int
+    stderr: str
+
+
+def run_pull(s3: S3Server | None, *args: str, env: dict[str, str] | None = None) -> PullRun:
+    """`kvfleet pull --no-progress ...` in this process, with `env` as the whole environment
+    (the S3 server's credentials by default), its exit code and stderr captured."""
+    from kvfleet_runtime import pull
+
     env = env if env is not None else (s3.env() if s3 else dict(os.environ))
-    return subprocess.run([sys.executable, "-m", "kvfleet_runtime.pull", "--no-progress", *args],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    saved = dict(os.environ)
+    err = io.StringIO()
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = pull.main(["--no-progress", *args])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return PullRun(code, err.getvalue())
+
+
+def pull_process(s3: S3Server, *args: str) -> subprocess.Popen:
+    """`python -m kvfleet_runtime.pull ...` as its own process (for killing it)."""
+    return subprocess.Popen([sys.executable, "-m", "kvfleet_runtime.pull", "--no-progress", *args],
+                            env=s3.env(), stderr=subprocess.PIPE, text=True)

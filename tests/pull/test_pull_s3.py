@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from kvfleet_runtime import pull as pullmod
 from support.s3 import S3Server
 
-from pull.conftest import BUCKET, PART_SIZE, run_pull
+from pull.conftest import BUCKET, PART_SIZE, pull_process, run_pull
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -86,10 +85,8 @@ def test_resume_after_killed_download(s3: S3Server, tmp_path: Path) -> None:
     (src_root / "shard.bin").write_bytes(blob[::-1])
     s3.upload_dir(src_root, BUCKET, "resume", multipart_chunksize=PART_SIZE)   # multipart ETag
     dest = tmp_path / "model"
-    env = s3.env()
-    slow = subprocess.Popen([sys.executable, "-m", "kvfleet_runtime.pull", "--no-progress", f"s3://{BUCKET}/resume",
-                             str(dest), "--chunk-size", "1M", "--jobs", "2", "--max-bandwidth", "8M"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    slow = pull_process(s3, f"s3://{BUCKET}/resume", str(dest), "--chunk-size", "1M", "--jobs", "2",
+                        "--max-bandwidth", "8M")
     state = dest / pullmod.STAGING / "weights.bin.part.json"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
