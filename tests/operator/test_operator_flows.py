@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import yaml
-from operator_harness import ROOT, operator_runner
+from operator_harness import EXAMPLES, ROOT, example_docs, operator_runner
 from support.kube import KubeCluster, wait_for
 
 NS = "default"
@@ -227,3 +227,24 @@ def test_deletion_is_left_to_garbage_collection(cluster, operator):
                          "poddisruptionbudgets"}
     for kind in (DEPLOYMENTS, SERVICES, HPAS, PDBS):
         assert cluster.list(*kind, NS) == []
+
+
+def test_every_example_is_reconciled(cluster, operator):
+    expected = {}
+    for path in EXAMPLES:
+        for doc in example_docs(path, NS):
+            plural = "secrets" if doc["kind"] == "Secret" else "llmservices"
+            cluster.create(doc, plural)
+            if doc["kind"] == "LLMService":
+                spec = doc["spec"]
+                expected[doc["metadata"]["name"]] = (
+                    "autoscaling" in spec,
+                    spec.get("autoscaling", {}).get("minReplicas", spec.get("replicas", 1)) > 1)
+    assert len(expected) == len(EXAMPLES)
+    for name, (has_hpa, has_pdb) in expected.items():
+        wait_for(lambda name=name: get(cluster, SERVICES, name), what=f"the Service of {name}")
+        wait_for(lambda name=name: condition(get(cluster, LLMS, name), "Progressing"),
+                 what=f"the status of {name}")
+        assert condition(get(cluster, LLMS, name), "Degraded")["status"] == "False"
+        assert (get(cluster, HPAS, name) is not None) == has_hpa, name
+        assert (get(cluster, PDBS, name) is not None) == has_pdb, name
