@@ -211,16 +211,16 @@ def remove_child(api: KubeApi, kind: str, namespace: str, name: str, owner_uid: 
 def check_references(api: KubeApi, spec: LLMServiceSpec) -> None:
     """Every Secret the pods read exists with its keys; else MissingReference names it."""
     for secret_name, keys in spec.secret_names().items():
+        field = ("spec.apiKeySecret" if secret_name == spec.api_key_secret
+                 else "spec.s3.credentialsSecret")
         secret = api.get("Secret", spec.namespace, secret_name)
         if secret is None:
-            field = ("spec.apiKeySecret" if secret_name == spec.api_key_secret
-                     else "spec.s3.credentialsSecret")
             raise MissingReference(f"{field}: Secret {spec.namespace}/{secret_name} not found")
         present = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
         missing = [key for key in keys if key not in present]
         if missing:
-            raise MissingReference(f"Secret {spec.namespace}/{secret_name} lacks key(s) "
-                                   f"{', '.join(missing)}")
+            raise MissingReference(f"{field}: Secret {spec.namespace}/{secret_name} lacks "
+                                   f"key(s) {', '.join(missing)}")
 
 
 # ---------------------------------------------------------------- one reconcile
@@ -245,8 +245,8 @@ def _fail(api: KubeApi, body: Mapping[str, Any], reason: str, message: str) -> N
     kopf.event(dict(body), type="Warning", reason=reason, message=message)
 
 
-def reconcile(body: Mapping[str, Any], api: KubeApi | None = None) -> dict[str, Any]:
-    """Bring the children of one LLMService in line with its spec; returns the live Deployment.
+def reconcile(body: Mapping[str, Any], api: KubeApi | None = None) -> None:
+    """Bring the children of one LLMService in line with its spec, and write its status.
 
     Raises kopf.PermanentError for a spec that can never work and
     kopf.TemporaryError while a referenced Secret is missing; in both cases
@@ -279,7 +279,6 @@ def reconcile(body: Mapping[str, Any], api: KubeApi | None = None) -> dict[str, 
         previous=body.get("status"), generation=body["metadata"].get("generation"),
         url=resources.service_url(spec), deployment=deployment, selector=selector)
     _write_status(api, body, new)
-    return deployment or {}
 
 
 def reconcile_owner(child: Mapping[str, Any]) -> None:

@@ -248,3 +248,15 @@ def test_every_example_is_reconciled(cluster, operator):
         assert condition(get(cluster, LLMS, name), "Degraded")["status"] == "False"
         assert (get(cluster, HPAS, name) is not None) == has_hpa, name
         assert (get(cluster, PDBS, name) is not None) == has_pdb, name
+
+
+def test_a_secret_without_the_needed_key_is_reported_by_field_and_key(cluster, operator):
+    secret, service = example()
+    del secret["stringData"]["AWS_SECRET_ACCESS_KEY"]
+    cluster.create(secret, "secrets")
+    cluster.create(service, "llmservices")
+    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
+                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    assert degraded["message"] == ("spec.s3.credentialsSecret: Secret default/model-store lacks "
+                                   "key(s) AWS_SECRET_ACCESS_KEY")
+    assert cluster.list(*DEPLOYMENTS, NS) == []
