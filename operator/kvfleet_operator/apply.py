@@ -171,6 +171,16 @@ def removals(last: Any, desired: Any) -> Any:
     return patch
 
 
+def forget(last: dict[str, Any], path: tuple[str, ...]) -> None:
+    """Drop one field from a last-applied manifest, so the next apply never removes it."""
+    *parents, leaf = path
+    for key in parents:
+        last = last.get(key)
+        if not isinstance(last, dict):
+            return
+    last.pop(leaf, None)
+
+
 def adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
     kopf.append_owner_reference(manifest, owner=owner)
     return manifest
@@ -192,7 +202,10 @@ def apply_child(api: KubeApi, manifest: dict[str, Any]) -> dict[str, Any]:
                 raise
             live = api.get(kind, meta["namespace"], meta["name"]) or {}
     last = ((live.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
-    patch = removals(json.loads(last) if last else {}, manifest)
+    previous = json.loads(last) if last else {}
+    for path in resources.HANDED_OVER.get(kind, ()):
+        forget(previous, path)
+    patch = removals(previous, manifest)
     if is_applied(patch, live):
         return live
     return api.patch(kind, meta["namespace"], meta["name"], patch)

@@ -370,7 +370,10 @@ def build_pdb(spec: LLMServiceSpec) -> Manifest | None:
     }
 
 
-CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+# Fields a builder may stop setting because another controller takes them over:
+# when autoscaling is switched on, the HPA owns Deployment .spec.replicas, and
+# removing the field would reset the Deployment to 1 replica before the HPA acts.
+HANDED_OVER: dict[str, tuple[tuple[str, ...], ...]] = {"Deployment": (("spec", "replicas"),)}
 
 
 def build_children(spec: LLMServiceSpec) -> dict[str, Manifest | None]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfleet_operator.apply import is_applied, removals
+from kvfleet_operator.apply import forget, is_applied, removals
 
 
 def test_removals_null_only_what_the_last_apply_set():
@@ -22,3 +22,10 @@ def test_is_applied_ignores_server_defaults_but_not_stale_or_changed_fields():
     assert not is_applied({"spec": {"dnsPolicy": None}}, live)  # a field to remove is still there
     assert is_applied({"spec": {"initContainers": None}}, live)
     assert not is_applied({"spec": {"containers": [{"name": "c"}, {"name": "d"}]}}, live)
+
+
+def test_a_forgotten_field_is_never_removed():
+    last = {"spec": {"replicas": 3, "template": {}}}
+    forget(last, ("spec", "replicas"))
+    forget(last, ("status", "replicas"))  # absent: nothing to do
+    assert removals(last, {"spec": {"template": {}}}) == {"spec": {"template": {}}}

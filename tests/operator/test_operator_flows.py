@@ -260,3 +260,18 @@ def test_a_secret_without_the_needed_key_is_reported_by_field_and_key(cluster, o
     assert degraded["message"] == ("spec.s3.credentialsSecret: Secret default/model-store lacks "
                                    "key(s) AWS_SECRET_ACCESS_KEY")
     assert cluster.list(*DEPLOYMENTS, NS) == []
+
+
+def test_switching_autoscaling_on_keeps_the_running_replicas(cluster, operator):
+    _, service = example()
+    service["spec"].pop("autoscaling")
+    service["spec"].update(replicas=3, s3={"endpoint": "http://s3:8333"})
+    cluster.create(service, "llmservices")
+    wait_for(lambda: (get(cluster, DEPLOYMENTS) or {}).get("spec", {}).get("replicas") == 3,
+             what="3 replicas")
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {"autoscaling": {
+        "minReplicas": 2, "maxReplicas": 5, "targetTokensPerSecondPerReplica": 900}}})
+    wait_for(lambda: get(cluster, HPAS), what="the HPA")
+    # Handed over to the HPA: not reset to the default of 1 on the way.
+    assert get(cluster, DEPLOYMENTS)["spec"]["replicas"] == 3
+    assert get(cluster, HPAS)["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "900"
