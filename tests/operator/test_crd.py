@@ -19,6 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from kvfleet_operator.spec import parse_spec
+from kvfleet_operator.status import CONDITION_TYPES
 from operator_harness import BAD_SPECS, EXAMPLES, BadSpec, example_docs, load_crd
 
 KUBERNETES_VERSION = "1.37.0"
@@ -116,7 +117,7 @@ def test_status_and_scale_subresources_point_at_schema_fields():
     assert status[scale["statusReplicasPath"].removeprefix(".status.")]["type"] == "integer"
     assert status[scale["labelSelectorPath"].removeprefix(".status.")]["type"] == "string"
     conditions = status["conditions"]["items"]["properties"]["type"]["enum"]
-    assert conditions == ["Ready", "ModelReady", "Progressing", "Degraded"]
+    assert conditions == list(CONDITION_TYPES) == ["Ready", "ModelReady", "Progressing", "Degraded"]
 
 
 def test_printer_columns_show_model_quantization_replicas_ready_url_age():

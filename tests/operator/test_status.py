@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfleet_operator.status import (
+    CONDITION_TYPES,
     Condition,
     build_status,
     conditions_from_deployment,
@@ -77,3 +78,9 @@ def test_invalid_spec_is_degraded_only():
     conds = by_type(invalid_conditions("InvalidSpec", "spec.quantization must be one of ..."))
     assert conds["Degraded"].status and conds["Degraded"].reason == "InvalidSpec"
     assert not any(c.status for t, c in conds.items() if t != "Degraded")
+
+
+def test_every_outcome_reports_the_same_four_conditions():
+    for conditions in (conditions_from_deployment(None, 1), conditions_from_deployment(
+            deployment(1, 1), 1), invalid_conditions("InvalidSpec", "x")):
+        assert tuple(c.type for c in conditions) == CONDITION_TYPES
