@@ -155,7 +155,7 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor(query_start, torch.int32),
             max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens))
+            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start)
         return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, logits_rows
 
     @torch.inference_mode()

@@ -3,6 +3,10 @@
 The model runner binds each layer's cache (`layer.kv_cache = (k_cache, v_cache)`,
 each [num_blocks, block_size, num_kv_heads, head_dim]) and passes an
 `AttentionMetadata` describing the flattened batch explicitly through forward().
+
+Backends: the Triton kernels on CUDA; elsewhere a torch path built on
+scaled_dot_product_attention (fast on CPU). Both are checked against
+`kvfleet_kernels.paged_attention.paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -10,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_kernels import paged_attention as pa
 from kvfleet_runtime.layers.backend import use_triton
 
 
@@ -24,6 +28,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor    # [B + 1] int32
     max_query_len: int
     max_seq_len: int
+    seq_lens_cpu: list[int] | None = None         # host copies for the torch path
+    query_start_loc_cpu: list[int] | None = None
 
 
 class Attention(nn.Module):
@@ -44,12 +50,69 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.kv_cache
         if use_triton(q):
+            from kvfleet_kernels import paged_attention as pa
             pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, self.scale, meta.max_query_len,
                                      meta.max_seq_len)
         else:
-            pa.reshape_and_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = pa.paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                         meta.query_start_loc, self.scale, meta.max_query_len)
+            write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    # every slot is valid on this path (padding slots only exist in CUDA graphs)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # [num_blocks, bs, Hkv, D] -> [Hkv, S, D]
+    bs = cache.shape[1]
+    blocks = table[: -(-seq_len // bs)].long()
+    return cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+
+
+def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """SDPA per sequence (prefill) or batched over padded contexts (decode)."""
+    lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    starts = (meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None
+              else meta.query_start_loc.tolist())
+    if meta.max_query_len == 1:
+        return _decode(q, k_cache, v_cache, meta.block_tables, lens, scale)
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
+        q_len = e - s
+        qi = q[s:e].transpose(0, 1)                                      # [H, Q, D]
+        if q_len == seq_len:        # nothing cached before: attend over the new tokens only
+            ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            ki = _context(k_cache, meta.block_tables[i], seq_len)
+            vi = _context(v_cache, meta.block_tables[i], seq_len)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale,
+                                               enable_gqa=True)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float) -> torch.Tensor:
+    num_seqs = q.shape[0]
+    bs = k_cache.shape[1]
+    max_len = max(lens)
+    table = block_tables[:, : -(-max_len // bs)].long()
+    ks = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)      # [B, Hkv, S, D]
+    vs = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    seq_lens = torch.tensor(lens, device=q.device)
+    allowed = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]   # [B, S]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=allowed[:, None, None, :],
+                                       scale=scale, enable_gqa=True)     # [B, H, 1, D]
+    return o.view(num_seqs, q.shape[1], q.shape[2])

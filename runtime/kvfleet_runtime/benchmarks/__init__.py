@@ -1,0 +1,1 @@
+"""Benchmarks: `kvfleet bench throughput | latency | serve`, and their plots."""

@@ -1,0 +1,192 @@
+"""`kvfleet bench throughput | latency | serve`, with flags like vLLM's `bench` commands.
+
+throughput: offline, fixed-length random prompts, ignore_eos; `--backend kvfleet,hf`
+runs HF transformers' generate() on the same prompts in the same process for a
+side-by-side ratio. latency: one batch at a time, TTFT and time per output token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    tp = sub.add_parser("throughput", help="offline throughput on fixed-length random prompts")
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--num-prompts", type=int, default=1000)
+    tp.add_argument("--backend", default="kvfleet",
+                    help="comma-separated: kvfleet, hf (default: kvfleet)")
+    tp.add_argument("--hf-max-batch-size", type=int, default=None,
+                    help="HF generate() batch size (default: max_num_seqs)")
+    tp.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    tp.add_argument("--plot", metavar="PNG", help="draw output/total tokens/s of each run")
+    add_engine_args(tp)
+    tp.set_defaults(func=run_throughput)
+
+    lat = sub.add_parser("latency", help="TTFT and time per output token of one batch")
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--json", metavar="PATH")
+    add_engine_args(lat)
+    lat.set_defaults(func=run_latency)
+
+    try:
+        from kvfleet_runtime.benchmarks.serve import add_serve_parser
+    except ModuleNotFoundError as e:
+        if e.name != "kvfleet_runtime.benchmarks.serve":
+            raise
+    else:
+        add_serve_parser(sub)
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    hi = min(vocab, 32000)       # ids every tokenizer of ours can decode
+    return [[rng.randrange(100, hi) for _ in range(length)] for _ in range(num)]
+
+
+def _kvfleet_throughput(llm, prompts, output_len: int) -> float:
+    from kvfleet_runtime.sampling_params import SamplingParams
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
+                            seed=0)
+    llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    made = sum(len(o.outputs[0].token_ids) for o in outs)
+    if made != len(prompts) * output_len:
+        raise RuntimeError(f"expected {len(prompts) * output_len} output tokens, got {made}")
+    return elapsed
+
+
+def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> float:
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    dtype = config.resolve_dtype(None) if config.dtype == "auto" else config.resolve_dtype(None)
+    path = config.model
+    kwargs = {}
+    if path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(config.torch_device)
+    model.eval()
+
+    def run(batch):
+        ids = torch.tensor(batch, device=config.torch_device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                       top_p=1.0, top_k=0, max_new_tokens=output_len, min_new_tokens=output_len,
+                       pad_token_id=0)
+    with torch.inference_mode():
+        run(prompts[:1])
+        if config.torch_device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            run(prompts[i:i + batch_size])
+        if config.torch_device.type == "cuda":
+            torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del model
+    return elapsed
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    bad = sorted(set(backends) - {"kvfleet", "hf"})
+    if bad or not backends:
+        print(f"kvfleet bench throughput: error: --backend must list kvfleet and/or hf; got "
+              f"{args.backend!r}", file=sys.stderr)
+        return 2
+    from kvfleet_runtime.llm import LLM
+    config = engine_config_from_args(args)
+    llm = LLM.from_config(config)       # also finalises max_model_len, used for both backends
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.model_config.vocab_size)
+    results = []
+    for backend in backends:
+        if backend == "kvfleet":
+            elapsed = _kvfleet_throughput(llm, prompts, args.output_len)
+        else:
+            elapsed = _hf_throughput(config, prompts, args.output_len,
+                                     args.hf_max_batch_size or config.max_num_seqs)
+        out_tokens = args.num_prompts * args.output_len
+        results.append({
+            "backend": backend, "num_prompts": args.num_prompts, "input_len": args.input_len,
+            "output_len": args.output_len, "max_num_seqs": config.max_num_seqs,
+            "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
+            "output_tokens_per_s": out_tokens / elapsed,
+            "total_tokens_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed})
+        r = results[-1]
+        print(f"[{backend}] {args.num_prompts} prompts {args.input_len} in / {args.output_len} out: "
+              f"{r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} req/s, "
+              f"{r['output_tokens_per_s']:.1f} output tok/s, {r['total_tokens_per_s']:.1f} total tok/s")
+    if len(results) == 2:
+        ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
+        print(f"ratio {backends[0]}/{backends[1]}: {ratio:.2f}x")
+    _write(args, results)
+    if args.plot:
+        from kvfleet_runtime.benchmarks.plot import plot_throughput
+        plot_throughput(results, args.plot)
+    return 0
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvfleet_runtime.engine.engine import LLMEngine
+    from kvfleet_runtime.sampling_params import SamplingParams
+    engine = LLMEngine(engine_config_from_args(args))
+    prompts = random_prompts(args.batch_size, args.input_len, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    sync = torch.cuda.synchronize if engine.config.device == "cuda" else (lambda: None)
+    ttfts, tpots, totals = [], [], []
+    for it in range(args.num_iters_warmup + args.num_iters):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"lat-{it}-{i}", p, params)
+        # prefix caching would turn later iterations' prefill into a cache hit
+        engine.kv.block_pool.reset_prefix_cache()
+        sync()
+        start = time.perf_counter()
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and outs and all(o.outputs[0].token_ids for o in outs):
+                sync()
+                first = time.perf_counter() - start
+        sync()
+        total = time.perf_counter() - start
+        if it >= args.num_iters_warmup:
+            ttfts.append(first)
+            totals.append(total)
+            tpots.append((total - first) / max(args.output_len - 1, 1))
+    n = len(totals)
+    res = {"batch_size": args.batch_size, "input_len": args.input_len,
+           "output_len": args.output_len, "ttft_ms": 1e3 * sum(ttfts) / n,
+           "tpot_ms": 1e3 * sum(tpots) / n, "latency_s": sum(totals) / n,
+           "decode_tokens_per_s_per_seq": 1.0 / (sum(tpots) / n)}
+    print(f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
+          f"TTFT {res['ttft_ms']:.1f} ms, TPOT {res['tpot_ms']:.2f} ms "
+          f"({res['decode_tokens_per_s_per_seq']:.1f} tok/s per sequence), "
+          f"end to end {res['latency_s']:.3f} s")
+    _write(args, [res])
+    return 0
+
+
+def _write(args, results) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)

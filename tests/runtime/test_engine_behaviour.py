@@ -1,0 +1,155 @@
+"""Engine behaviour beyond greedy equality: logprobs, seeds, n > 1, stops, aborts, block accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama3")
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(model=llama_dir, max_num_seqs=16, num_gpu_blocks=64)
+
+
+def _all_blocks_free(engine: LLMEngine) -> bool:
+    pool = engine.kv.block_pool
+    return (not engine.kv.req_to_blocks and pool.get_num_free_blocks() == pool.num_usable_blocks
+            and all(b.ref_cnt >= 0 for b in pool.blocks))
+
+
+def test_logprobs_match_hf_log_softmax(llm, llama_dir):
+    from transformers import AutoModelForCausalLM
+    prompt = [5, 17, 300, 4000, 12, 99, 7]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
+                                                prompt_logprobs=2))[0]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + out.outputs[0].token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+    for i, (tok, pos) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(pos[tok].logprob - row[tok].item()) < 1e-4
+        top = row.topk(3)
+        assert [t for t, lp in pos.items() if lp.rank is not None][:3] == top.indices.tolist()
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(pos[t].logprob - v) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[j][prompt[j]].logprob - ref[j - 1, prompt[j]].item()) < 1e-4
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
+    alone = llm.generate([[11, 12, 13]], params)[0].outputs[0].token_ids
+    rng = random.Random(0)
+    others = [[rng.randrange(3, 40000) for _ in range(rng.randrange(2, 30))] for _ in range(7)]
+    mixed = llm.generate(others[:3] + [[11, 12, 13]] + others[3:],
+                         [SamplingParams(temperature=1.0, max_tokens=10)] * 3 + [params]
+                         + [SamplingParams(temperature=0.7, max_tokens=6)] * 4)
+    assert mixed[3].outputs[0].token_ids == alone
+    unseeded = llm.generate([[11, 12, 13]] * 4, SamplingParams(temperature=1.0, max_tokens=10))
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
+
+
+def test_n_samples_share_the_prompt_blocks(llama_dir):
+    llm = LLM(model=llama_dir, max_num_seqs=8, num_gpu_blocks=64)
+    engine = llm.engine
+    prompt = list(range(100, 150))          # 3 full blocks of 16
+    engine.add_request("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20))
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        blocks = engine.kv.req_to_blocks
+        if len(blocks) == 3:
+            first = [set(b.block_id for b in blks[:3]) for blks in blocks.values()]
+            shared_seen |= first[0] == first[1] == first[2]
+    assert shared_seen
+    assert _all_blocks_free(engine)
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_stop_string_is_not_emitted_and_ends_with_stop(llm):
+    free = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    stop = free.text[3:6]
+    out = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[:free.text.index(stop)]
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llm):
+    free = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_id = free.token_ids[2]
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8,
+                                                   stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:3] and out.stop_reason == stop_id
+    late = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
+                                                    stop_token_ids=[free.token_ids[0]]))[0].outputs[0]
+    assert len(late.token_ids) >= 4
+
+
+def test_prompt_too_long_names_the_lengths(llm):
+    with pytest.raises(ValueError, match=r"maximum context length is 1024.*1000 in the prompt, 100"):
+        llm.generate([[5] * 1000], SamplingParams(max_tokens=100))
+    assert _all_blocks_free(llm.engine)
+
+
+def test_bad_llm_arguments_name_the_argument(llama_dir):
+    with pytest.raises(TypeError, match="blok_size"):
+        LLM(model=llama_dir, blok_size=16)
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        LLM(model=llama_dir, block_size=7)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="neither a folder nor a .gguf"):
+        LLM(model="/nonexistent/model")
+
+
+def test_abort_frees_blocks_mid_generation(llm):
+    engine = llm.engine
+    engine.add_request("x", list(range(200, 260)), SamplingParams(max_tokens=50))
+    engine.add_request("y", list(range(300, 330)), SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.kv.req_to_blocks
+    engine.abort_request(["x", "y"])
+    assert not engine.has_unfinished_requests() and _all_blocks_free(engine)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
+                              st.integers(1, 60), st.integers(1, 12)), min_size=5, max_size=40))
+def test_random_add_abort_step_never_leaks_blocks(llm, ops):
+    engine = llm.engine
+    live: list[str] = []
+    for i, (op, length, max_tokens) in enumerate(ops):
+        if op == "add":
+            rid = f"prop-{i}"
+            engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
+                               SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i,
+                                              n=1 + i % 2))
+            live.append(rid)
+        elif op == "abort" and live:
+            engine.abort_request(live.pop(length % len(live)))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        assert all(b.ref_cnt >= 0 for b in engine.kv.block_pool.blocks)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _all_blocks_free(engine)
