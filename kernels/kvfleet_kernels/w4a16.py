@@ -13,6 +13,7 @@ Decode (M small) splits K across programs so that one row of output still fills 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,7 @@ class GemmConfig:
     num_stages: int
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

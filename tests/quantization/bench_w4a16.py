@@ -16,12 +16,38 @@ from functools import partial
 import torch
 import triton
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", d) for d in ("kernels",)]
-from kvfleet_kernels.w4a16 import pick_config, w4a16_gemm, w4a16_gemm_ref  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
+from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref  # noqa: E402
 
 # (name, K, N) of one Llama-3.1-8B layer, q/k/v and gate/up fused as the engine runs them
 SHAPES = [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
           ("gate_up_proj", 4096, 28672), ("down_proj", 14336, 4096)]
+# --sweep: candidate tiles (block_m, block_n, block_k, num_warps, num_stages); split-K of
+# decode tiles is tried at 1 and at pick_config's choice
+SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)]
+SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                 (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 256, 64, 8, 3),
+                 (128, 256, 64, 8, 3)]
+
+
+def sweep(x, qweight, scales, zeros, bits, group_size) -> tuple[float, GemmConfig]:
+    """The fastest of the candidate configs for this shape: (us, config)."""
+    m, k = x.shape
+    auto = pick_config(m, qweight.shape[1], k, group_size, x.device)
+    best: tuple[float, GemmConfig] | None = None
+    for bm, bn, bk, warps, stages in SWEEP_SMALL_M if m <= 16 else SWEEP_LARGE_M:
+        for split in sorted({1, auto.split_k}):
+            cfg = GemmConfig(bm, bn, bk, split, warps, stages)
+            try:
+                t = triton.testing.do_bench(partial(w4a16_gemm, x, qweight, scales, zeros, bits,
+                                                    group_size, cfg)) * 1e3
+            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip the config
+                print(f"  skip {cfg}: {type(e).__name__}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+    assert best is not None
+    return best
 
 
 def main() -> None:
@@ -29,6 +55,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -58,6 +85,10 @@ def main() -> None:
             print(f"{name:<14}{m:>5}{t_q:>10.1f}{(q_bytes + io) / t_q / 1e6:>7.2f}{t_b:>9.1f}"
                   f"{(k * n * 2 + io) / t_b / 1e6:>7.2f}{t_b / t_q:>8.2f}x  "
                   f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split_k={cfg.split_k}")
+            if args.sweep:
+                t_best, best = sweep(x, qweight, scales, zeros, args.bits, args.group_size)
+                print(f"{'  best':<19}{t_best:>10.1f}{(q_bytes + io) / t_best / 1e6:>7.2f}"
+                      f"{'':>16}{t_b / t_best:>8.2f}x  {best}")
 
 
 if __name__ == "__main__":
