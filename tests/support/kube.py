@@ -16,6 +16,8 @@ the gaps of kmock 0.8):
   the `resourceVersion` it was given (or the current objects as ADDED when
   none), so nothing is lost or repeated across reconnects; `labelSelector`
   with `k=v` terms is honoured on list and watch;
+- discovery names the core group `v1` (not `/v1`) and gives subresources no
+  short names, so kubectl can map kinds and the `llms` short name;
 - `/api/v1/namespaces` (which kmock's path parser fails on) lists and watches
   the namespaces that hold objects, plus `default`;
 - the request log is trimmed, so requests stay fast in long tests.
@@ -154,6 +156,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
             return await self._serve_namespaces(raw_request)
         return await super().__call__(raw_request)
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        # kmock names the core group "/v1" and gives subresources the short names
+        # of their resource; kubectl then finds no "v1" Secret and warns on `llms`.
+        payload = await super()._serve_version(request)
+        if payload.get("groupVersion") == "/v1":
+            payload["groupVersion"] = "v1"
+        for entry in payload.get("resources", []):
+            if "/" in entry["name"]:
+                entry.update(shortNames=[], categories=[], verbs=["get", "patch", "update"])
+        return payload
 
     def _namespaces(self) -> list[dict[str, Any]]:
         """Namespaces exist implicitly: 'default' and every namespace holding an object."""
