@@ -322,3 +322,17 @@ def test_kubectl_apply_wait_change_and_delete(cluster, operator, kubectl, tmp_pa
     wait_for(lambda: get(cluster, LLMS) is None, what="the LLMService to go")
     cluster.collect_garbage()
     wait_for(lambda: get(cluster, DEPLOYMENTS) is None, what="the Deployment to be collected")
+
+
+def test_kubectl_scale_goes_through_the_scale_subresource_to_the_deployment(
+        cluster, operator, kubectl):
+    _, service = example()
+    service["spec"].pop("autoscaling")
+    service["spec"].update(replicas=1, s3={"endpoint": "http://s3:8333"})
+    cluster.create(service, "llmservices")
+    wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment")
+    assert "scaled" in kubectl("scale", "llms/llama-8b", "--replicas=3")
+    assert get(cluster, LLMS)["spec"]["replicas"] == 3
+    wait_for(lambda: get(cluster, DEPLOYMENTS)["spec"]["replicas"] == 3,
+             what="the Deployment to follow the scale")
+    wait_for(lambda: get(cluster, PDBS), what="a PDB now that there are 3 replicas")

@@ -18,6 +18,8 @@ the gaps of kmock 0.8):
   with `k=v` terms is honoured on list and watch;
 - discovery names the core group `v1` (not `/v1`) and gives subresources no
   short names, so kubectl can map kinds and the `llms` short name;
+- a CRD's scale subresource serves and accepts an autoscaling/v1 Scale
+  (`kubectl scale`), reading and writing the CRD's replicas paths;
 - `/api/v1/namespaces` (which kmock's path parser fails on) lists and watches
   the namespaces that hold objects, plus `default`;
 - the request log is trimmed, so requests stay fast in long tests.
@@ -140,6 +142,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     history: dict[ResourceKey, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict,
                                                                              init=False)
     last_rv: int = attrs.field(default=0, init=False)
+    # resource -> the CRD's scale paths (specReplicasPath, statusReplicasPath, labelSelectorPath)
+    scale_paths: dict[ResourceKey, dict[str, str]] = attrs.field(factory=dict, init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
 
     @property
@@ -207,7 +211,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if request.action == kmock.action.LIST:
             return aiohttp.web.json_response(self._list(request, info))
         if request.action == kmock.action.FETCH:
-            return aiohttp.web.json_response(self._fetch(key))
+            obj = self._fetch(key)
+            return aiohttp.web.json_response(
+                self._scale(key, obj) if request.subresource == "scale" else obj)
         async with self.changed:
             if request.action == kmock.action.CREATE:
                 body, code = await self._create(key, request.data or {}), 201
@@ -313,26 +319,36 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._record(key, "ADDED", obj)
         return obj
 
+    @staticmethod
+    def _patched(old: dict[str, Any], request: rendering.Request) -> dict[str, Any]:
+        """`old` with the request's PUT body, JSON patch, or merge patch applied."""
+        data = request.data
+        content_type = next((v for k, v in request.headers.items()
+                             if k.lower() == "content-type"), "")
+        if request.method == kmock.method.PUT:
+            return copy.deepcopy(data)
+        if "json-patch" in content_type or isinstance(data, list):
+            return json_patch(old, data)
+        wanted_rv = ((data or {}).get("metadata") or {}).get("resourceVersion")
+        if wanted_rv and wanted_rv != old["metadata"]["resourceVersion"]:
+            raise kmock.KubernetesError(status=409, reason="Conflict",
+                                        message="the object has been modified")
+        return merge_patch(old, data or {})
+
     async def _update(self, key: ObjectKey, request: rendering.Request,
                       info: kmock.ResourceInfo) -> dict[str, Any]:
         old = self.store.get(key)
         if old is None:
             raise k8s.KubernetesObjectNotFoundError()
-        data = request.data
-        content_type = next((v for k, v in request.headers.items()
-                             if k.lower() == "content-type"), "")
-        if request.method == kmock.method.PUT:
-            patched = copy.deepcopy(data)
-        elif "json-patch" in content_type or isinstance(data, list):
-            patched = json_patch(old, data)
-        else:
-            wanted_rv = ((data or {}).get("metadata") or {}).get("resourceVersion")
-            if wanted_rv and wanted_rv != old["metadata"]["resourceVersion"]:
-                raise kmock.KubernetesError(status=409, reason="Conflict",
-                                            message="the object has been modified")
-            patched = merge_patch(old, data or {})
+        if request.subresource == "scale":
+            return self._scale(key, self._commit(key, old, self._unscaled(
+                key, old, self._patched(self._scale(key, old), request)), None, info))
+        return self._commit(key, old, self._patched(old, request), request.subresource, info)
+
+    def _commit(self, key: ObjectKey, old: dict[str, Any], patched: dict[str, Any],
+                subresource: str | None, info: kmock.ResourceInfo) -> dict[str, Any]:
         new = copy.deepcopy(old)
-        if request.subresource == "status":
+        if subresource == "status":
             new["status"] = patched.get("status")
         else:
             new.update({k: v for k, v in patched.items() if k not in ("metadata", "status")})
@@ -357,6 +373,44 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._record(key, "DELETED", new)
         else:
             self._record(key, "MODIFIED", new)
+        return new
+
+    # ------------------------------------------------------------ the scale subresource
+
+    def _scale_paths(self, key: ObjectKey) -> dict[str, str]:
+        paths = self.scale_paths.get(key[0])
+        if paths is None:
+            raise k8s.KubernetesNotFoundError(message=f"{key[0]} has no scale subresource here")
+        return paths
+
+    @staticmethod
+    def _read_path(obj: Mapping[str, Any], path: str | None) -> Any:
+        for part in (path or "").strip(".").split("."):
+            if not isinstance(obj, Mapping) or not part:
+                return None
+            obj = obj.get(part)
+        return obj
+
+    def _scale(self, key: ObjectKey, obj: dict[str, Any]) -> dict[str, Any]:
+        """The autoscaling/v1 Scale view of `obj` (what `kubectl scale` and the HPA read)."""
+        paths = self._scale_paths(key)
+        meta = obj["metadata"]
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
+                                                  "creationTimestamp") if k in meta},
+                "spec": {"replicas": self._read_path(obj, paths["specReplicasPath"]) or 0},
+                "status": {"replicas": self._read_path(obj, paths["statusReplicasPath"]) or 0,
+                           "selector": self._read_path(obj, paths.get("labelSelectorPath")) or ""}}
+
+    def _unscaled(self, key: ObjectKey, obj: dict[str, Any],
+                  scale: Mapping[str, Any]) -> dict[str, Any]:
+        """`obj` with the replicas a patched Scale asks for written to its spec path."""
+        *parents, leaf = self._scale_paths(key)["specReplicasPath"].strip(".").split(".")
+        new = copy.deepcopy(obj)
+        node = new
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = (scale.get("spec") or {}).get("replicas")
         return new
 
     async def _delete(self, key: ObjectKey) -> dict[str, Any]:
@@ -418,6 +472,11 @@ class KubeCluster:
         for crd in crds:
             key, info = crd_resource_info(crd)
             self.emulator.resources[key] = info
+            version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+            if "scale" in version.get("subresources", {}):
+                group, api_version, plural = key.split("/")
+                self.emulator.scale_paths[(group, api_version, plural)] = \
+                    version["subresources"]["scale"]
         self.url = ""
         self.kubeconfig = workdir / "kubeconfig"
         self._loop: asyncio.AbstractEventLoop | None = None
