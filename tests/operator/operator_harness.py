@@ -34,10 +34,10 @@ def example_llmservices() -> list[dict[str, Any]]:
     return [doc for path in EXAMPLES for doc in example_docs(path) if doc["kind"] == "LLMService"]
 
 
-def operator_runner() -> KopfRunner:
+def operator_runner(namespace: str | None = None) -> KopfRunner:
     """The real operator module under kopf, as `kvfleet-operator` runs it (minus liveness)."""
-    return KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "kvfleet_operator.main"],
-                      timeout=30)
+    scope = ["--namespace", namespace] if namespace else ["--all-namespaces"]
+    return KopfRunner(["run", "--standalone", *scope, "-m", "kvfleet_operator.main"], timeout=30)
 
 
 def minimal_llmservice(**spec: Any) -> dict[str, Any]:

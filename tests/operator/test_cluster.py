@@ -3,7 +3,9 @@
 Needs KUBECONFIG pointing at a cluster where you may create CRDs and
 namespaces (kind, k3d, minikube, or a GPU cluster). Deselected by default; none
 of it has run here (no cluster can run on the CI machine). The operator runs
-in this process against that cluster, as in the emulator tests.
+in this process against that cluster (watching only the test namespace), as in
+the emulator tests. Stop an operator installed in the cluster first if it
+watches all namespaces, or the two would both reconcile the test objects.
 
 Environment:
   KVFLEET_E2E_MODEL_URI   a model the runtime image can serve (e.g. pvc://models/SmolLM2);
@@ -61,7 +63,8 @@ def namespace() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def operator(namespace: str) -> Iterator[None]:
-    with operator_runner():
+    # Only the test namespace: an operator installed in the cluster keeps the others.
+    with operator_runner(namespace):
         yield
 
 
