@@ -199,7 +199,6 @@ class AsyncLLMEngine:
     def _apply_commands(self) -> bool:
         """Apply queued adds and aborts; True when shutdown was requested."""
         changed = False
-        aborted: list[str] = []
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -211,12 +210,9 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 self._apply_add(command)
             else:
-                aborted += self._apply_abort(command.request_ids)
+                self._apply_abort(command.request_ids)
         if changed:
-            now = time.monotonic()
-            if aborted and self.stat_logger is not None:
-                self.stat_logger.record_aborted(aborted, now)
-            self._publish([], now)
+            self._publish([])
         return False
 
     def _apply_add(self, command: _Add) -> None:
@@ -230,19 +226,22 @@ class AsyncLLMEngine:
         except (ValueError, TypeError) as e:
             self._deliver([(self._pop_stream(command.request_id), e)])
 
-    def _apply_abort(self, request_ids: list[str]) -> list[str]:
-        """Abort the requests still running; returns those."""
-        live = [rid for rid in request_ids if self._pop_stream(rid) is not None]
-        if live:
-            self.engine.abort_request(live)
-        return live
+    def _apply_abort(self, request_ids: list[str]) -> None:
+        """Abort the requests still running and end their streams."""
+        streams = {rid: stream for rid in request_ids
+                   if (stream := self._pop_stream(rid)) is not None}
+        if streams:
+            self.engine.abort_request(list(streams))
+            if self.stat_logger is not None:
+                self.stat_logger.record_aborted(list(streams), time.monotonic())
+            self._deliver([(stream, _Aborted()) for stream in streams.values()])
 
     def _pop_stream(self, request_id: str) -> _Stream | None:
         with self._lock:
             return self._streams.pop(request_id, None)
 
-    def _publish(self, outputs: list[RequestOutput], now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
         self._stats = self.engine.get_stats()
         if self.stat_logger is not None:
             self.stat_logger.record_step(self._stats, outputs, now)
@@ -274,12 +273,8 @@ class AsyncLLMEngine:
 
     def _abort_all(self) -> None:
         with self._lock:
-            streams, self._streams = dict(self._streams), {}
-        if streams:
-            self.engine.abort_request(list(streams))
-            if self.stat_logger is not None:
-                self.stat_logger.record_aborted(list(streams), time.monotonic())
-        self._deliver([(s, _Aborted()) for s in streams.values()])
+            request_ids = list(self._streams)
+        self._apply_abort(request_ids)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
