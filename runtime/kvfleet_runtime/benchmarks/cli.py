@@ -52,16 +52,15 @@ def register(subparsers) -> None:
         add_serve_parser(sub)
 
 
-def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+    # ids below 32000 exist in every vocabulary we serve
     rng = random.Random(seed)
-    hi = min(vocab, 32000)       # ids every tokenizer of ours can decode
-    return [[rng.randrange(100, hi) for _ in range(length)] for _ in range(num)]
+    return [[rng.randrange(100, 32000) for _ in range(length)] for _ in range(num)]
 
 
 def _kvfleet_throughput(llm, prompts, output_len: int) -> float:
     from kvfleet_runtime.sampling_params import SamplingParams
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
-                            seed=0)
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(max_tokens=4, ignore_eos=True))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -77,7 +76,7 @@ def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> float:
 
     import torch
     from transformers import AutoModelForCausalLM
-    dtype = config.resolve_dtype(None) if config.dtype == "auto" else config.resolve_dtype(None)
+    dtype = config.resolve_dtype(None)
     path = config.model
     kwargs = {}
     if path.endswith(".gguf"):
@@ -102,6 +101,8 @@ def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> float:
             torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     del model
+    if config.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
     return elapsed
 
 
@@ -112,14 +113,19 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"kvfleet bench throughput: error: --backend must list kvfleet and/or hf; got "
               f"{args.backend!r}", file=sys.stderr)
         return 2
-    from kvfleet_runtime.llm import LLM
     config = engine_config_from_args(args)
-    llm = LLM.from_config(config)       # also finalises max_model_len, used for both backends
-    prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.model_config.vocab_size)
+    prompts = random_prompts(args.num_prompts, args.input_len)
     results = []
-    for backend in backends:
+    # HF first: our engine takes most of the GPU memory for its KV cache once it starts
+    for backend in sorted(backends, key=lambda b: b != "hf"):
+        extra = {}
         if backend == "kvfleet":
+            from kvfleet_runtime.llm import LLM
+            llm = LLM.from_config(config)
             elapsed = _kvfleet_throughput(llm, prompts, args.output_len)
+            totals = llm.engine.step_totals
+            extra = {"steps": totals["steps"],
+                     "host_share": 1.0 - totals["forward_s"] / max(totals["step_s"], 1e-9)}
         else:
             elapsed = _hf_throughput(config, prompts, args.output_len,
                                      args.hf_max_batch_size or config.max_num_seqs)
@@ -129,14 +135,17 @@ def run_throughput(args: argparse.Namespace) -> int:
             "output_len": args.output_len, "max_num_seqs": config.max_num_seqs,
             "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
             "output_tokens_per_s": out_tokens / elapsed,
-            "total_tokens_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed})
+            "total_tokens_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
+            **extra})
         r = results[-1]
+        host = f", host share of step time {r['host_share']:.1%}" if "host_share" in r else ""
         print(f"[{backend}] {args.num_prompts} prompts {args.input_len} in / {args.output_len} out: "
               f"{r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} req/s, "
-              f"{r['output_tokens_per_s']:.1f} output tok/s, {r['total_tokens_per_s']:.1f} total tok/s")
+              f"{r['output_tokens_per_s']:.1f} output tok/s, "
+              f"{r['total_tokens_per_s']:.1f} total tok/s{host}", flush=True)
     if len(results) == 2:
-        ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
-        print(f"ratio {backends[0]}/{backends[1]}: {ratio:.2f}x")
+        ours, hf = sorted(results, key=lambda r: r["backend"] != "kvfleet")
+        print(f"ratio kvfleet/hf: {ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x")
     _write(args, results)
     if args.plot:
         from kvfleet_runtime.benchmarks.plot import plot_throughput
@@ -150,7 +159,7 @@ def run_latency(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.engine import LLMEngine
     from kvfleet_runtime.sampling_params import SamplingParams
     engine = LLMEngine(engine_config_from_args(args))
-    prompts = random_prompts(args.batch_size, args.input_len, engine.model_config.vocab_size)
+    prompts = random_prompts(args.batch_size, args.input_len)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     sync = torch.cuda.synchronize if engine.config.device == "cuda" else (lambda: None)
     ttfts, tpots, totals = [], [], []

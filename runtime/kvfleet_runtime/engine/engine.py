@@ -41,7 +41,9 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
-        self.last_step: dict[str, float] = {"prepare_s": 0.0, "forward_s": 0.0, "step_s": 0.0}
+        # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
+        self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
+                                              "step_s": 0.0}
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, device %s",
                  self.served_model_name, self.runner.num_blocks, config.block_size,
                  loaded.dtype, config.device)
@@ -120,8 +122,11 @@ class LLMEngine:
         result = self.runner.execute(sched, block_ids)
         touched = self._update(sched, result)
         outputs = [self._make_output(gid) for gid in touched]
-        self.last_step = {"prepare_s": result.prepare_s, "forward_s": result.forward_s,
-                          "step_s": time.perf_counter() - t0}
+        totals = self.step_totals
+        totals["steps"] += 1
+        totals["prepare_s"] += result.prepare_s
+        totals["forward_s"] += result.forward_s
+        totals["step_s"] += time.perf_counter() - t0
         return outputs
 
     def _update(self, sched: SchedulerOutput, result) -> list[str]:
@@ -212,4 +217,4 @@ class LLMEngine:
             prefix_cache_queries_total=self.kv.prefix_cache_queries,
             prefix_cache_hits_total=self.kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions,
-            extra=dict(self.last_step))
+            extra=dict(self.step_totals))

@@ -1,0 +1,90 @@
+"""CUDA graphs for decode-only steps: captured lazily per (padded batch size, context bucket).
+
+A decode step of a few hundred tiny kernels is launch-bound; replaying a graph
+removes the launch gaps. Batches are padded up to the next captured size
+(padded rows write nowhere: slot -1, and read one token of the null block).
+The split-KV decode kernel sizes its grid from the longest context, so graphs
+are also keyed by a context-length bucket, passed to the kernel as max_seq_len.
+Larger batches, prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvfleet_runtime.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvfleet_runtime.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+CONTEXT_BUCKETS = (1024, 4096, 16384)
+
+
+class CUDAGraphRunner:
+    def __init__(self, runner: ModelRunner) -> None:
+        cfg = runner.config
+        self.model = runner.model
+        self.device = runner.device
+        max_bs = min(cfg.max_num_seqs, BATCH_SIZES[-1])
+        self.batch_sizes = sorted({b for b in BATCH_SIZES if b < max_bs} | {max_bs})
+        self.buckets = sorted({b for b in CONTEXT_BUCKETS if b < cfg.max_model_len}
+                              | {cfg.max_model_len})
+        dev = self.device
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32,
+                                        device=dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def can_run(self, meta: AttentionMetadata, num_seqs: int) -> bool:
+        return meta.max_query_len == 1 and num_seqs <= self.batch_sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = next(b for b in self.batch_sizes if b >= n)
+        bucket = next(b for b in self.buckets if b >= meta.max_seq_len)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        if n < bs:      # rows left over from a larger previous batch become padding again
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+            self.block_tables[n:bs].zero_()
+        key = (bs, bucket)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bs, bucket)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:n]
+
+    def _meta(self, bs: int, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            max_query_len=1, max_seq_len=bucket)
+
+    def _capture(self, bs: int, bucket: int):
+        meta = self._meta(bs, bucket)
+        # an eager run first: Triton compiles on first launch, which capture cannot record
+        self.model(self.input_ids[:bs], self.positions[:bs], meta)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+        self.pool = graph.pool()
+        log.debug("captured decode graph: batch %d, context <= %d", bs, bucket)
+        return graph, hidden
