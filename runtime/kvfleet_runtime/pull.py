@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum
@@ -135,8 +135,6 @@ class LocalSource:
                 remaining -= len(piece)
                 yield piece
 
-    def part_size(self, f: RemoteFile) -> int | None:
-        return None
 
 
 class S3Source:
@@ -271,11 +269,35 @@ class ChunkState:
     fingerprint: str
     size: int
     chunk_size: int
-    done: list[int] = field(default_factory=list)
+    done: dict[str, str] = field(default_factory=dict)   # chunk index -> md5 of its bytes
+
+
+ETAG_RE = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
+
+
+def multipart_count(f: RemoteFile) -> int | None:
+    """N of a multipart upload's ETag 'md5-N'; None for a plain (or non-MD5) ETag."""
+    if f.etag is None or not ETAG_RE.match(f.etag) or "-" not in f.etag:
+        return None
+    return int(f.etag.split("-")[1])
+
+
+def guess_part_size(f: RemoteFile, parts: int) -> int:
+    """For servers that do not answer HEAD ?partNumber=1: the aws-cli/boto3 default (8 MiB)
+    if it gives `parts` parts, else the size split evenly in whole MiB."""
+    if -(-f.size // (8 * MiB)) == parts:
+        return 8 * MiB
+    return -(-f.size // parts // MiB) * MiB or MiB
 
 
 class PartialFile:
-    """The staging copy of one file and the record of which of its chunks are on disk."""
+    """The staging copy of one file, and which of its chunks are on disk with their MD5s.
+
+    For a multipart upload the chunks are its parts, so the ETag (the MD5 of the
+    parts' MD5s) is checked from digests taken while the bytes arrived, with no
+    second read. Chunks left by an earlier, interrupted run are hashed again from
+    disk: what a crash left there is not trusted.
+    """
 
     def __init__(self, staging: Path, f: RemoteFile, chunk_size: int) -> None:
         self.file = f
@@ -283,20 +305,20 @@ class PartialFile:
         self.state_path = staging / (f.path + ".part.json")
         self.chunk_size = chunk_size
         self.lock = threading.Lock()
+        self.fresh: set[int] = set()      # chunks fetched by this run
         self.state = self._load_state()
         self.fd = -1
 
     def _load_state(self) -> ChunkState:
+        fresh = ChunkState(self.file.fingerprint, self.file.size, self.chunk_size)
         try:
             state = ChunkState(**json.loads(self.state_path.read_text()))
         except (OSError, ValueError, TypeError):
-            state = None
-        fresh = ChunkState(self.file.fingerprint, self.file.size, self.chunk_size)
-        if state is None or (state.fingerprint, state.size) != (fresh.fingerprint, fresh.size) \
-                or not self.data_path.exists() or self.data_path.stat().st_size != self.file.size:
             return fresh
-        # A different chunk size (another --chunk-size) still resumes: chunks keep their own size.
-        self.chunk_size = state.chunk_size
+        same = (state.fingerprint, state.size, state.chunk_size) == (fresh.fingerprint, fresh.size, fresh.chunk_size)
+        if not same or not isinstance(state.done, dict) or not self.data_path.exists() \
+                or self.data_path.stat().st_size != self.file.size:
+            return fresh
         return state
 
     @property
@@ -304,11 +326,10 @@ class PartialFile:
         return max(1, -(-self.file.size // self.chunk_size))
 
     def pending(self) -> list[int]:
-        done = set(self.state.done)
-        return [i for i in range(self.num_chunks) if i not in done]
+        return [i for i in range(self.num_chunks) if str(i) not in self.state.done]
 
     def resumed_bytes(self) -> int:
-        return sum(self.bounds(i)[1] - self.bounds(i)[0] for i in self.state.done)
+        return sum(self.bounds(int(i))[1] - self.bounds(int(i))[0] for i in self.state.done)
 
     def bounds(self, index: int) -> tuple[int, int]:
         start = index * self.chunk_size
@@ -330,15 +351,60 @@ class PartialFile:
             n = os.pwrite(self.fd, view, offset)
             view, offset = view[n:], offset + n
 
-    def mark_done(self, index: int) -> None:
+    def mark_done(self, index: int, md5: str) -> None:
         with self.lock:
-            self.state.done.append(index)
+            self.state.done[str(index)] = md5
+            self.fresh.add(index)
             self._save()
 
     def _save(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self.state)))
         os.replace(tmp, self.state_path)
+
+    def _hash_from_disk(self, start: int, end: int, *algorithms: str) -> list[str]:
+        hashes = [hashlib.new(a) for a in algorithms]
+        with open(self.data_path, "rb") as fh:
+            fh.seek(start)
+            while start < end:
+                block = fh.read(min(PIECE, end - start))
+                if not block:
+                    break
+                start += len(block)
+                for h in hashes:
+                    h.update(block)
+        return [h.hexdigest() for h in hashes]
+
+    def chunk_md5(self, index: int) -> str:
+        if index in self.fresh:
+            return self.state.done[str(index)]
+        return self._hash_from_disk(*self.bounds(index), "md5")[0]
+
+    def problem(self, sha256: str | None) -> str | None:
+        """None when the staged file matches the source; otherwise what is wrong with it."""
+        f = self.file
+        size = os.fstat(self.fd).st_size
+        if size != f.size:
+            return f"size {size} != {f.size}"
+        etag = None
+        parts = multipart_count(f)
+        if parts is not None:
+            if self.num_chunks != parts:
+                return f"{self.num_chunks} chunks of {self.chunk_size} bytes cannot match the {parts} parts of ETag {f.etag}"
+            digests = b"".join(bytes.fromhex(self.chunk_md5(i)) for i in range(parts))
+            etag = f"{hashlib.md5(digests).hexdigest()}-{parts}"
+        elif f.etag is not None and ETAG_RE.match(f.etag) and self.num_chunks == 1:
+            etag = self.chunk_md5(0)
+        # ETags of SSE-KMS objects are not MD5s: only those that are get checked.
+        whole_md5 = etag is None and f.etag is not None and ETAG_RE.match(f.etag) is not None
+        wanted = ["md5"] * whole_md5 + ["sha256"] * (sha256 is not None)
+        digests_from_disk = dict(zip(wanted, self._hash_from_disk(0, f.size, *wanted), strict=True)) if wanted else {}
+        etag = digests_from_disk.get("md5", etag)
+        if etag is not None and etag != f.etag:
+            return f"ETag {etag} != {f.etag}"
+        if sha256 is not None and digests_from_disk["sha256"] != sha256:
+            return f"sha256 {digests_from_disk['sha256']} != {sha256} (from {MANIFEST})"
+        return None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -351,63 +417,10 @@ class PartialFile:
         self.data_path.unlink(missing_ok=True)
         self.state_path.unlink(missing_ok=True)
         self.state = ChunkState(self.file.fingerprint, self.file.size, self.chunk_size)
+        self.fresh.clear()
 
 
-# ---------------------------------------------------------------- verification
-
-
-def expected_digests(path: Path, part_size: int | None, want_sha256: bool) -> dict[str, str]:
-    """One read of the file: its S3-style ETag (plain or multipart) and, if asked, its sha256."""
-    whole_md5, sha = hashlib.md5(), hashlib.sha256()
-    part_md5s: list[bytes] = []
-    part, in_part = hashlib.md5(), 0
-    with open(path, "rb") as fh:
-        while True:
-            want = PIECE if not part_size else min(PIECE, part_size - in_part)
-            block = fh.read(want)
-            if not block:
-                break
-            if want_sha256:
-                sha.update(block)
-            if part_size:
-                part.update(block)
-                in_part += len(block)
-                if in_part == part_size:
-                    part_md5s.append(part.digest())
-                    part, in_part = hashlib.md5(), 0
-            else:
-                whole_md5.update(block)
-    if part_size and in_part:
-        part_md5s.append(part.digest())
-    out = {}
-    if part_size:
-        out["etag"] = f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
-    else:
-        out["etag"] = whole_md5.hexdigest()
-    if want_sha256:
-        out["sha256"] = sha.hexdigest()
-    return out
-
-
-ETAG_RE = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
-
-
-def verify(path: Path, f: RemoteFile, part_size: Callable[[], int | None], sha256: str | None) -> str | None:
-    """None when the staged file matches the source; otherwise what is wrong with it."""
-    size = path.stat().st_size
-    if size != f.size:
-        return f"size {size} != {f.size}"
-    # ETags of SSE-KMS objects are not MD5s: only verify the ones that are.
-    check_etag = f.etag is not None and ETAG_RE.match(f.etag) is not None
-    if not check_etag and sha256 is None:
-        return None
-    ps = part_size() if check_etag and "-" in f.etag else None
-    got = expected_digests(path, ps, sha256 is not None)
-    if check_etag and got["etag"] != f.etag:
-        return f"ETag {got['etag']} != {f.etag}"
-    if sha256 is not None and got["sha256"] != sha256:
-        return f"sha256 {got['sha256']} != {sha256} (from {MANIFEST})"
-    return None
+# ---------------------------------------------------------------- manifest
 
 
 def parse_manifest(text: str, files: dict[str, RemoteFile]) -> dict[str, str]:
@@ -463,8 +476,11 @@ class Transfer:
 
     def fetch_chunk(self, part: PartialFile, index: int) -> None:
         start, end = part.bounds(index)
+        if start == end:    # an empty file: nothing to GET (and no valid Range for it)
+            part.mark_done(index, hashlib.md5().hexdigest())
+            return
         for attempt in range(self.options.retries + 1):
-            offset, written = start, 0
+            offset, written, md5 = start, 0, hashlib.md5()
             try:
                 for piece in self.source.read_range(part.file, start, end):
                     if self.stop.is_set():
@@ -472,12 +488,13 @@ class Transfer:
                     if self.limiter:
                         self.limiter.consume(len(piece))
                     part.write(offset, piece)
+                    md5.update(piece)
                     offset += len(piece)
                     written += len(piece)
                     self._count(len(piece))
                 if offset != end:
                     raise ConnectionError(f"short read: {offset - start} of {end - start} bytes")
-                part.mark_done(index)
+                part.mark_done(index, md5.hexdigest())
                 return
             except PullError:
                 raise
@@ -588,7 +605,10 @@ def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile],
     # From here until the new marker, DEST is not a complete pull of anything.
     (dest / MARKER).unlink(missing_ok=True)
     staging = dest / STAGING
-    parts = [PartialFile(staging, f, options.chunk_size) for f in files if f.path not in unchanged]
+    todo = [f for f in files if f.path not in unchanged]
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        sizes = list(pool.map(lambda f: chunk_size_for(src, f, options.chunk_size), todo))
+    parts = [PartialFile(staging, f, size) for f, size in zip(todo, sizes, strict=True)]
     resumed = sum(p.resumed_bytes() for p in parts)
     total = sum(p.file.size for p in parts)
     needed = total - resumed
@@ -611,11 +631,11 @@ def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile],
         manifest = by_path.get(MANIFEST)
         sums: dict[str, str] = {}
         if manifest is not None:
-            _fetch_verified(src, transfer, [manifest], {})
+            _fetch_verified(transfer, [manifest], {})
             sums = parse_manifest(manifest.data_path.read_text(), {f.path: f for f in files})
         elif MANIFEST in unchanged:
             sums = parse_manifest((dest / MANIFEST).read_text(), {f.path: f for f in files})
-        _fetch_verified(src, transfer, [p for p in parts if p is not manifest], sums)
+        _fetch_verified(transfer, [p for p in parts if p is not manifest], sums)
         _install(dest, parts, files, old_marker)
     finally:
         transfer.close()
@@ -628,14 +648,13 @@ def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile],
                       time.monotonic() - t0)
 
 
-def _fetch_verified(src: LocalSource | S3Source, transfer: Transfer, parts: list[PartialFile],
-                    sums: dict[str, str]) -> None:
+def _fetch_verified(transfer: Transfer, parts: list[PartialFile], sums: dict[str, str]) -> None:
     """Download, verify, and download a file again from scratch once if it does not verify."""
     for attempt in (1, 2):
         transfer.run(parts)
         failed = []
         with ThreadPoolExecutor(max_workers=min(4, len(parts) or 1)) as pool:
-            for p, problem in zip(parts, pool.map(lambda p: _check(src, p, sums), parts), strict=True):
+            for p, problem in zip(parts, pool.map(lambda p: p.problem(sums.get(p.file.path)), parts), strict=True):
                 if problem:
                     failed.append((p, problem))
         if not failed:
@@ -651,9 +670,12 @@ def _fetch_verified(src: LocalSource | S3Source, transfer: Transfer, parts: list
         parts = [p for p, _ in failed]
 
 
-def _check(src: LocalSource | S3Source, p: PartialFile, sums: dict[str, str]) -> str | None:
-    os.fsync(p.fd)
-    return verify(p.data_path, p.file, lambda: src.part_size(p.file), sums.get(p.file.path))
+def chunk_size_for(src: LocalSource | S3Source, f: RemoteFile, default: int) -> int:
+    """A multipart upload is fetched part by part (its ETag needs each part's MD5)."""
+    parts = multipart_count(f)
+    if parts is None:
+        return default
+    return src.part_size(f) or guess_part_size(f, parts)
 
 
 def _install(dest: Path, parts: list[PartialFile], files: list[RemoteFile], old_marker: dict | None) -> None:

@@ -84,6 +84,7 @@ def test_resume_after_killed_download(s3: S3Server, tmp_path: Path) -> None:
     src_root.mkdir()
     (src_root / "shard.bin").write_bytes(blob[::-1])
     s3.upload_dir(src_root, BUCKET, "resume", multipart_chunksize=PART_SIZE)   # multipart ETag
+    s3.client().put_object(Bucket=BUCKET, Key="resume/empty.txt", Body=b"")
     dest = tmp_path / "model"
     slow = pull_process(s3, f"s3://{BUCKET}/resume", str(dest), "--chunk-size", "1M", "--jobs", "2",
                         "--max-bandwidth", "8M")
@@ -107,6 +108,7 @@ def test_resume_after_killed_download(s3: S3Server, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert (dest / "weights.bin").read_bytes() == blob
     assert (dest / "shard.bin").read_bytes() == blob[::-1]
+    assert (dest / "empty.txt").read_bytes() == b""
     resumed = float(r.stderr.split("resumed ")[1].split(" MiB")[0])
     assert resumed >= 4, r.stderr
 
@@ -118,11 +120,12 @@ def test_corrupt_partial_is_fetched_again_not_installed(s3: S3Server, tmp_path: 
     staging = dest / pullmod.STAGING
     staging.mkdir(parents=True)
     etag = s3.client().head_object(Bucket=BUCKET, Key="corrupt/weights.bin")["ETag"].strip('"')
-    # a staged copy whose state claims every chunk is done, but whose bytes are wrong
+    # a staged copy whose state records every chunk with its right MD5, but whose bytes are wrong
     (staging / "weights.bin.part").write_bytes(b"\0" * len(blob))
+    done = {str(i): hashlib.md5(blob[i << 20:(i + 1) << 20]).hexdigest() for i in range(3)}
     (staging / "weights.bin.part.json").write_text(json.dumps(
-        {"fingerprint": etag, "size": len(blob), "chunk_size": 1 << 20, "done": [0, 1, 2]}))
-    r = run_pull(s3, f"s3://{BUCKET}/corrupt", str(dest))
+        {"fingerprint": etag, "size": len(blob), "chunk_size": 1 << 20, "done": done}))
+    r = run_pull(s3, f"s3://{BUCKET}/corrupt", str(dest), "--chunk-size", "1M")
     assert r.returncode == 0, r.stderr
     assert "fetching it again" in r.stderr and "ETag" in r.stderr
     assert (dest / "weights.bin").read_bytes() == blob
