@@ -1,0 +1,77 @@
+"""`kvfleet bench serve` as a user runs it, against a real `kvfleet serve` of a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfleet_runtime.benchmarks.plot import SERVE_KEYS
+from support.server import ServerProcess, running_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path) -> Iterator[ServerProcess]:
+    with running_server(tiny_llama, "--max-model-len", "512") as s:
+        yield s
+
+
+def _bench(server: ServerProcess, tmp_path: Path, *flags: str) -> list[dict]:
+    out = tmp_path / "runs.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfleet_runtime.cli", "bench", "serve",
+         "--base-url", server.base_url, "--json", str(out), *flags],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "TTFT ms" in done.stdout and "req/s" in done.stdout
+    return json.loads(out.read_text())
+
+
+def test_a_rate_sweep_reports_every_run_and_plots_it(server: ServerProcess,
+                                                     tmp_path: Path) -> None:
+    png = tmp_path / "sweep.png"
+    runs = _bench(server, tmp_path, "--num-prompts", "12", "--request-rate", "8,inf",
+                  "--input-len", "24", "--output-len", "6", "--plot", str(png))
+    assert [r["request_rate"] for r in runs] == [8.0, math.inf]
+    for run in runs:
+        assert set(SERVE_KEYS) <= set(run)
+        assert run["completed"] == 12 and run["failed"] == 0
+        assert run["total_output_tokens"] == 12 * 6
+        assert run["total_input_tokens"] == 12 * 24
+        assert 0 < run["ttft_ms_median"] <= run["ttft_ms_p99"]
+        assert 0 < run["tpot_ms_mean"] and 0 < run["itl_ms_mean"]
+        assert run["output_throughput"] == pytest.approx(72 / run["duration_s"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_prefix_reports_the_prefix_cache_hit_rate(server: ServerProcess,
+                                                        tmp_path: Path) -> None:
+    # one at a time, so each question finds the system prompt cached by the one before
+    (run,) = _bench(server, tmp_path, "--dataset", "shared-prefix", "--num-prompts", "6",
+                    "--max-concurrency", "1", "--prefix-len", "64", "--input-len", "8", "--seed", "7",
+                    "--output-len", "3")
+    # 5 of 6 requests hit 64 of their 72 prompt tokens
+    assert run["prefix_cache_hit_rate"] == pytest.approx(5 * 64 / (6 * 72), abs=0.05)
+    assert run["max_concurrency"] == 1
+
+
+def test_sharegpt_like_lengths_vary(server: ServerProcess, tmp_path: Path) -> None:
+    (run,) = _bench(server, tmp_path, "--dataset", "sharegpt-like", "--num-prompts", "8",
+                    "--input-len", "32", "--output-len", "6")
+    assert run["completed"] == 8
+    assert run["total_output_tokens"] != 8 * 6 and run["total_input_tokens"] != 8 * 32
+
+
+def test_bad_flags_and_unreachable_servers_are_named(tmp_path: Path) -> None:
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "bench", "serve",
+                               *flags], capture_output=True, text=True, timeout=60)
+    bad = run("--request-rate", "fast")
+    assert bad.returncode == 2 and "--request-rate must be numbers or inf" in bad.stderr
+    gone = run("--base-url", "http://127.0.0.1:9", "--num-prompts", "1")
+    assert gone.returncode == 2 and "cannot list models at http://127.0.0.1:9" in gone.stderr
