@@ -125,6 +125,7 @@ def _print_best(case: str, results: list[tuple[float, pa.TileConfig]], default: 
 def sweep(dtype: torch.dtype, block_size: int) -> None:
     """Time every tile configuration; the library keeps using its defaults afterwards."""
     default_decode, default_prefill = pa.decode_config, pa.prefill_config
+    default_per_sm = pa._PROGRAMS_PER_SM
     print(f"\n## sweep ({dtype}, block_size {block_size})")
     try:
         for num_seqs, ctx in [(1, 8192), (64, 2048), (256, 4096)]:
@@ -137,13 +138,24 @@ def sweep(dtype: torch.dtype, block_size: int) -> None:
                 pa.decode_config = lambda *_a, cfg=cfg: cfg
                 results.append((graph_ms(triton_call(b)), cfg))
             results.sort(key=lambda r: r[0])
-            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(128, True))
+            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True))
             pa.decode_config = default_decode
+        for num_seqs, ctx in [(1, 8192), (4, 8192), (16, 4096), (32, 2048)]:
+            b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
+                                 dtype=dtype, device="cuda", seed=1, **HEADS)
+            b.max_query_len = 1
+            timed = []
+            for per_sm in (2, 4, 8, 16):
+                pa._PROGRAMS_PER_SM = per_sm
+                split = pa.decode_split(num_seqs, 8, ctx, default_decode(True).block_n, b.query.device)
+                timed.append(f"{per_sm}/SM {split.num_splits} splits {graph_ms(triton_call(b)):.3f} ms")
+            print(f"decode {num_seqs}x{ctx} programs per SM: " + "; ".join(timed))
+            pa._PROGRAMS_PER_SM = default_per_sm
         for q_lens in ([8192], [2048] * 4, [512] * 16):
             b = make_paged_batch(q_lens, q_lens, block_size=block_size, dtype=dtype, device="cuda",
                                  seed=2, **HEADS)
             results = []
-            for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3]):
+            for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4]):
                 cfg = pa.TileConfig(block_m, block_n, warps, stages)
                 pa.prefill_config = lambda *_a, cfg=cfg: cfg
                 try:
@@ -151,10 +163,11 @@ def sweep(dtype: torch.dtype, block_size: int) -> None:
                 except triton.runtime.errors.OutOfResources:
                     continue
             results.sort(key=lambda r: r[0])
-            _print_best(f"prefill {_short(q_lens)}", results, default_prefill(4, True))
+            _print_best(f"prefill {_short(q_lens)}", results, default_prefill(4, block_size, True))
             pa.prefill_config = default_prefill
     finally:
         pa.decode_config, pa.prefill_config = default_decode, default_prefill
+        pa._PROGRAMS_PER_SM = default_per_sm
 
 
 def main() -> None:
