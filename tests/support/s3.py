@@ -119,6 +119,8 @@ def start_seaweedfs(workdir: Path, timeout: float = 60.0) -> S3Server:
         weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-dir={workdir / 'data'}", "-volume.max=5", "-master.volumeSizeLimitMB=1024",
         "-master.telemetry=false", "-filer", "-s3", f"-s3.config={workdir / 's3.json'}",
+        # side listeners with fixed default ports we do not use
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",
         f"-filer.localSocket={workdir / 'filer.sock'}", f"-s3.localSocket={workdir / 's3.sock'}",
         *(f"-{name}={port}" for name, port in ports.items()),
     ]

@@ -1,0 +1,22 @@
+"""What `kvfleet pull` puts in DEST is what the engine loads: same greedy tokens as the source folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pull.conftest import run_pull
+from support.s3 import S3Server
+
+
+def test_engine_loads_the_pulled_sharded_checkpoint(s3: S3Server, uploaded: str, checkpoint: Path,
+                                                    tmp_path: Path) -> None:
+    from kvfleet_runtime import LLM, SamplingParams
+
+    dest = tmp_path / "model"
+    r = run_pull(s3, uploaded, str(dest))
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    pulled = LLM(model=str(dest), max_num_seqs=2, num_gpu_blocks=16).generate("hello", params)[0]
+    source = LLM(model=str(checkpoint), max_num_seqs=2, num_gpu_blocks=16).generate("hello", params)[0]
+    assert len(pulled.outputs[0].token_ids) == 4
+    assert pulled.outputs[0].token_ids == source.outputs[0].token_ids
