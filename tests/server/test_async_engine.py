@@ -4,13 +4,13 @@ consumer can leave (break, cancel, abort, shutdown), and a dead step loop."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvfleet_runtime.sampling_params import SamplingParams
@@ -44,7 +44,7 @@ async def test_generate_yields_cumulative_outputs_until_finished(engine) -> None
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = [out async for out in engine.generate("Hello there", params, request_id="cumul")]
     tokens = [out.outputs[0].token_ids for out in outs]
-    assert all(a == b[:len(a)] for a, b in zip(tokens, tokens[1:]))
+    assert all(a == b[:len(a)] for a, b in itertools.pairwise(tokens))
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert outs[-1].outputs[0].finish_reason == "length" and len(tokens[-1]) == 6
     assert outs[-1].request_id == "cumul"

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from kvfleet_runtime.benchmarks.plot import SERVE_KEYS
 from support.server import ServerProcess, running_server
 
@@ -53,8 +52,8 @@ def test_shared_prefix_reports_the_prefix_cache_hit_rate(server: ServerProcess,
                                                         tmp_path: Path) -> None:
     # one at a time, so each question finds the system prompt cached by the one before
     (run,) = _bench(server, tmp_path, "--dataset", "shared-prefix", "--num-prompts", "6",
-                    "--max-concurrency", "1", "--prefix-len", "64", "--input-len", "8", "--seed", "7",
-                    "--output-len", "3")
+                    "--max-concurrency", "1", "--prefix-len", "64", "--input-len", "8",
+                    "--output-len", "3", "--seed", "7")
     # 5 of 6 requests hit 64 of their 72 prompt tokens
     assert run["prefix_cache_hit_rate"] == pytest.approx(5 * 64 / (6 * 72), abs=0.05)
     assert run["max_concurrency"] == 1

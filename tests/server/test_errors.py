@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from support.server import ServerProcess, running_server
 
 MAX_LEN = 128

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from support.server import start_server
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from support.prometheus import start_prometheus
 from support.server import ServerProcess, running_server
 

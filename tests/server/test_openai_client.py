@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
-
 from support.server import ServerProcess, running_server
+from transformers import AutoTokenizer
 
 API_KEY = "test-key-123"
 NAME = "tiny"
@@ -156,7 +155,7 @@ def test_logprobs_of_greedy_tokens_are_the_top_ones(client) -> None:
     r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=3, **FIXED)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 3 <= len(top) <= 4 and logprob <= 0.0
         assert logprob == pytest.approx(max(top.values()))
         assert top[token] == pytest.approx(logprob)

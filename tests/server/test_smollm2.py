@@ -7,10 +7,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from transformers import AutoTokenizer
-
 from support.server import ServerProcess, running_server
 from support.tiny_models import tokenizer_dir
+from transformers import AutoTokenizer
 
 NAME = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -64,5 +63,5 @@ def test_seeded_samples_repeat_and_logprobs_rank_the_choice(client) -> None:
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert first.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in first.choices)
     for choice in first.choices:
-        for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs):
+        for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs, strict=True):
             assert token in top and len(top) >= 2

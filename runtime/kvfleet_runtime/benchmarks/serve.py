@@ -59,9 +59,11 @@ def add_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="requests/s of the Poisson arrivals; inf sends all at once; "
                         "a comma-separated list runs a sweep (default: inf)")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean for sharegpt-like; "
-                   "question tokens for shared-prefix)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens (mean for sharegpt-like)")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="prompt tokens (the mean for sharegpt-like; the question's for "
+                        "shared-prefix) (default: 128)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="output tokens (the mean for sharegpt-like) (default: 128)")
     p.add_argument("--dataset", choices=DATASETS, default="random")
     p.add_argument("--prefix-len", type=int, default=512,
                    help="shared-prefix: tokens of the common system prompt (default: 512)")

@@ -74,7 +74,7 @@ class _Aborted:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, *, max_queued_requests: int | None = None,
                  stat_logger: StatLogger | None = None) -> None:
-        from kvfleet_runtime.engine.engine import LLMEngine   # torch-heavy; imported on use
+        from kvfleet_runtime.engine.engine import LLMEngine  # torch-heavy; imported on use
         self.engine = LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer

@@ -120,7 +120,8 @@ def _param_of(error: dict[str, Any]) -> str:
 def _describe_validation_error(error: dict[str, Any]) -> str:
     param = _param_of(error)
     if error.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', '')}".strip()
+        reason = error.get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON: {reason}".strip()
     if error.get("type") == "extra_forbidden":
         return f"unknown field {param!r}"
     if error.get("type") == "missing":

@@ -56,10 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name in _NOT_ENGINE_FLAGS:
             continue
         kind = _scalar_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS,
-                                      help=f"{_ENGINE_HELP.get(f.name, f.name)} "
-                                           f"(default: {default!r})")
+        text = _ENGINE_HELP.get(f.name, f.name.replace("_", " "))
+        if "default" not in text:
+            text += f" (default: {f.default!r})"
+        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=text)
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

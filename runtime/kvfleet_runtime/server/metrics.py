@@ -41,7 +41,8 @@ class EngineMetrics:
             return Counter(name, doc, label, registry=registry).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(name, doc, label, buckets=buckets,
+                             registry=registry).labels(model_name)
 
         self.num_requests_running = gauge("kvfleet_num_requests_running",
                                           "Requests in the running batch.")

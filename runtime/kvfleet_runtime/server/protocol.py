@@ -208,7 +208,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.tools:

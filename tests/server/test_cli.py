@@ -1,0 +1,59 @@
+"""`kvfleet serve` flags: every EngineConfig knob is a flag, MODEL positional or --model,
+and bad values are refused by name before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from kvfleet_runtime.cli import build_parser
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.server.cli import engine_config_from_args, register
+
+
+def test_every_engine_knob_is_a_flag() -> None:
+    args = build_parser().parse_args([
+        "serve", "--model", "m.gguf", "--block-size", "32", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "512", "--max-model-len", "1024",
+        "--gpu-memory-utilization", "0.5", "--quantization", "fp8",
+        "--no-enable-prefix-caching", "--dtype", "fp16", "--enforce-eager",
+        "--tensor-parallel-size", "2", "--num-gpu-blocks", "100", "--device", "cpu",
+        "--seed", "3"])
+    config = engine_config_from_args(args)
+    assert (config.model, config.block_size, config.max_num_seqs) == ("m.gguf", 32, 8)
+    assert (config.max_num_batched_tokens, config.max_model_len) == (512, 1024)
+    assert (config.gpu_memory_utilization, config.quantization) == (0.5, "fp8")
+    assert config.enable_prefix_caching is False and config.enforce_eager is True
+    assert (config.dtype, config.tensor_parallel_size, config.num_gpu_blocks) == ("fp16", 2, 100)
+    assert (config.device, config.seed) == ("cpu", 3)
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    register(subparsers)
+    usage = subparsers.choices["serve"].format_help()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in ("served_model_name", "extra"):     # --served-model-name is a list
+            assert "--" + f.name.replace("_", "-") in usage
+
+
+def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLEET_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "model-dir", "--device", "cpu"])
+    assert args.model_positional == "model-dir" and args.api_key == "from-env"
+    config = engine_config_from_args(args, model=args.model_positional)
+    default = EngineConfig(model="model-dir", device="cpu")
+    assert config == default
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--block-size", "7"], "block_size must be one of 8, 16, 32, 64, 128; got 7"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0; got -1"),
+    (["--quantization", "int3"], "invalid choice: 'int3'"),
+])
+def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "serve", "x.gguf",
+                           "--device", "cpu", *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
