@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kvfleet_runtime.cli import build_parser
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.server.cli import engine_config_from_args, register
