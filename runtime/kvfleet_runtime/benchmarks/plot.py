@@ -79,7 +79,7 @@ def plot_serve(results: list[dict], path: str) -> None:
     ax_tput.set_ylim(bottom=0)
     ax_req.set_ylim(bottom=0)
     ax_tput.set_title("Throughput")
-    ax_tput.legend(handles=ax_tput.get_lines() + ax_req.get_lines(), loc="upper left")
+    ax_tput.legend(handles=ax_tput.get_lines() + ax_req.get_lines(), loc="best")
     _set_sweep_ticks(ax_tput, axis)
 
     for ax, metric, name in ((ax_ttft, "ttft", "Time to first token (TTFT)"),
@@ -90,7 +90,7 @@ def plot_serve(results: list[dict], path: str) -> None:
         ax.set_title(name)
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
-        ax.legend(loc="upper left")
+        ax.legend(loc="best")
         _set_sweep_ticks(ax, axis)
 
     fig.suptitle("kvfleet bench serve")
@@ -126,7 +126,7 @@ def plot_throughput(results: list[dict], path: str) -> None:
                      label=backend or "elapsed")
     ax_tok.set_title("Throughput")
     ax_tok.set_ylabel("tokens/s")
-    ax_tok.legend(loc="upper left")
+    ax_tok.legend(loc="best")
     ax_time.set_title("Elapsed time")
     ax_time.set_ylabel("s")
     if len(backends) > 1:
