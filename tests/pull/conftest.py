@@ -22,7 +22,7 @@ PART_SIZE = 5 << 20   # the smallest S3 multipart part: the embedding shards get
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"), tls=True)
     try:
         server.client().create_bucket(Bucket=BUCKET)
         yield server

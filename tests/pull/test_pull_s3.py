@@ -77,7 +77,24 @@ def test_changed_and_removed_objects_are_refreshed(s3: S3Server, checkpoint: Pat
     assert "fetched 0.0 MiB" in r.stderr
 
 
-def test_resume_after_killed_download(s3: S3Server, tmp_path: Path) -> None:
+def wait_for_chunks(proc: subprocess.Popen, state: Path, at_least: int) -> int:
+    """Poll a running pull's resume state until `at_least` chunks are recorded done."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            done = len(json.loads(state.read_text())["done"])
+            if done >= at_least:
+                return done
+        except (OSError, ValueError):
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"pull ended early ({proc.returncode}): {proc.communicate()[1]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no progress recorded in {state}")
+
+
+def test_resume_after_stopped_and_killed_downloads(s3: S3Server, tmp_path: Path) -> None:
     blob = os.urandom(24 << 20)
     s3.client().put_object(Bucket=BUCKET, Key="resume/weights.bin", Body=blob)  # single-part ETag: md5
     src_root = tmp_path / "src"
@@ -86,22 +103,22 @@ def test_resume_after_killed_download(s3: S3Server, tmp_path: Path) -> None:
     s3.upload_dir(src_root, BUCKET, "resume", multipart_chunksize=PART_SIZE)   # multipart ETag
     s3.client().put_object(Bucket=BUCKET, Key="resume/empty.txt", Body=b"")
     dest = tmp_path / "model"
-    slow = pull_process(s3, f"s3://{BUCKET}/resume", str(dest), "--chunk-size", "1M", "--jobs", "2",
-                        "--max-bandwidth", "8M")
+    slow = ("--chunk-size", "1M", "--jobs", "2", "--max-bandwidth", "8M")
     state = dest / pullmod.STAGING / "weights.bin.part.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if len(json.loads(state.read_text())["done"]) >= 4:
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.05)
-    else:
-        slow.kill()
-        pytest.fail(f"no progress recorded in {state}: {slow.communicate()[1]}")
-    os.kill(slow.pid, signal.SIGKILL)      # no chance to clean up: the worst case
-    slow.wait()
+
+    # SIGTERM (a pod being deleted): exits 130, keeps what it staged
+    first = pull_process(s3, f"s3://{BUCKET}/resume", str(dest), *slow)
+    stopped_at = wait_for_chunks(first, state, 2)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == pullmod.ExitCode.INTERRUPTED
+    assert "run the same command again to resume" in first.communicate()[1]
+    assert len(json.loads(state.read_text())["done"]) >= stopped_at
+
+    # SIGKILL (OOM, node loss): no chance to clean up, the worst case
+    second = pull_process(s3, f"s3://{BUCKET}/resume", str(dest), *slow)
+    wait_for_chunks(second, state, stopped_at + 2)
+    os.kill(second.pid, signal.SIGKILL)
+    second.wait()
     assert not (dest / "weights.bin").exists() and not (dest / pullmod.MARKER).exists()
 
     r = run_pull(s3, f"s3://{BUCKET}/resume", str(dest), "--chunk-size", "1M")
@@ -202,3 +219,19 @@ def test_disk_full_is_reported_before_downloading(s3: S3Server, uploaded: str, c
         assert tree(mnt / "model") == {}
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_https_endpoint_with_private_ca(s3: S3Server, uploaded: str, checkpoint: Path, tmp_path: Path) -> None:
+    assert s3.https_endpoint and s3.ca_file
+    https = ("--endpoint-url", s3.https_endpoint)
+    r = run_pull(s3, uploaded, str(tmp_path / "untrusted"), *https, "--retries", "0")
+    assert r.returncode == pullmod.ExitCode.UNREACHABLE, r.stderr
+    assert "TLS error" in r.stderr and "--ca-bundle" in r.stderr
+    r = run_pull(s3, uploaded, str(tmp_path / "ca"), *https, "--ca-bundle", str(s3.ca_file))
+    assert r.returncode == 0, r.stderr
+    assert tree(tmp_path / "ca") == tree(checkpoint)
+    # AWS_CA_BUNDLE, the usual variable, works as well as the flag
+    r = run_pull(s3, uploaded, str(tmp_path / "env"), *https, env={**s3.env(), "AWS_CA_BUNDLE": str(s3.ca_file)})
+    assert r.returncode == 0, r.stderr
+    r = run_pull(s3, uploaded, str(tmp_path / "insecure"), *https, "--no-verify-ssl")
+    assert r.returncode == 0 and "not verified" in r.stderr, r.stderr

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pull.conftest import run_pull
 from support.s3 import S3Server
+
+from pull.conftest import run_pull
 
 
 def test_engine_loads_the_pulled_sharded_checkpoint(s3: S3Server, uploaded: str, checkpoint: Path,

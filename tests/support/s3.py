@@ -51,6 +51,8 @@ class S3Server:
     secret_key: str = SECRET_KEY
     region: str = REGION
     process: subprocess.Popen | None = field(default=None, repr=False)
+    https_endpoint: str | None = None
+    ca_file: Path | None = None
 
     def env(self) -> dict[str, str]:
         """Environment for a child `kvfleet pull`: credentials the usual way, nothing from ~/.aws."""
@@ -97,7 +99,24 @@ class S3Server:
             self.process.wait(timeout=10)
 
 
-def start_seaweedfs(workdir: Path, timeout: float = 60.0) -> S3Server:
+def make_tls_files(workdir: Path) -> tuple[Path, Path, Path]:
+    """A throw-away CA and a server certificate for 127.0.0.1 it signed: (ca.pem, cert, key)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvfleet-test-ca",
+            "-keyout", "ca.key", "-out", "ca.pem")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+            "-out", "server.csr")
+    (workdir / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "ext.cnf", "-out", "server.pem")
+    return workdir / "ca.pem", workdir / "server.pem", workdir / "server.key"
+
+
+def start_seaweedfs(workdir: Path, timeout: float = 60.0, tls: bool = False) -> S3Server:
+    """With `tls`, the gateway also serves HTTPS (S3Server.https_endpoint) with a certificate
+    signed by a throw-away CA (S3Server.ca_file)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "data").mkdir(exist_ok=True)
     config = {
@@ -124,9 +143,16 @@ def start_seaweedfs(workdir: Path, timeout: float = 60.0) -> S3Server:
         f"-filer.localSocket={workdir / 'filer.sock'}", f"-s3.localSocket={workdir / 's3.sock'}",
         *(f"-{name}={port}" for name, port in ports.items()),
     ]
+    https_endpoint, ca_file = None, None
+    if tls:
+        ca_file, cert, key = make_tls_files(workdir)
+        https_port = free_port()
+        args += [f"-s3.port.https={https_port}", f"-s3.cert.file={cert}", f"-s3.key.file={key}"]
+        https_endpoint = f"https://127.0.0.1:{https_port}"
     log = open(workdir / "weed.log", "wb")  # noqa: SIM115 - the child owns it until killed
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(endpoint=f"http://127.0.0.1:{ports['s3.port']}", pid=proc.pid, workdir=workdir, process=proc)
+    server = S3Server(endpoint=f"http://127.0.0.1:{ports['s3.port']}", pid=proc.pid, workdir=workdir, process=proc,
+                      https_endpoint=https_endpoint, ca_file=ca_file)
     deadline = time.monotonic() + timeout
     probe = server.client()
     bucket = "kvfleet-readiness-probe"
