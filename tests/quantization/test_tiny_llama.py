@@ -104,3 +104,16 @@ def test_requesting_another_method_than_the_checkpoints_fails(tiny_llama, tmp_pa
     with pytest.raises(ValueError, match="'gptq' was requested but the checkpoint is quantized "
                                          "with 'awq'"):
         LLM(model=str(tmp_path / "q"), quantization="gptq")
+
+
+def test_gptq_qwen2_with_qkv_bias_and_tied_embeddings_matches_hf(tmp_path):
+    # the bias rides beside the quantized qkv_proj; tied embeddings keep lm_head unquantized
+    source = make_tiny_model("qwen2", tmp_path / "qwen2")
+    quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
+    write_quantized(source, quantized, dequantized, method="gptq", group_size=32, desc_act=True)
+    prompts = _prompts()
+    tokens, logprobs = kvfleet_run(quantized, prompts)
+    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
+    assert tokens == ref_tokens
+    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
+        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
