@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -222,3 +223,27 @@ def test_notes_show_how_to_apply_and_reach_an_llmservice(tmp_path: Path) -> None
     for needle in ("kubectl -n llm apply -f examples/llmservice.yaml", "port-forward service/llama-8b",
                    "/v1/chat/completions", "get hpa", "rules.existing=kvfleet-adapter-rules"):
         assert needle in notes, needle
+
+
+def test_every_value_is_commented_and_in_the_schema() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    path: list[tuple[int, str]] = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z_]\w*):", line)
+        if not m or line.lstrip().startswith("-"):
+            continue
+        indent, key = len(m.group(1)), m.group(2)
+        path = [(n, k) for n, k in path if n < indent]
+        if path and path[0][1] == "examples" and len(path) >= 2:    # example data, described by the CRD
+            continue
+        path.append((indent, key))
+        dotted = ".".join(k for _, k in path)
+        node = schema
+        for _, k in path:
+            if "properties" not in node:    # an entry of a free-form map (resources, labels): data
+                break
+            assert k in node["properties"], f"values.schema.json does not describe {dotted}"
+            node = node["properties"][k]
+        else:
+            assert lines[i - 1].strip().startswith("#"), f"values.yaml: {dotted} has no comment above it"
