@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet_runtime.benchmarks.plot import SERVE_KEYS
+from kvfleet_runtime.cli import main
 from support.server import ServerProcess, running_server
 
 
@@ -66,11 +67,8 @@ def test_sharegpt_like_lengths_vary(server: ServerProcess, tmp_path: Path) -> No
     assert run["total_output_tokens"] != 8 * 6 and run["total_input_tokens"] != 8 * 32
 
 
-def test_bad_flags_and_unreachable_servers_are_named(tmp_path: Path) -> None:
-    def run(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "bench", "serve",
-                               *flags], capture_output=True, text=True, timeout=60)
-    bad = run("--request-rate", "fast")
-    assert bad.returncode == 2 and "--request-rate must be numbers or inf" in bad.stderr
-    gone = run("--base-url", "http://127.0.0.1:9", "--num-prompts", "1")
-    assert gone.returncode == 2 and "cannot list models at http://127.0.0.1:9" in gone.stderr
+def test_bad_flags_and_unreachable_servers_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--request-rate", "fast"]) == 2
+    assert "--request-rate must be numbers or inf" in capsys.readouterr().err
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
+    assert "cannot list models at http://127.0.0.1:9" in capsys.readouterr().err
