@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, disable_created_metrics
 
     from kvfleet_runtime.engine.async_engine import AsyncLLMEngine
     from kvfleet_runtime.server.api import build_app
@@ -139,6 +139,8 @@ def serve(args: argparse.Namespace) -> int:
     start = time.monotonic()
     engine = AsyncLLMEngine(config, max_queued_requests=args.max_queued_requests)
     names = names or [engine.served_model_name]
+    # the *_created series would double every scrape, and nothing queries them
+    disable_created_metrics()
     registry = CollectorRegistry()
     # set before the first request: the loop thread only reads it when requests come
     engine.stat_logger = EngineMetrics(names[0], registry)
