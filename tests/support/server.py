@@ -4,7 +4,8 @@
 127.0.0.1 with `--port 0` (the kernel picks a free port, so parallel test runs
 never race for one), reads the port from uvicorn's start-up line and waits
 until /health answers 200. `ServerProcess.stop()` signals the PID it started.
-The server's output goes to a log file whose tail is put into every failure.
+The server's output goes to a log file whose tail is put into every failure; keep
+`--log-level` at info or lower, since the port is read from uvicorn's info line.
 """
 
 from __future__ import annotations
