@@ -553,7 +553,10 @@ def unchanged_files(dest: Path, marker: dict | None, source_url: str, files: lis
     """Paths an earlier complete pull of the same source already put in DEST, with the same fingerprint."""
     if not marker or marker.get("source") != source_url:
         return set()
-    recorded = {m["path"]: (m["size"], m["fingerprint"]) for m in marker.get("files", [])}
+    try:
+        recorded = {m["path"]: (m["size"], m["fingerprint"]) for m in marker["files"]}
+    except (KeyError, TypeError):   # a marker we did not write: trust nothing in DEST
+        return set()
     same = set()
     for f in files:
         try:
