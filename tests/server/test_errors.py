@@ -55,6 +55,8 @@ CASES = [
      "must be one of system, developer, user, assistant; got 'wizard'"),
     (CHAT, {"messages": []}, 400, "messages", "at least one message"),
     (CHAT, {"messages": USER_HI, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs"),
+    (CHAT, {"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "top_logprobs must be an integer in [0, 20]; got 21"),
     (CHAT, {"messages": USER_HI, "tools": [{"type": "function"}]}, 400, "tools",
      "not supported"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "ids in [0, 49152)"),

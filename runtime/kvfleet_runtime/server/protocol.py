@@ -223,6 +223,9 @@ class ChatCompletionRequest(_SamplingRequest):
                               f"{self.response_format.type!r}", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise OpenAIError(f"top_logprobs must be an integer in [0, 20]; got "
+                              f"{self.top_logprobs}", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
 
