@@ -213,3 +213,75 @@ def test_every_command_is_of_a_kind_checked_above(command: Command) -> None:
         del words[1:3]
     key = (words[0], words[1] if words[0] in ("helm", "kubectl", "aws") else None)
     assert key in HANDLED, f"docs/DEPLOY.md gained a command this test does not check: {command.argv}"
+
+
+def test_kubectl_walkthrough_against_the_emulator_with_the_operator_running(tmp_path: Path) -> None:
+    """The doc's kubectl steps with the real kubectl, in order, against the Kubernetes emulator
+    (tests/support/kube.py) while `kvfleet-operator` runs with the chart's arguments."""
+    import socket
+    import time
+
+    import httpx
+    from support.kube import KubeCluster
+
+    crd = yaml.safe_load((CHART / "crds" / "llmservice.yaml").read_text())
+    _, manifests = chart_release(tmp_path)
+    operator_args = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
+    # the chart's args, but the health endpoint on a free loopback port, and only namespace llm
+    args = [a.replace("0.0.0.0:8080", f"127.0.0.1:{health_port}") for a in operator_args] + ["--namespace", "llm"]
+    with KubeCluster(tmp_path, crds=[crd]) as cluster:
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "KVFLEET_OPERATOR_RETRY_DELAY": "1"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+
+        def run(argv: list[str], stdin: str | None = None) -> str:
+            done = subprocess.run([str(Path(sys.executable).with_name("kubectl")), *argv[1:]], input=stdin,
+                                  capture_output=True, text=True, env=env, timeout=60)
+            assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
+            return done.stdout
+
+        # what helm install does first: the chart's crds/
+        run(["kubectl", "apply", "--validate=false", "-f", str(CHART / "crds" / "llmservice.yaml")])
+        operator = subprocess.Popen([sys.executable, "-m", "kvfleet_operator.main", *args], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert operator.poll() is None, operator.communicate()[1][-3000:]
+                try:
+                    if httpx.get(f"http://127.0.0.1:{health_port}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the operator's /healthz never answered"
+                time.sleep(0.2)
+            for c in COMMANDS:
+                if c.argv[0] != "kubectl" or "--raw" in c.argv or \
+                        not {"get", "apply", "create", "delete"} & set(c.argv[:4]):
+                    continue        # rollout, logs, port-forward need real controllers / kubelets
+                argv = [a for a in c.argv if a != "-w"]
+                if argv[1:3] == ["create", "namespace"]:
+                    continue        # the emulator cannot store Namespaces (dry-run tested above)
+                if "create" in argv[:4]:
+                    # the emulator answers kubectl's create POST badly; apply what create would send
+                    made = run([*argv, "--dry-run=client", "-o", "yaml"])
+                    run(["kubectl", "apply", "--validate=false", "-f", "-"], made)
+                elif "apply" in argv:
+                    run([*argv[:argv.index("apply") + 1], "--validate=false", *argv[argv.index("apply") + 1:]],
+                        c.stdin)
+                    # the operator reconciles it into children before the doc looks at them
+                    deadline = time.monotonic() + 60
+                    while cluster.get("autoscaling/v2", "horizontalpodautoscalers", "llm", "llama-8b") is None:
+                        assert time.monotonic() < deadline, "the operator made no HPA"
+                        assert operator.poll() is None, operator.communicate()[1][-3000:]
+                        time.sleep(0.2)
+                else:
+                    out = run(argv)
+                    if argv[-1] == "llmservices":
+                        assert "llama-8b" in out
+            assert cluster.get("kvfleet.io/v1alpha1", "llmservices", "llm", "llama-8b") is None
+        finally:
+            operator.kill()
+            operator.wait(timeout=30)
