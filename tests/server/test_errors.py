@@ -3,6 +3,7 @@ keeps serving afterwards."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,9 @@ MAX_LEN = 128
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[ServerProcess]:
-    with running_server(tiny_llama, "--max-model-len", str(MAX_LEN)) as s:
+    # 4 blocks of 16 tokens: requests within max_model_len can still overflow the KV cache
+    with running_server(tiny_llama, "--max-model-len", str(MAX_LEN), "--num-gpu-blocks", "4",
+                        "--block-size", "16") as s:
         yield s
 
 
@@ -87,6 +90,20 @@ def test_unknown_route_and_wrong_method_are_openai_errors(server: ServerProcess)
     assert r.status_code == 404 and "message" in r.json()["error"]
     r = httpx.get(server.base_url + COMPLETIONS)
     assert r.status_code == 405 and "message" in r.json()["error"]
+
+
+def test_the_engines_own_refusal_is_a_400_or_an_error_event(server: ServerProcess) -> None:
+    body = {"prompt": [42] * 10, "max_tokens": 100}     # fits 128 tokens, not 4 blocks
+    r = httpx.post(server.base_url + COMPLETIONS, json=body, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    with httpx.stream("POST", server.base_url + COMPLETIONS, json={**body, "stream": True},
+                      timeout=60) as stream:
+        assert stream.status_code == 200      # the status line went out before the engine said no
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    streamed = json.loads(events[-2][len("data: "):])["error"]
+    assert streamed["message"] == r.json()["error"]["message"]
 
 
 def test_server_still_serves_after_bad_input(server: ServerProcess) -> None:
