@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.layers.quantization import get_quant_config
 from kvfleet_runtime.layers.linear import Linear
 from kvfleet_runtime.models import get_model_class
 from kvfleet_runtime.models.config import ModelConfig
@@ -48,6 +49,17 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+def _drop_zero_biases(tensors: Iterator[tuple[str, torch.Tensor]],
+                      cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Some AutoGPTQ checkpoints store all-zero biases for bias-free projections: skip them."""
+    for name, tensor in tensors:
+        if name.endswith("_proj.bias") and not (cfg.attention_bias and ".self_attn." in name
+                                                 and ".o_proj." not in name):
+            if not torch.any(tensor):
+                continue
+        yield name, tensor
 
 
 def _eos_ids(path: Path | None, cfg: ModelConfig, tokenizer) -> list[int]:
@@ -97,18 +109,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     cfg = ModelConfig.from_hf(hf)
     cls = get_model_class(cfg)
     dtype = config.resolve_dtype(cfg.checkpoint_dtype)
-    quant_config = None
-    if config.quantization is not None or "quantization_config" in hf or (
-            folder is not None and (folder / "quantize_config.json").exists()):
-        from kvfleet_runtime.layers.quantization import get_quant_config
-        quant_config = get_quant_config(hf, str(folder) if folder else None, config.quantization)
+    quant_config = get_quant_config(hf, str(folder) if folder else None, config.quantization)
     with torch.device(config.torch_device):
         model = cls(cfg, dtype, quant_config)
     if config.load_format == "dummy":
         _init_dummy(model)
     else:
-        loaded = model.load_weights(tensors())
-        expected = {n for n, _ in model.named_parameters()}
+        loaded = model.load_weights(_drop_zero_biases(tensors(), cfg))
+        # g_idx is optional in GPTQ checkpoints (plain grouping when absent)
+        expected = {n for n, _ in model.named_parameters() if not n.endswith(".g_idx")}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint {config.model} lacks {len(missing)} tensors, e.g. "
