@@ -215,25 +215,67 @@ def test_every_command_is_of_a_kind_checked_above(command: Command) -> None:
     assert key in HANDLED, f"docs/DEPLOY.md gained a command this test does not check: {command.argv}"
 
 
-def test_kubectl_walkthrough_against_the_emulator_with_the_operator_running(tmp_path: Path) -> None:
+def rbac_request(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str] | None:
+    """(apiGroup, resource[/subresource], verb) an API request needs, as the API server
+    authorizes it; None for discovery, which every authenticated client may read."""
+    parts = path.strip("/").split("/")
+    if parts[0] == "api" and len(parts) > 2:
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    resource, name, sub = rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
+    verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method)
+    if method == "GET":
+        verb = "get" if name else ("watch" if query.get("watch") in ("true", "1") else "list")
+    return group, resource + (f"/{sub}" if sub else ""), verb
+
+
+def test_kubectl_walkthrough_against_the_emulator_with_the_operator_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The doc's kubectl steps with the real kubectl, in order, against the Kubernetes emulator
-    (tests/support/kube.py) while `kvfleet-operator` runs with the chart's arguments."""
+    (tests/support/kube.py) while `kvfleet-operator` runs with the chart's arguments, and every
+    API request the operator makes is one the chart's RBAC allows."""
     import socket
     import time
 
     import httpx
-    from support.kube import KubeCluster
+    from helm_chart import template
+    from support.kube import KubeCluster, KubeEmulator
+    from test_helm_chart import granted
 
     crd = yaml.safe_load((CHART / "crds" / "llmservice.yaml").read_text())
-    _, manifests = chart_release(tmp_path)
+    manifests = template({"operator": {"watchNamespaces": ["llm"]}}, tmp_path)
     operator_args = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    allowed = granted([r for m in manifests if m["kind"] in ("Role", "ClusterRole") for r in m["rules"]])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         health_port = s.getsockname()[1]
-    # the chart's args, but the health endpoint on a free loopback port, and only namespace llm
-    args = [a.replace("0.0.0.0:8080", f"127.0.0.1:{health_port}") for a in operator_args] + ["--namespace", "llm"]
+    # the chart's args, with the health endpoint on a free loopback port
+    args = [a.replace("0.0.0.0:8080", f"127.0.0.1:{health_port}") for a in operator_args]
+    assert args[args.index("--namespace") + 1] == "llm"
+    requested: set[tuple[str, str, str]] = set()
+    serve = KubeEmulator.__call__
+
+    async def recording(self: KubeEmulator, raw: Any) -> Any:
+        if not raw.headers.get("User-Agent", "").startswith("kubectl"):
+            needed = rbac_request(raw.method, raw.path, dict(raw.query))
+            if needed:
+                requested.add(needed)
+        return await serve(self, raw)
+
+    monkeypatch.setattr(KubeEmulator, "__call__", recording)
     with KubeCluster(tmp_path, crds=[crd]) as cluster:
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "KVFLEET_OPERATOR_RETRY_DELAY": "1"}
+        # An API server serves an HPA under every autoscaling version; the emulator keeps one
+        # store per version and names a random preferred one, so offer kubectl only v2.
+        for key in [k for k in cluster.emulator.resources.keys()
+                    if (k.group, k.version, k.plural) == ("autoscaling", "v1", "horizontalpodautoscalers")]:
+            del cluster.emulator.resources[key]
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "KVFLEET_OPERATOR_RETRY_DELAY": "1",
+               "KUBECACHEDIR": str(tmp_path / "kube-cache")}
         env.pop("KUBERNETES_SERVICE_HOST", None)
 
         def run(argv: list[str], stdin: str | None = None) -> str:
@@ -282,6 +324,9 @@ def test_kubectl_walkthrough_against_the_emulator_with_the_operator_running(tmp_
                     if argv[-1] == "llmservices":
                         assert "llama-8b" in out
             assert cluster.get("kvfleet.io/v1alpha1", "llmservices", "llm", "llama-8b") is None
+            assert requested - allowed == set(), "the operator made requests its RBAC does not allow"
+            assert {("apps", "deployments", "create"), ("kvfleet.io", "llmservices/status", "patch"),
+                    ("", "secrets", "get")} <= requested, requested
         finally:
             operator.kill()
             operator.wait(timeout=30)
