@@ -84,7 +84,8 @@ class PullOptions:
     chunk_size: int = 16 * MiB
     retries: int = 5
     max_bandwidth: int | None = None      # bytes per second over all connections
-    progress: bool | None = None          # None: a bar only on a terminal
+    progress: bool | None = None          # None: a bar on a terminal, else a log line now and then
+    log_interval: float = 10.0            # seconds between those log lines (container logs)
 
 
 @dataclass
@@ -470,9 +471,13 @@ class Transfer:
         self.limiter = RateLimiter(options.max_bandwidth) if options.max_bandwidth else None
         self.lock = threading.Lock()
         self.fetched = 0
+        self.total = total
         self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pull",
                         disable=(not options.progress) if options.progress is not None else None,
                         file=sys.stderr)
+        # Without a terminal (an init container's log) a bar is unreadable: plain lines instead.
+        self.log_lines = options.progress is None and self.bar.disable
+        self.started = self.last_log = time.monotonic()
 
     def fetch_chunk(self, part: PartialFile, index: int) -> None:
         start, end = part.bounds(index)
@@ -516,6 +521,13 @@ class Transfer:
         with self.lock:
             self.fetched += n
             self.bar.update(n)
+            now = time.monotonic()
+            if self.log_lines and now - self.last_log >= self.options.log_interval:
+                self.last_log = now
+                done = self.bar.n
+                rate = self.fetched / MiB / max(now - self.started, 1e-9)
+                print(f"kvfleet pull: {done / MiB:.0f} of {self.total / MiB:.0f} MiB "
+                      f"({100 * done / max(self.total, 1):.0f}%), {rate:.1f} MiB/s", file=sys.stderr, flush=True)
 
     def run(self, parts: list[PartialFile]) -> None:
         jobs = [(p, i) for p in parts for i in p.pending()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,11 @@ def test_source_paths_escaping_dest_are_refused(key: str) -> None:
         pullmod.safe_relpath(key)
     assert e.value.code == pullmod.ExitCode.VERIFY_FAILED
     assert pullmod.safe_relpath("sub/model.safetensors") == "sub/model.safetensors"
+
+
+def test_progress_is_logged_as_lines_without_a_terminal(checkpoint: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    pullmod.pull(str(checkpoint), tmp_path / "m", pullmod.PullOptions(chunk_size=1 << 20, log_interval=0.0))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvfleet pull: ")]
+    assert lines and all(re.fullmatch(r"kvfleet pull: \d+ of \d+ MiB \(\d+%\), [\d.]+ MiB/s", ln) for ln in lines)
+    assert "\r" not in "".join(lines)
