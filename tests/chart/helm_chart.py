@@ -20,7 +20,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfleet"
 CRD = REPO / "crds" / "llmservice.yaml"
-KUBE_VERSION = "1.30.0"   # the oldest Kubernetes the docs promise; apis removed since would show up here
+KUBE_VERSION = "1.30.0"   # the oldest Kubernetes the chart supports (Chart.yaml kubeVersion, docs/DEPLOY.md)
 CUSTOM_KINDS = {"LLMService", "ServiceMonitor", "PrometheusRule"}
 
 
@@ -38,7 +38,7 @@ def run_helm(*args: str) -> subprocess.CompletedProcess:
 def template(values: dict[str, Any] | None, tmp_path: Path, *extra: str,
              release: str = "kvfleet", namespace: str = "kvfleet-system") -> list[dict[str, Any]]:
     """`helm template` with `values`; every rendered manifest, helm must succeed."""
-    args = ["template", release, str(CHART), "--namespace", namespace, *extra]
+    args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION, *extra]
     if values is not None:
         path = tmp_path / "values.yaml"
         path.write_text(yaml.safe_dump(values))

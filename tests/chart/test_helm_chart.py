@@ -12,7 +12,18 @@ from typing import Any
 
 import pytest
 import yaml
-from helm_chart import CHART, CRD, REPO, by_kind, one, render_notes, run_helm, template, validate
+from helm_chart import (
+    CHART,
+    CRD,
+    KUBE_VERSION,
+    REPO,
+    by_kind,
+    one,
+    render_notes,
+    run_helm,
+    template,
+    validate,
+)
 
 # Everything optional switched on, names and namespaces changed. The observability
 # pieces (grafanaDashboard, prometheusRule) render whether or not their templates exist.
@@ -248,3 +259,12 @@ def test_every_value_is_commented_and_in_the_schema() -> None:
             node = node["properties"][k]
         else:
             assert lines[i - 1].strip().startswith("#"), f"values.yaml: {dotted} has no comment above it"
+
+
+def test_oldest_supported_kubernetes_is_the_one_validated_and_documented() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={KUBE_VERSION}-0"
+    assert f"Kubernetes >= {KUBE_VERSION.rsplit('.', 1)[0]}" in (REPO / "docs" / "DEPLOY.md").read_text()
+    major, minor, _ = KUBE_VERSION.split(".")
+    done = run_helm("template", "kvfleet", str(CHART), "--kube-version", f"{major}.{int(minor) - 1}.0")
+    assert done.returncode != 0 and "requires kubeVersion" in done.stderr
