@@ -330,3 +330,45 @@ def test_kubectl_walkthrough_against_the_emulator_with_the_operator_running(
         finally:
             operator.kill()
             operator.wait(timeout=30)
+
+
+def test_pull_command_and_curl_steps_against_kvfleet_serve(tmp_path: Path) -> None:
+    """Steps 3-6 on one machine: the model uploaded to S3 (SeaweedFS), the init container's
+    `kvfleet pull` exactly as the operator writes it, `kvfleet serve` of what was pulled, and
+    the doc's curl commands against it."""
+    from kvfleet_operator import resources
+    from kvfleet_operator.spec import parse_spec
+    from support.s3 import start_seaweedfs
+    from support.server import running_server
+    from support.tiny_models import make_tiny_model
+
+    body = doc_llmservice()
+    spec = parse_spec({**body, "metadata": {**body["metadata"], "namespace": "llm", "uid": "u"}})
+    checkpoint = make_tiny_model("llama", tmp_path / "ckpt", max_shard_size="200KB")
+    s3 = start_seaweedfs(tmp_path / "s3")
+    try:
+        bucket, _, prefix = spec.model.uri.removeprefix("s3://").partition("/")
+        s3.client().create_bucket(Bucket=bucket)
+        s3.upload_dir(checkpoint, bucket, prefix)
+        command = resources.pull_command(spec)
+        assert command[:2] == ["kvfleet", "pull"] and command[3] == resources.MODELS_DIR
+        models = tmp_path / "models"
+        pulled = subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "pull", command[2], str(models),
+                                 *command[4:]], env=s3.env(), capture_output=True, text=True, timeout=300)
+        assert pulled.returncode == 0, pulled.stderr
+    finally:
+        s3.stop()
+    with running_server(models, "--served-model-name", spec.model.name, "--max-num-seqs", "4",
+                        "--num-gpu-blocks", "64", "--max-model-len", "512") as server:
+        curls = [c for c in COMMANDS if c.argv[0] == "curl"]
+        for c in curls:
+            argv = [a.replace("http://localhost:8000", server.base_url) for a in c.argv]
+            done = subprocess.run([argv[0], "-sS", "--fail-with-body", *argv[1:]], capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr + server.log()
+            answer = json.loads(done.stdout)
+            if argv[1].endswith("/v1/models"):
+                assert [m["id"] for m in answer["data"]] == [spec.model.name]
+            else:
+                assert answer["model"] == spec.model.name and answer["choices"][0]["message"]["role"] == "assistant"
+                assert answer["usage"]["completion_tokens"] >= 1

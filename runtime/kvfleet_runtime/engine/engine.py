@@ -10,6 +10,7 @@ import torch
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.detokenizer import IncrementalDetokenizer
+from kvfleet_runtime.distributed.workers import WorkerDiedError, WorkerGroup
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.engine.model_runner import ModelRunner
 from kvfleet_runtime.engine.scheduler import Scheduler, SchedulerOutput
@@ -28,13 +29,20 @@ class LLMEngine:
         self.config = config
         set_backend(config.attention_backend)
         torch.manual_seed(config.seed)
-        loaded = load_model(config)
-        config.finalize(loaded.config.max_position_embeddings)
+        # ranks 1.. of a tensor-parallel group load their shards alongside this process (rank 0)
+        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        try:
+            loaded = load_model(config)
+            config.finalize(loaded.config.max_position_embeddings)
+            self.runner = ModelRunner(config, loaded)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException as e:
+            self._fail_start(e)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.served_model_name = config.served_model_name or loaded.name
         self.eos_token_ids = set(loaded.config.eos_token_ids)
-        self.runner = ModelRunner(config, loaded)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -47,6 +55,25 @@ class LLMEngine:
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, device %s",
                  self.served_model_name, self.runner.num_blocks, config.block_size,
                  loaded.dtype, config.device)
+
+    def _fail_start(self, error: BaseException) -> None:
+        if self.workers is None:
+            raise error
+        # rank 0 often sees only the broken collective; the worker's own report says why
+        reason = self.workers.startup_error()
+        self.workers.shutdown()
+        if reason is not None:
+            raise WorkerDiedError(reason) from error
+        raise error
+
+    def is_healthy(self) -> bool:
+        """False once a tensor-parallel worker has died (or the engine was shut down)."""
+        return self.workers is None or self.workers.is_alive()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one GPU). Idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -114,12 +141,19 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.workers is not None:
+            self.workers.check_alive()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                      for s in sched.scheduled}
-        result = self.runner.execute(sched, block_ids)
+        try:
+            result = self.runner.execute(sched, block_ids)
+        except RuntimeError as e:
+            if self.workers is None:
+                raise
+            raise self.workers.fail(e) from e
         touched = self._update(sched, result)
         outputs = [self._make_output(gid) for gid in touched]
         totals = self.step_totals

@@ -3,6 +3,10 @@
 Owns the KV cache tensors (sized from memory), builds the flat batch
 (input_ids, positions, slot_mapping, block tables) and, on CUDA, replays
 captured CUDA graphs for decode-only batches.
+
+Under tensor parallelism every rank has a runner over its shard of the model: rank 0's
+`execute` builds the step and broadcasts it, the other ranks run `execute_remote` in their
+worker loop; all run the same forward (graphs included), rank 0 alone gets logits and samples.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.distributed.communication import StepInputs, broadcast_step, min_over_ranks
 from kvfleet_runtime.engine.scheduler import SchedulerOutput
 from kvfleet_runtime.layers.attention import AttentionMetadata
 from kvfleet_runtime.layers.sampler import SampledToken, Sampler, SamplingBatch
@@ -39,7 +44,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.block_size = config.block_size
         self.sampler = Sampler()
-        self.num_blocks = self._determine_num_blocks()
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads     # on this rank
+        # every rank holds the same block ids, so the pool is the smallest rank's
+        self.num_blocks = min_over_ranks(self._determine_num_blocks())
         self._allocate_kv_cache()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graph_runner = None
@@ -51,7 +58,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         c = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        return 2 * c.num_layers * self.block_size * self.num_kv_heads * c.head_dim * elem
 
     def _determine_num_blocks(self) -> int:
         cfg = self.config
@@ -77,7 +84,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         num_tokens = self.config.max_num_batched_tokens
         c = self.model_config
-        dummy = torch.zeros(2, self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+        dummy = torch.zeros(2, self.block_size, self.num_kv_heads, c.head_dim, dtype=self.dtype,
                             device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache = (dummy, dummy)
@@ -113,7 +120,8 @@ class ModelRunner:
         c = self.model_config
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
-                                    c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    self.num_kv_heads, c.head_dim, dtype=self.dtype,
+                                    device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.kv_cache = (self.kv_cache[i, 0], self.kv_cache[i, 1])
 
@@ -161,14 +169,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        input_ids, positions, meta, logits_rows = self._prepare(sched, block_ids)
+        step = StepInputs(*self._prepare(sched, block_ids))
         t1 = time.perf_counter()
-        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(sched.scheduled)):
-            hidden = self.graph_runner.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, meta)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))      # [N, V] fp32
+        logits = self._forward(broadcast_step(step, self.device))             # [N, V] fp32
         out = ModelRunnerOutput(prepare_s=t1 - t0)
         self._prompt_logprobs(sched, logits, out)
         sampling = [s for s in sched.scheduled if s.samples]
@@ -186,6 +189,25 @@ class ModelRunner:
                 out.sampled[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
         return out
+
+    @torch.inference_mode()
+    def execute_remote(self) -> bool:
+        """A worker rank's step: rank 0's inputs through this rank's shard; False on stop."""
+        step = broadcast_step(None, self.device)
+        if step is None:
+            return False
+        self._forward(step)
+        return True
+
+    def _forward(self, step: StepInputs) -> torch.Tensor | None:
+        """Hidden states of the logits rows -> logits on rank 0 (None on the other ranks)."""
+        meta = step.meta
+        if self.graph_runner is not None and self.graph_runner.can_run(meta, meta.seq_lens.shape[0]):
+            hidden = self.graph_runner.run(step.input_ids, step.positions, meta)
+        else:
+            hidden = self.model(step.input_ids, step.positions, meta)
+        rows = torch.tensor(step.logits_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     @staticmethod
     def _sample_row_indices(sched: SchedulerOutput) -> list[int]:

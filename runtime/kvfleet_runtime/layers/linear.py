@@ -7,6 +7,12 @@ A quantization method (layers/quantization/) registers its own parameters
   output_dim:  which dim runs along the output features (None: not sharded by output)
   output_pack: how many output features one element holds along output_dim (packed ints)
 so the shared `weight_loader` places each piece at its offset.
+
+Tensor parallelism (Megatron style): a `parallel="column"` layer keeps this rank's part of
+each output piece (`output_replicas[i]` ranks share one part of piece i: KV heads when there
+are fewer than ranks); a `parallel="row"` layer keeps this rank's slice of the inputs (params
+tag `input_dim`, and `input_pack` for packed ints) and all-reduces its output. The loader
+narrows each checkpoint tensor to this rank's part before placing it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvfleet_runtime.distributed.communication import all_reduce
+from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
 
 
 class LinearMethod:
@@ -23,7 +32,7 @@ class LinearMethod:
                        dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype),
                               requires_grad=False)
-        set_weight_attrs(weight, output_dim=0)
+        set_weight_attrs(weight, output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -41,12 +50,33 @@ def set_weight_attrs(param: torch.Tensor, **attrs: object) -> None:
 class Linear(nn.Module):
     def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
                  dtype: torch.dtype | None = None, linear_method: LinearMethod | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", parallel: str | None = None,
+                 output_replicas: list[int] | None = None) -> None:
         super().__init__()
-        self.input_size = input_size
-        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
-        self.output_size = sum(self.output_sizes)
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"{prefix}: parallel must be one of column, row, None; "
+                             f"got {parallel!r}")
+        full_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.prefix = prefix
+        self.parallel = parallel if get_tp_size() > 1 else None
+        if self.parallel is not None and linear_method is not None and \
+                type(linear_method) is not LinearMethod:
+            raise ValueError(f"{prefix}: tensor_parallel_size must be 1 for quantized "
+                             f"checkpoints ({type(linear_method).__name__} weights are not "
+                             "sharded yet); got tensor_parallel_size "
+                             f"{get_tp_size()}")
+        # this rank's input slice (row) and the start of its part of each output piece (column)
+        self.input_size, self.input_start = input_size, 0
+        self.output_sizes, self.output_starts = full_sizes, [0] * len(full_sizes)
+        if self.parallel == "row":
+            self.input_size = _split(input_size, get_tp_size(), f"{prefix} input size")
+            self.input_start = get_tp_rank() * self.input_size
+        elif self.parallel == "column":
+            self.output_sizes, self.output_starts = _column_parts(
+                full_sizes, output_replicas or [1] * len(full_sizes), prefix)
+        self.full_input_size, self.full_output_sizes = input_size, full_sizes
+        input_size = self.input_size
+        self.output_size = sum(self.output_sizes)
         dtype = dtype or torch.get_default_dtype()
         self.params_dtype = dtype
         self.linear_method = linear_method or LinearMethod()
@@ -59,7 +89,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        return self.linear_method.apply(self, x, self.bias)
+        if self.parallel != "row":
+            return self.linear_method.apply(self, x, self.bias)
+        # every rank's partial sum goes into the all-reduce; the bias must enter it once
+        bias = self.bias if get_tp_rank() == 0 else None
+        return all_reduce(self.linear_method.apply(self, x, bias))
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: int | None = None) -> None:
@@ -67,6 +101,7 @@ class Linear(nn.Module):
         if custom is not None:
             custom(param, loaded, shard_id)
             return
+        loaded = self._rank_part(param, loaded, shard_id)
         output_dim = getattr(param, "output_dim", None)
         if shard_id is None or output_dim is None:
             if param.shape != loaded.shape:
@@ -83,6 +118,52 @@ class Linear(nn.Module):
                              f"{tuple(loaded.shape)} does not fit {tuple(target.shape)}")
         target.copy_(loaded)
 
+    def _rank_part(self, param: torch.Tensor, loaded: torch.Tensor,
+                   shard_id: int | None) -> torch.Tensor:
+        """The part of a checkpoint tensor (one piece, or the whole layer) this rank holds."""
+        if self.parallel == "row":
+            dim, pack = getattr(param, "input_dim", None), getattr(param, "input_pack", 1)
+            full, start, size = self.full_input_size, self.input_start, self.input_size
+        elif self.parallel == "column":
+            if shard_id is None and len(self.output_sizes) > 1:
+                raise ValueError(f"{self.prefix}: a fused column-parallel layer loads its "
+                                 "pieces one by one (shard_id), not as one tensor")
+            piece = shard_id or 0
+            dim, pack = getattr(param, "output_dim", None), getattr(param, "output_pack", 1)
+            full = self.full_output_sizes[piece]
+            start, size = self.output_starts[piece], self.output_sizes[piece]
+        else:
+            return loaded
+        if dim is None:         # e.g. a row layer's bias: every rank holds all of it
+            return loaded
+        if loaded.shape[dim] != full // pack:
+            raise ValueError(f"{self.prefix}: checkpoint tensor of shape {tuple(loaded.shape)} "
+                             f"has {loaded.shape[dim]} rows along dim {dim}; expected "
+                             f"{full // pack}")
+        return loaded.narrow(dim, start // pack, size // pack)
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_sizes}, "
-                f"method={type(self.linear_method).__name__}")
+                f"method={type(self.linear_method).__name__}, parallel={self.parallel}")
+
+
+def _split(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{what} ({size}) must be a multiple of tensor_parallel_size "
+                         f"({parts})")
+    return size // parts
+
+
+def _column_parts(sizes: list[int], replicas: list[int], prefix: str
+                  ) -> tuple[list[int], list[int]]:
+    """(this rank's size of each output piece, its start in the full piece)."""
+    size, rank = get_tp_size(), get_tp_rank()
+    local, starts = [], []
+    for i, (full, shared_by) in enumerate(zip(sizes, replicas, strict=True)):
+        if size % shared_by:
+            raise ValueError(f"{prefix}: output piece {i} is shared by {shared_by} ranks, which "
+                             f"must divide tensor_parallel_size ({size})")
+        part = _split(full, size // shared_by, f"{prefix} output piece {i}")
+        local.append(part)
+        starts.append(rank // shared_by * part)
+    return local, starts

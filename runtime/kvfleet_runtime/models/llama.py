@@ -2,6 +2,9 @@
 
 Math only: projections are fused (qkv, gate_up), K/V go through the paged
 Attention layer, and the batch is a flat run of tokens ([T, ...]).
+Under tensor parallelism each rank builds its shard: its share of the query heads and KV heads
+(KV heads replicated when there are fewer than ranks), column-parallel qkv and gate_up,
+row-parallel o and down, a vocab-parallel embedding and lm_head.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
+from kvfleet_runtime.distributed.parallel_state import get_tp_size
 from kvfleet_runtime.layers.activation import SiluAndMul
 from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.linear import Linear
@@ -23,19 +28,39 @@ def _method(quant_config, prefix: str):
     return quant_config.get_linear_method(prefix) if quant_config is not None else None
 
 
+def _heads_per_rank(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(query heads, KV heads) of one rank, and how many ranks share each KV head."""
+    tp = get_tp_size()
+    if cfg.num_heads % tp:
+        raise ValueError(f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                         f"tensor_parallel_size ({tp})")
+    if cfg.num_kv_heads >= tp:
+        if cfg.num_kv_heads % tp:
+            raise ValueError(f"num_key_value_heads ({cfg.num_kv_heads}) must be a multiple of "
+                             f"tensor_parallel_size ({tp}) when it is not smaller")
+        return cfg.num_heads // tp, cfg.num_kv_heads // tp, 1
+    if tp % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of num_key_value_heads "
+                         f"({cfg.num_kv_heads}) when it is larger")
+    return cfg.num_heads // tp, 1, tp // cfg.num_kv_heads
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, kv_replicas = _heads_per_rank(cfg)
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+        full_q, full_kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [full_q, full_kv, full_kv],
                                bias=cfg.attention_bias, dtype=dtype,
                                linear_method=_method(quant_config, f"{prefix}.qkv_proj"),
-                               prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype,
+                               prefix=f"{prefix}.qkv_proj", parallel="column",
+                               output_replicas=[1, kv_replicas, kv_replicas])
+        self.o_proj = Linear(full_q, cfg.hidden_size, bias=False, dtype=dtype,
                              linear_method=_method(quant_config, f"{prefix}.o_proj"),
-                             prefix=f"{prefix}.o_proj")
+                             prefix=f"{prefix}.o_proj", parallel="row")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
@@ -60,10 +85,10 @@ class DecoderMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype,
                                    linear_method=_method(quant_config, f"{prefix}.gate_up_proj"),
-                                   prefix=f"{prefix}.gate_up_proj")
+                                   prefix=f"{prefix}.gate_up_proj", parallel="column")
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False, dtype=dtype,
                                 linear_method=_method(quant_config, f"{prefix}.down_proj"),
-                                prefix=f"{prefix}.down_proj")
+                                prefix=f"{prefix}.down_proj", parallel="row")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +117,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}")
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -118,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -127,9 +152,9 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden states [T, D]
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, D] -> logits [N, V] in fp32
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [N, D] -> logits [N, V] in fp32, gathered on rank 0 (None on the others)
+        return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
