@@ -6,12 +6,13 @@ manifest when the source has one), the atomic hand-over into DEST and the
 completion marker, and the mapping of every failure to an exit code.
 
 It runs as the LLMService init container, so it must stay light: boto3 and
-tqdm only, no torch (tests/pull/test_cli.py pins that).
+tqdm only, no torch (tests/pull/test_pull_cli.py pins that).
 
 On-disk contract inside DEST:
   .kvfleet-pull.partial/<path>.part       bytes being fetched (never loaded by the runtime)
-  .kvfleet-pull.partial/<path>.part.json  which chunks of it are done (the resume state)
+  .kvfleet-pull.partial/<path>.part.json  its finished chunks and their MD5s (the resume state)
   .kvfleet-pull.json                      completion marker, written last: source + files
+  .kvfleet-pull.lock                      flock()ed while a pull runs (replicas sharing a volume)
 A file reaches its real name only after it is complete and verified, and the
 marker is written only after every file has.
 """
@@ -650,6 +651,7 @@ def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile],
             sums = parse_manifest(manifest.data_path.read_text(), {f.path: f for f in files})
         elif MANIFEST in unchanged:
             sums = parse_manifest((dest / MANIFEST).read_text(), {f.path: f for f in files})
+        _check_kept(dest, unchanged, sums, old_marker)
         _fetch_verified(transfer, [p for p in parts if p is not manifest], sums)
         _install(dest, parts, files, old_marker)
     finally:
@@ -685,6 +687,25 @@ def _fetch_verified(transfer: Transfer, parts: list[PartialFile], sums: dict[str
         parts = [p for p, _ in failed]
 
 
+def _check_kept(dest: Path, kept: set[str], sums: dict[str, str], old_marker: dict | None) -> None:
+    """Files kept from the last pull against a manifest that may be new since."""
+    if not kept & sums.keys():
+        return
+    # kept files exist only when unchanged_files() read the old marker without fault
+    recorded = {m["path"]: m.get("sha256") for m in old_marker["files"]}
+    for path in sorted(kept & sums.keys()):
+        digest = recorded.get(path)
+        if digest is None:
+            sha = hashlib.sha256()
+            with open(dest / path, "rb") as fh:
+                while block := fh.read(PIECE):
+                    sha.update(block)
+            digest = sha.hexdigest()
+        if digest != sums[path]:
+            raise PullError(f"{path} does not match the source: sha256 {digest} != {sums[path]} (from {MANIFEST})",
+                            ExitCode.VERIFY_FAILED)
+
+
 def chunk_size_for(src: LocalSource | S3Source, f: RemoteFile, default: int) -> int:
     """A multipart upload is fetched part by part (its ETag needs each part's MD5)."""
     parts = multipart_count(f)
@@ -703,7 +724,7 @@ def _install(dest: Path, parts: list[PartialFile], files: list[RemoteFile], old_
     # Files of an earlier pull that the source no longer has (e.g. a re-sharded checkpoint).
     current = {f.path for f in files}
     for entry in (old_marker or {}).get("files", []):
-        if entry["path"] not in current:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"] not in current:
             (dest / safe_relpath(entry["path"])).unlink(missing_ok=True)
 
 

@@ -92,3 +92,19 @@ def test_progress_is_logged_as_lines_without_a_terminal(checkpoint: Path, tmp_pa
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvfleet pull: ")]
     assert lines and all(re.fullmatch(r"kvfleet pull: \d+ of \d+ MiB \(\d+%\), [\d.]+ MiB/s", ln) for ln in lines)
     assert "\r" not in "".join(lines)
+
+
+def test_a_new_manifest_also_checks_the_files_kept_from_the_last_pull(tmp_path: Path) -> None:
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"weights")
+    assert run_pull(None, str(src), str(dest)).returncode == 0
+    good = hashlib.sha256(b"weights").hexdigest()
+    (src / "SHA256SUMS").write_text(f"{'0' * 64}  model.safetensors\n")
+    r = run_pull(None, str(src), str(dest))
+    assert r.returncode == pullmod.ExitCode.VERIFY_FAILED and "model.safetensors does not match" in r.stderr
+    (src / "SHA256SUMS").write_text(f"{good}  model.safetensors\n")
+    r = run_pull(None, str(src), str(dest))
+    assert r.returncode == 0, r.stderr
+    assert (dest / "SHA256SUMS").exists()
