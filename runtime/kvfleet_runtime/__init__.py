@@ -2,12 +2,28 @@
 
     from kvfleet_runtime import LLM, SamplingParams
     LLM(model="path").generate(["Hello"], SamplingParams(max_tokens=16))
+
+Names are imported on first use, so light commands (`kvfleet pull`) never load torch.
 """
 
-from kvfleet_runtime.config import EngineConfig
-from kvfleet_runtime.llm import LLM
-from kvfleet_runtime.outputs import CompletionOutput, RequestOutput
-from kvfleet_runtime.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "kvfleet_runtime.llm",
+    "SamplingParams": "kvfleet_runtime.sampling_params",
+    "EngineConfig": "kvfleet_runtime.config",
+    "RequestOutput": "kvfleet_runtime.outputs",
+    "CompletionOutput": "kvfleet_runtime.outputs",
+    "AsyncLLMEngine": "kvfleet_runtime.engine.async_engine",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvfleet_runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
