@@ -1,0 +1,74 @@
+"""This process's place in the tensor-parallel group: rank, size and the process groups.
+
+Set once per process before the model is built (layers read the rank and size while they
+create their shards) and reset when the engine shuts down. A process that never joins a
+group is rank 0 of 1, so single-GPU code paths never touch torch.distributed.
+
+Two groups: `device_group` carries the forward's all-reduces and gathers (NCCL on GPU,
+gloo on CPU); `cpu_group` (always gloo) carries the step's small control messages, so a
+worker idling between steps waits on a socket, not on a GPU collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# workers wait for the next step on the control group for as long as the server idles;
+# a dead peer still fails a wait at once (gloo sees the socket close)
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass
+class ParallelState:
+    rank: int = 0
+    size: int = 1
+    device_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+
+_state = ParallelState()
+
+
+def get_tp_rank() -> int:
+    return _state.rank
+
+
+def get_tp_size() -> int:
+    return _state.size
+
+
+def get_state() -> ParallelState:
+    return _state
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
+                         timeout_s: float) -> None:
+    """Join the group of `size` ranks as `rank`; every rank calls this with the same arguments
+    but its rank. `timeout_s` bounds the device collectives (and the rendezvous)."""
+    global _state
+    if _state.size > 1:
+        raise RuntimeError(f"this process is already rank {_state.rank} of a tensor-parallel "
+                           f"group of {_state.size}; shut that engine down first")
+    if device.type == "cuda":
+        # NVLink multicast (NVLS) is off on the machines we run on (see docs/TENSOR_PARALLEL.md)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank if device.index is None else device.index)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    device_group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    _state = ParallelState(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (if any) and become rank 0 of 1 again."""
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = ParallelState()

@@ -1,0 +1,231 @@
+"""The worker processes of a tensor-parallel engine, started and supervised by rank 0.
+
+Rank 0 is the engine's own process: it schedules, drives every step and samples. Ranks
+1..N-1 each run `worker_main` in a spawned process (one per GPU): join the group, load their
+shard, size their KV cache (the pool is the minimum over ranks), report ready over a pipe
+(or report why they could not), then run rank 0's steps until told to stop.
+
+A dead worker must not leave rank 0 hanging: on gloo the pending collective fails at once
+(the peer's socket closes); a supervisor thread also polls the processes, marks the group
+dead (the engine reports unhealthy without waiting for a step) and, on GPU, aborts the NCCL
+group so that no rank stays stuck in an all-reduce until the NCCL timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.multiprocessing as mp
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.distributed.communication import broadcast_step
+from kvfleet_runtime.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    get_state,
+    init_tensor_parallel,
+)
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 300.0   # a forward's collective (and the rendezvous) waits at most this
+JOIN_TIMEOUT_S = 120.0        # a spawned worker imports torch and reaches the rendezvous
+READY_TIMEOUT_S = 600.0        # loading a shard and profiling memory
+POLL_S = 0.2                   # how often the supervisor looks at the workers
+STOP_GRACE_S = 5.0             # a stopped worker gets this long before it is killed
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone; the engine cannot step any more."""
+
+
+@dataclass
+class WorkerJoining:
+    """Sent just before the rendezvous, so rank 0 never waits there for a worker that died."""
+    rank: int
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    num_blocks: int
+
+
+@dataclass
+class WorkerFailed:
+    rank: int
+    error: str          # the worker's traceback
+
+
+def _device_of(config: EngineConfig, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}") if config.torch_device.type == "cuda" else torch.device("cpu")
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
+    """Entry point of rank `rank` >= 1 (runs in its own spawned process)."""
+    from kvfleet_runtime.engine.model_runner import ModelRunner
+    from kvfleet_runtime.layers.backend import set_backend
+    from kvfleet_runtime.loader import load_model
+    try:
+        device = _device_of(config, rank)
+        config.device = str(device)
+        conn.send(WorkerJoining(rank))
+        init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device,
+                             COLLECTIVE_TIMEOUT_S)
+        set_backend(config.attention_backend)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config)
+        config.finalize(loaded.config.max_position_embeddings)
+        runner = ModelRunner(config, loaded)
+    except BaseException:
+        conn.send(WorkerFailed(rank, traceback.format_exc()))
+        raise
+    conn.send(WorkerReady(rank, runner.num_blocks))
+    while runner.execute_remote():
+        pass
+    destroy_tensor_parallel()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 of an engine; creating it makes this process rank 0 of the group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        if config.torch_device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size ({size}) must not exceed the GPUs visible "
+                             f"here ({torch.cuda.device_count()})")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")     # CUDA cannot be used in a forked child
+        self.procs: list[mp.Process] = []
+        self.conns: list[Connection] = []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(rank, config, init_method, child),
+                               name=f"kvfleet-tp-worker-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.dead: str | None = None
+        self._stopping = threading.Event()
+        self._device = _device_of(config, 0)
+        try:
+            self._await(WorkerJoining, JOIN_TIMEOUT_S)
+            init_tensor_parallel(0, size, init_method, self._device, COLLECTIVE_TIMEOUT_S)
+        except BaseException:
+            self._kill_all()
+            raise
+        self._supervisor = threading.Thread(target=self._supervise, name="kvfleet-tp-supervisor",
+                                            daemon=True)
+        self._supervisor.start()
+
+    def wait_ready(self) -> None:
+        """Return once every worker has loaded its shard; raises with a worker's error."""
+        self._await(WorkerReady, READY_TIMEOUT_S)
+
+    def _await(self, kind: type, timeout_s: float) -> list:
+        """One `kind` message from every worker; a failure report or a silent exit raises."""
+        pending = dict(zip(self.conns, range(1, len(self.conns) + 1)))
+        deadline = time.monotonic() + timeout_s
+        messages = []
+        while pending:
+            ready = wait(list(pending), timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise WorkerDiedError(f"tensor-parallel ranks {sorted(pending.values())} sent "
+                                      f"no {kind.__name__} within {timeout_s:.0f} s")
+            for conn in ready:
+                rank = pending.pop(conn)
+                msg = self._receive(conn, rank)
+                if not isinstance(msg, kind):
+                    raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start:\n"
+                                          f"{msg.error}")
+                messages.append(msg)
+        return messages
+
+    def startup_error(self) -> str | None:
+        """A worker's own report of why it failed, if one has arrived (rank 0 then usually
+        sees only a broken collective)."""
+        for rank, conn in enumerate(self.conns, 1):
+            if conn.poll(0):
+                msg = self._receive(conn, rank)
+                if isinstance(msg, WorkerFailed):
+                    return f"tensor-parallel rank {rank} failed to start:\n{msg.error}"
+        return None
+
+    @staticmethod
+    def _receive(conn: Connection, rank: int) -> WorkerReady | WorkerFailed:
+        try:
+            return conn.recv()
+        except EOFError:
+            return WorkerFailed(rank, "the process exited without a word (killed?)")
+
+    def is_alive(self) -> bool:
+        if self.dead is None:
+            self._poll()
+        return self.dead is None
+
+    def check_alive(self) -> None:
+        if not self.is_alive():
+            raise WorkerDiedError(f"{self.dead}; the engine has stopped")
+
+    def fail(self, error: BaseException) -> WorkerDiedError:
+        """A step broke (a collective failed): stop every rank; returns the error to raise."""
+        self._poll()
+        self.dead = self.dead or f"a tensor-parallel step failed: {error}"
+        self.shutdown()
+        return WorkerDiedError(f"{self.dead}; the engine has stopped")
+
+    def _poll(self) -> None:
+        for rank, proc in enumerate(self.procs, 1):
+            if proc.exitcode is not None and self.dead is None:
+                self.dead = f"tensor-parallel rank {rank} exited with code {proc.exitcode}"
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(POLL_S):
+            self._poll()
+            if self.dead is not None and not self._stopping.is_set():
+                log.error("%s; the engine stops", self.dead)
+                group = get_state().device_group
+                if self._device.type == "cuda" and group is not None:
+                    # NCCL would wait out its timeout in a collective with the dead rank
+                    from torch.distributed.distributed_c10d import _abort_process_group
+                    _abort_process_group(group)
+                return
+
+    def shutdown(self) -> None:
+        """Release the workers from their step loop (kill them if they do not leave, or if
+        the group is already broken) and leave the group. Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        released = False
+        if self.is_alive():
+            try:
+                broadcast_step(None, self._device)
+                released = True
+            except RuntimeError as e:      # a worker died just now
+                log.warning("could not release the tensor-parallel workers: %s", e)
+        self._kill_all(grace_s=STOP_GRACE_S if released else 0.0)
+        destroy_tensor_parallel()
+        self.dead = self.dead or "the engine was shut down"
+
+    def _kill_all(self, grace_s: float = 0.0) -> None:
+        for proc in self.procs:
+            proc.join(grace_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
