@@ -361,6 +361,7 @@ def test_pull_command_and_curl_steps_against_kvfleet_serve(tmp_path: Path) -> No
     with running_server(models, "--served-model-name", spec.model.name, "--max-num-seqs", "4",
                         "--num-gpu-blocks", "64", "--max-model-len", "512") as server:
         curls = [c for c in COMMANDS if c.argv[0] == "curl"]
+        generated = 0
         for c in curls:
             argv = [a.replace("http://localhost:8000", server.base_url) for a in c.argv]
             done = subprocess.run([argv[0], "-sS", "--fail-with-body", *argv[1:]], capture_output=True, text=True,
@@ -371,4 +372,10 @@ def test_pull_command_and_curl_steps_against_kvfleet_serve(tmp_path: Path) -> No
                 assert [m["id"] for m in answer["data"]] == [spec.model.name]
             else:
                 assert answer["model"] == spec.model.name and answer["choices"][0]["message"]["role"] == "assistant"
-                assert answer["usage"]["completion_tokens"] >= 1
+                generated += answer["usage"]["completion_tokens"]
+        assert generated >= 1
+        # the counter the chart's prometheus-adapter rule turns into tokens per second
+        _, manifests = chart_release(tmp_path)
+        rule = yaml.safe_load(one(manifests, "ConfigMap")["data"]["config.yaml"])["rules"][0]
+        series = rule["seriesQuery"].split("{")[0].strip("'")
+        assert server.metric(series) == generated
