@@ -1,0 +1,133 @@
+"""Two ranks over gloo give the same greedy tokens as one, and a dead rank stops the engine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from conftest import CASES
+
+from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime.distributed.workers import WorkerDiedError
+
+MAX_NEW = 10
+# small token budget and KV pool: chunked prefill, mixed prefill/decode steps and preemption
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks=12)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 49152) for _ in range(33)]      # two full blocks + 1 to share
+    own = [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 60))] for _ in range(8)]
+    return [shared + p if i % 2 else p for i, p in enumerate(own)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _live_workers() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("kvfleet-tp-worker")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_greedy_matches_one_rank(case, tp_model_dir):
+    path = tp_model_dir(case)
+    prompts = _prompts()
+    ref = _greedy(LLM(model=path, **ENGINE_ARGS), prompts)
+    llm = LLM(model=path, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        assert _greedy(llm, prompts) == ref
+        # a second pass hits the prefix cache, with chunks starting mid-prompt on every rank
+        hits = llm.engine.kv.prefix_cache_hits
+        assert _greedy(llm, prompts) == ref
+        assert llm.engine.kv.prefix_cache_hits > hits
+        assert llm.engine.scheduler.num_preemptions > 0
+        # rank 0 really holds half of each sharded weight
+        cfg = llm.engine.model_config
+        attn = llm.engine.runner.model.model.layers[0].self_attn
+        kv_local = max(cfg.num_kv_heads // 2, 1)
+        assert (attn.num_heads, attn.num_kv_heads) == (cfg.num_heads // 2, kv_local)
+        assert attn.qkv_proj.weight.shape == ((cfg.num_heads // 2 + 2 * kv_local) * cfg.head_dim,
+                                              cfg.hidden_size)
+        assert attn.o_proj.weight.shape == (cfg.hidden_size, cfg.num_heads // 2 * cfg.head_dim)
+        assert llm.engine.runner.model.lm_head.weight.shape == (cfg.vocab_size // 2,
+                                                                 cfg.hidden_size)
+        assert llm.engine.runner.kv_cache.shape[4] == kv_local
+        assert llm.engine.is_healthy()
+    finally:
+        llm.engine.shutdown()
+    assert not llm.engine.is_healthy()
+    assert not _live_workers()
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_fails_health_and_step_within_seconds(tp_model_dir):
+    llm = LLM(model=tp_model_dir("llama3-gqa"), tensor_parallel_size=2, max_num_seqs=4)
+    engine = llm.engine
+    try:
+        assert len(_greedy(llm, _prompts()[:2])[0]) == MAX_NEW
+        (worker,) = engine.workers.procs
+        engine.add_request("after-kill", list(range(10, 60)),
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            while True:        # the step in flight, or the next one, must fail, not hang
+                engine.step()
+        assert time.monotonic() - t0 < 5
+        assert not engine.is_healthy()
+        with pytest.raises(WorkerDiedError):
+            engine.step()
+    finally:
+        engine.shutdown()
+    assert not _live_workers()
+
+
+@pytest.mark.timeout(120)
+def test_supervisor_reports_a_dead_worker_without_a_step(tp_model_dir):
+    llm = LLM(model=tp_model_dir("qwen2"), tensor_parallel_size=2, max_num_seqs=4)
+    try:
+        (worker,) = llm.engine.workers.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while llm.engine.workers.dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)      # the supervisor thread notices on its own
+        assert llm.engine.workers.dead == f"tensor-parallel rank 1 exited with code {-signal.SIGKILL}"
+        assert not llm.engine.is_healthy()
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_heads_not_divisible_by_ranks_is_a_clear_error_and_leaves_no_worker(tp_model_dir):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be a multiple of "
+                                         r"tensor_parallel_size \(3\)"):
+        LLM(model=tp_model_dir("llama"), tensor_parallel_size=3)
+    assert not _live_workers()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("case", ["llama3-gqa", "llama3-one-kv-head", "qwen2"])
+def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
+    # fp32: bf16 sums in a different order across ranks may flip a near-tie argmax
+    path = tp_model_dir(case)
+    prompts = _prompts()
+    one = LLM(model=path, dtype="float32", **ENGINE_ARGS)
+    ref = _greedy(one, prompts)
+    del one
+    llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        assert _greedy(llm, prompts) == ref
+        assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.graphs
+    finally:
+        llm.engine.shutdown()
