@@ -268,3 +268,11 @@ def test_oldest_supported_kubernetes_is_the_one_validated_and_documented() -> No
     major, minor, _ = KUBE_VERSION.split(".")
     done = run_helm("template", "kvfleet", str(CHART), "--kube-version", f"{major}.{int(minor) - 1}.0")
     assert done.returncode != 0 and "requires kubeVersion" in done.stderr
+
+
+def test_notes_point_at_a_watched_namespace(tmp_path: Path) -> None:
+    notes = render_notes({"operator": {"watchNamespaces": ["team-a", "team-b"]}}, tmp_path)
+    assert "watching: team-a, team-b" in notes
+    assert "kubectl -n team-a apply -f examples/llmservice.yaml" in notes
+    assert "kubectl -n team-a create secret generic model-store" in notes
+    assert "rollout status deployment/kvfleet" in notes and "kubectl -n llm rollout" in notes
