@@ -197,6 +197,9 @@ def test_service_monitor_selects_the_services_the_operator_builds(tmp_path: Path
     ports = {p["name"] for p in service["spec"]["ports"]}
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["http"] and "http" in ports
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    scoped = one(template({"serviceMonitor": {"enabled": True}, "operator": {"watchNamespaces": ["team-a"]}},
+                          tmp_path), "ServiceMonitor")
+    assert scoped["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
 
 
 def test_adapter_rules_expose_tokens_per_second_from_the_counter(tmp_path: Path) -> None:
