@@ -1,0 +1,56 @@
+"""`kvfleet serve --tensor-parallel-size 2` as a real process: it answers, a killed worker
+turns requests and /health into errors within seconds, and no worker outlives the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from support.server import running_server
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def _worker_pid(server_pid: int) -> int:
+    # the spawned worker runs multiprocessing's spawn_main (the other child is its resource tracker)
+    (pid,) = [c for c in _children(server_pid)
+              if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return pid
+
+
+def _complete(base_url: str, prompt: str) -> tuple[int, dict]:
+    body = json.dumps({"model": "tp", "prompt": prompt, "max_tokens": 4,
+                       "temperature": 0.0}).encode()
+    req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.timeout(120)
+def test_served_with_two_ranks_then_a_killed_worker_fails_health(tp_model_dir):
+    with running_server(tp_model_dir("llama3-gqa"), "--tensor-parallel-size", "2",
+                        "--served-model-name", "tp", "--max-num-seqs", "4") as server:
+        status, body = _complete(server.base_url, "Hello there")
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        worker = _worker_pid(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.monotonic()
+        status, body = _complete(server.base_url, "Hello again")
+        assert status >= 500, body
+        assert server.get("/health")[0] == 503
+        assert time.monotonic() - t0 < 5
+    assert not Path(f"/proc/{worker}").exists()
