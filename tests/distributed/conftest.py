@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from support.tiny_models import make_tiny_model
 
 # case -> (architecture, overrides of the tiny config)

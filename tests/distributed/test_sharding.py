@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvfleet_runtime.distributed import parallel_state
 from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
 from kvfleet_runtime.layers.linear import Linear

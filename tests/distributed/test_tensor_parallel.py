@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 from conftest import CASES
-
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.distributed.workers import WorkerDiedError
 
@@ -119,15 +118,18 @@ def test_heads_not_divisible_by_ranks_is_a_clear_error_and_leaves_no_worker(tp_m
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("case", ["llama3-gqa", "llama3-one-kv-head", "qwen2"])
 def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
-    # fp32: bf16 sums in a different order across ranks may flip a near-tie argmax
+    # fp32: bf16 sums in a different order across ranks may flip a near-tie argmax; no fixed
+    # pool: each rank profiles its memory and the pool is the minimum
+    args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=48,
+                gpu_memory_utilization=0.5)
     path = tp_model_dir(case)
     prompts = _prompts()
-    one = LLM(model=path, dtype="float32", **ENGINE_ARGS)
-    ref = _greedy(one, prompts)
-    del one
-    llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, **ENGINE_ARGS)
+    ref = _greedy(LLM(model=path, **args), prompts)
+    llm = LLM(model=path, tensor_parallel_size=2, **args)
     try:
         assert _greedy(llm, prompts) == ref
-        assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.graphs
+        assert llm.engine.runner.graph_runner.graphs      # decode steps replayed graphs
+        assert llm.engine.runner.kv_cache.device == torch.device("cuda", 0)
     finally:
         llm.engine.shutdown()
+    assert not _live_workers()

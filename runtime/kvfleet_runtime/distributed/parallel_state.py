@@ -12,11 +12,14 @@ worker idling between steps waits on a socket, not on a GPU collective.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 # workers wait for the next step on the control group for as long as the server idles;
 # a dead peer still fails a wait at once (gloo sees the socket close)
@@ -70,5 +73,8 @@ def destroy_tensor_parallel() -> None:
     """Leave the group (if any) and become rank 0 of 1 again."""
     global _state
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError) as e:    # groups aborted after a rank died (NCCL)
+            log.warning("leaving the tensor-parallel group: %s", e)
     _state = ParallelState()

@@ -119,6 +119,7 @@ class WorkerGroup:
             self.procs.append(proc)
             self.conns.append(parent)
         self.dead: str | None = None
+        self._ready = False        # workers in their step loop, where a stop message reaches them
         self._stopping = threading.Event()
         self._device = _device_of(config, 0)
         try:
@@ -134,10 +135,11 @@ class WorkerGroup:
     def wait_ready(self) -> None:
         """Return once every worker has loaded its shard; raises with a worker's error."""
         self._await(WorkerReady, READY_TIMEOUT_S)
+        self._ready = True
 
     def _await(self, kind: type, timeout_s: float) -> list:
         """One `kind` message from every worker; a failure report or a silent exit raises."""
-        pending = dict(zip(self.conns, range(1, len(self.conns) + 1)))
+        pending = dict(zip(self.conns, range(1, len(self.conns) + 1), strict=True))
         deadline = time.monotonic() + timeout_s
         messages = []
         while pending:
@@ -205,13 +207,13 @@ class WorkerGroup:
                 return
 
     def shutdown(self) -> None:
-        """Release the workers from their step loop (kill them if they do not leave, or if
-        the group is already broken) and leave the group. Idempotent."""
+        """Release the workers from their step loop (kill them if they do not leave, if they
+        never got there, or if the group is broken) and leave the group. Idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         released = False
-        if self.is_alive():
+        if self._ready and self.is_alive():
             try:
                 broadcast_step(None, self._device)
                 released = True
