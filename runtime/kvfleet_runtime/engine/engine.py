@@ -169,8 +169,6 @@ class LLMEngine:
         for s in sched.scheduled:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
-            if r.metrics.first_scheduled_time is None:
-                r.metrics.first_scheduled_time = now
             for tok in result.prompt_logprobs.get(r.request_id, ()):
                 r.prompt_logprobs.append(self._position_logprobs(tok))
             tok = result.sampled.get(r.request_id)
