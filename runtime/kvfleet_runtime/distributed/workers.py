@@ -35,9 +35,10 @@ from kvfleet_runtime.distributed.parallel_state import (
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300.0   # a forward's collective (and the rendezvous) waits at most this
-JOIN_TIMEOUT_S = 120.0        # a spawned worker imports torch and reaches the rendezvous
+JOIN_TIMEOUT_S = 120.0         # a spawned worker imports torch and reaches the rendezvous
 READY_TIMEOUT_S = 600.0        # loading a shard and profiling memory
 POLL_S = 0.2                   # how often the supervisor looks at the workers
+FAIL_WAIT_S = 1.0              # after a failed step, how long to wait for a worker to exit
 STOP_GRACE_S = 5.0             # a stopped worker gets this long before it is killed
 
 
@@ -184,6 +185,12 @@ class WorkerGroup:
 
     def fail(self, error: BaseException) -> WorkerDiedError:
         """A step broke (a collective failed): stop every rank; returns the error to raise."""
+        # the dead peer's socket closes a moment before its exit code can be read: wait for
+        # it, so the error names the rank
+        exited = wait([proc.sentinel for proc in self.procs], timeout=FAIL_WAIT_S)
+        for proc in self.procs:
+            if proc.sentinel in exited:
+                proc.join()        # its sentinel closed: it is exiting, reap it
         self._poll()
         self.dead = self.dead or f"a tensor-parallel step failed: {error}"
         self.shutdown()
