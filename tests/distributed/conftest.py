@@ -1,4 +1,4 @@
-"""Fixtures for tensor-parallel tests: tiny checkpoints (made once per session), one engine at a time."""
+"""Fixtures for tensor-parallel tests: tiny checkpoints of each case, made once per session."""
 
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ def test_supervisor_reports_a_dead_worker_without_a_step(tp_model_dir):
         deadline = time.monotonic() + 5
         while llm.engine.workers.dead is None and time.monotonic() < deadline:
             time.sleep(0.05)      # the supervisor thread notices on its own
-        assert llm.engine.workers.dead == f"tensor-parallel rank 1 exited with code {-signal.SIGKILL}"
+        expected = f"tensor-parallel rank 1 exited with code {-signal.SIGKILL}"
+        assert llm.engine.workers.dead == expected
         assert not llm.engine.is_healthy()
     finally:
         llm.engine.shutdown()

@@ -55,7 +55,6 @@ class WorkerJoining:
 @dataclass
 class WorkerReady:
     rank: int
-    num_blocks: int
 
 
 @dataclass
@@ -65,7 +64,8 @@ class WorkerFailed:
 
 
 def _device_of(config: EngineConfig, rank: int) -> torch.device:
-    return torch.device(f"cuda:{rank}") if config.torch_device.type == "cuda" else torch.device("cpu")
+    on_gpu = config.torch_device.type == "cuda"
+    return torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
@@ -87,7 +87,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connect
     except BaseException:
         conn.send(WorkerFailed(rank, traceback.format_exc()))
         raise
-    conn.send(WorkerReady(rank, runner.num_blocks))
+    conn.send(WorkerReady(rank))
     while runner.execute_remote():
         pass
     destroy_tensor_parallel()
