@@ -74,8 +74,7 @@ class Request:
 
     def add_logprobs(self, position: dict[int, Logprob], chosen_logprob: float) -> None:
         self.cumulative_logprob += chosen_logprob
-        if self.logprobs is not None:
-            self.logprobs.append(position)
+        self.logprobs.append(position)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "

@@ -180,7 +180,7 @@ class LLMEngine:
 
     def _append(self, r: Request, tok: SampledToken, now: float) -> None:
         r.append_token(tok.token_id)
-        if tok.logprob is not None:
+        if r.logprobs is not None:    # decoding the top-k costs: only when asked for
             r.add_logprobs(self._position_logprobs(tok), tok.logprob)
         if r.metrics.first_token_time is None:
             r.metrics.first_token_time = now
