@@ -100,7 +100,8 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        # a dead tensor-parallel worker shows here even before the next step trips on it
+        return self._dead is None and self._thread.is_alive() and self.engine.is_healthy()
 
     def check_health(self) -> None:
         if not self.is_healthy:
@@ -150,6 +151,7 @@ class AsyncLLMEngine:
         self._commands.put(None)
         self._wakeup.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.shutdown()
 
     def check_admission(self, num_requests: int = 1) -> None:
         """Raise unless num_requests more requests may be admitted now."""
