@@ -1,16 +1,20 @@
-"""CUDA graphs for decode-only steps: captured lazily per (padded batch size, context bucket).
+"""CUDA graphs for decode-only steps, one per (padded batch size, context bucket), captured at start.
 
 A decode step of a few hundred tiny kernels is launch-bound; replaying a graph
 removes the launch gaps. Batches are padded up to the next captured size
 (padded rows write nowhere: slot -1, and read one token of the null block).
 The split-KV decode kernel sizes its grid from the longest context, so graphs
 are also keyed by a context-length bucket, passed to the kernel as max_seq_len.
-Larger batches, prefill and mixed steps run eagerly.
+Larger batches, prefill and mixed steps run eagerly. Capturing every graph at start
+(a few seconds) keeps capture out of the first requests' latency and out of benchmarks;
+under tensor parallelism every rank captures the same graphs in the same order, so the
+all-reduces inside them line up.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +49,16 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+
+    def capture_all(self) -> None:
+        """Capture every (batch size, bucket) graph; the static inputs are all padding now."""
+        start = time.perf_counter()
+        # largest first: later, smaller graphs reuse the memory pool the first one grew
+        for bs in reversed(self.batch_sizes):
+            for bucket in self.buckets:
+                self.graphs[(bs, bucket)] = self._capture(bs, bucket)
+        log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs),
+                 time.perf_counter() - start)
 
     def can_run(self, meta: AttentionMetadata, num_seqs: int) -> bool:
         return meta.max_query_len == 1 and num_seqs <= self.batch_sizes[-1]

@@ -53,6 +53,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             from kvfleet_runtime.engine.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(self)
+            self.graph_runner.capture_all()
 
     # ---- KV memory ---------------------------------------------------------------------
     def bytes_per_block(self) -> int:
