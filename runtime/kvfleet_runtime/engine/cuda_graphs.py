@@ -78,10 +78,7 @@ class CUDAGraphRunner:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
             self.block_tables[n:bs].zero_()
-        key = (bs, bucket)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(bs, bucket)
-        graph, hidden = self.graphs[key]
+        graph, hidden = self.graphs[(bs, bucket)]
         graph.replay()
         return hidden[:n]
 
