@@ -40,6 +40,9 @@ def register(subparsers) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     lat.add_argument("--num-iters", type=int, default=3)
     lat.add_argument("--json", metavar="PATH")
+    lat.add_argument("--profile", action="store_true",
+                     help="one more iteration under torch.profiler: kernel vs host time of the "
+                          "prefill step and of the decode steps")
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
 
@@ -191,8 +194,27 @@ def run_latency(args: argparse.Namespace) -> int:
           f"TTFT {res['ttft_ms']:.1f} ms, TPOT {res['tpot_ms']:.2f} ms "
           f"({res['decode_tokens_per_s_per_seq']:.1f} tok/s per sequence), "
           f"end to end {res['latency_s']:.3f} s")
+    if args.profile:
+        for p in _profile_latency(engine, prompts, params):
+            print(p.render())
+            res[f"profile_{p.label}"] = {"wall_ms": p.wall_ms, "kernel_ms": p.kernel_ms,
+                                         "top": p.top}
     _write(args, [res])
     return 0
+
+
+def _profile_latency(engine, prompts, params):
+    from kvfleet_runtime.benchmarks.profile import profile_steps
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profile-{i}", p, params)
+    engine.kv.block_pool.reset_prefix_cache()
+    device = engine.config.torch_device
+    # with a large token budget the whole prompt batch is one step
+    prefill = profile_steps(engine.step, 1, "prefill", device)
+    decode = profile_steps(engine.step, max(min(params.max_tokens - 1, 32), 1), "decode", device)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return prefill, decode
 
 
 def _write(args, results) -> None:

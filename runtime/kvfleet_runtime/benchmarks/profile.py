@@ -1,0 +1,53 @@
+"""Where a step's time goes: GPU kernel time vs host time vs launch gaps (torch.profiler).
+
+`kvfleet bench latency --profile` runs one more iteration under the profiler and
+prints this for its prefill step and its decode steps separately.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass
+class StepProfile:
+    label: str
+    num_steps: int
+    wall_ms: float            # per step
+    kernel_ms: float          # per step: summed device time of all kernels (one stream)
+    top: list[tuple[str, float]]   # (kernel, ms per step), largest first
+
+    def render(self) -> str:
+        busy = self.kernel_ms / self.wall_ms if self.wall_ms else 0.0
+        lines = [f"{self.label}: {self.num_steps} step(s), {self.wall_ms:.2f} ms/step wall, "
+                 f"{self.kernel_ms:.2f} ms/step in GPU kernels ({busy:.0%} busy), "
+                 f"{self.wall_ms - self.kernel_ms:.2f} ms/step host work + launch gaps"]
+        lines += [f"    {ms:8.3f} ms  {name[:90]}" for name, ms in self.top]
+        return "\n".join(lines)
+
+
+def profile_steps(step, num_steps: int, label: str, device: torch.device,
+                  top: int = 8) -> StepProfile:
+    """Profile `num_steps` calls of `step()` (each one engine step)."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            step()
+        sync()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernel_us = sum(e.self_device_time_total for e in events)
+    ranked = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    n = max(num_steps, 1)
+    return StepProfile(label=label, num_steps=num_steps, wall_ms=1e3 * wall / n,
+                       kernel_ms=kernel_us / 1e3 / n,
+                       top=[(e.key, e.self_device_time_total / 1e3 / n) for e in ranked])
