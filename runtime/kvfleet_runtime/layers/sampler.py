@@ -232,6 +232,9 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
                    num_top: list[int | None]) -> list[SampledToken]:
     """Each row's chosen logprob under the raw logits; rank and top-k where num_top[i] is set."""
     # raw: [N, V]; token_ids: [N]
+    if all(k is None for k in num_top):
+        # nobody asked: skip the [N, V] logsumexp (the largest sampler cost on a CPU)
+        return [SampledToken(token_id=t) for t in token_ids.tolist()]
     chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)        # [N]
     normalizer = raw.logsumexp(dim=-1)                                 # [N]
     logprobs = (chosen - normalizer).tolist()
