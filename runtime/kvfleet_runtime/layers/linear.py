@@ -11,8 +11,9 @@ so the shared `weight_loader` places each piece at its offset.
 Tensor parallelism (Megatron style): a `parallel="column"` layer keeps this rank's part of
 each output piece (`output_replicas[i]` ranks share one part of piece i: KV heads when there
 are fewer than ranks); a `parallel="row"` layer keeps this rank's slice of the inputs (params
-tag `input_dim`, and `input_pack` for packed ints) and all-reduces its output. The loader
-narrows each checkpoint tensor to this rank's part before placing it.
+tag `input_dim`, and `input_pack`: how many inputs one element spans, 32 // bits for packed
+ints, group_size for per-group scales) and all-reduces its output. The loader narrows each
+checkpoint tensor to this rank's part before placing it.
 """
 
 from __future__ import annotations
@@ -59,12 +60,6 @@ class Linear(nn.Module):
         full_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.prefix = prefix
         self.parallel = parallel if get_tp_size() > 1 else None
-        if self.parallel is not None and linear_method is not None and \
-                type(linear_method) is not LinearMethod:
-            raise ValueError(f"{prefix}: tensor_parallel_size must be 1 for quantized "
-                             f"checkpoints ({type(linear_method).__name__} weights are not "
-                             "sharded yet); got tensor_parallel_size "
-                             f"{get_tp_size()}")
         # this rank's input slice (row) and the start of its part of each output piece (column)
         self.input_size, self.input_start = input_size, 0
         self.output_sizes, self.output_starts = full_sizes, [0] * len(full_sizes)
@@ -101,7 +96,12 @@ class Linear(nn.Module):
         if custom is not None:
             custom(param, loaded, shard_id)
             return
-        loaded = self._rank_part(param, loaded, shard_id)
+        self.place(param, loaded, shard_id)
+
+    def place(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy this rank's part of a checkpoint tensor (one piece, or the whole layer) into
+        `param` at the piece's offset; custom loaders call it after their own checks."""
+        loaded = self.rank_part(param, loaded, shard_id)
         output_dim = getattr(param, "output_dim", None)
         if shard_id is None or output_dim is None:
             if param.shape != loaded.shape:
@@ -118,7 +118,7 @@ class Linear(nn.Module):
                              f"{tuple(loaded.shape)} does not fit {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def _rank_part(self, param: torch.Tensor, loaded: torch.Tensor,
+    def rank_part(self, param: torch.Tensor, loaded: torch.Tensor,
                    shard_id: int | None) -> torch.Tensor:
         """The part of a checkpoint tensor (one piece, or the whole layer) this rank holds."""
         if self.parallel == "row":
@@ -140,6 +140,9 @@ class Linear(nn.Module):
             raise ValueError(f"{self.prefix}: checkpoint tensor of shape {tuple(loaded.shape)} "
                              f"has {loaded.shape[dim]} rows along dim {dim}; expected "
                              f"{full // pack}")
+        if start % pack or size % pack:
+            raise ValueError(f"{self.prefix}: this rank's part [{start}, {start + size}) of "
+                             f"{full} does not fall on whole elements of {pack} along dim {dim}")
         return loaded.narrow(dim, start // pack, size // pack)
 
     def extra_repr(self) -> str:

@@ -21,6 +21,7 @@ from kvfleet_runtime.layers.quantization.int_weight import (
     IntWeightMethod,
     check_divisible,
     default_g_idx,
+    split_groups,
 )
 from kvfleet_runtime.layers.quantization.packing import AWQ_ORDER, pack_int32, unpack_int32
 
@@ -49,14 +50,18 @@ class AWQLinearMethod(IntWeightMethod):
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        check_divisible(layer.prefix, "input size", input_size, self.group_size, self.name)
+        split = split_groups(layer, self.group_size, act_order=False, method=self.name)
+        check_divisible(layer, "input size", input_size, self.group_size, self.name)
         for size in output_sizes:
-            check_divisible(layer.prefix, "output size", size, PER_WORD, self.name)
-        n, g = sum(output_sizes), input_size // self.group_size
+            check_divisible(layer, "output size", size, PER_WORD, self.name)
+        n, g = sum(output_sizes), split.num_groups
         packed = {"output_dim": 1, "output_pack": PER_WORD}
-        params = {"qweight": (torch.empty(input_size, n // PER_WORD, dtype=torch.int32), packed),
-                  "qzeros": (torch.empty(g, n // PER_WORD, dtype=torch.int32), packed),
-                  "scales": (torch.empty(g, n, dtype=torch.float16), {"output_dim": 1})}
+        params = {"qweight": (torch.empty(input_size, n // PER_WORD, dtype=torch.int32),
+                              {**packed, "input_dim": 0}),
+                  "qzeros": (torch.empty(g, n // PER_WORD, dtype=torch.int32),
+                             {**packed, **split.attrs}),
+                  "scales": (torch.empty(g, n, dtype=torch.float16),
+                             {"output_dim": 1, **split.attrs})}
         for name, (tensor, attrs) in params.items():
             param = nn.Parameter(tensor, requires_grad=False)
             set_weight_attrs(param, **attrs)

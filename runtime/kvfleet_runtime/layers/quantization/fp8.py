@@ -3,9 +3,11 @@
 Checkpoint tensors: `weight` float8_e4m3fn [N, K] and `weight_scale` fp32, per tensor (one
 number per checkpoint module, so a fused layer gets one per shard) or per output channel.
 Both are kept as one per-channel scale [N]: a per-tensor scale repeated over its shard's rows
-is exact, and needs no requantization of fused shards. Activations are scaled per token at
-run time (activation_scheme "dynamic"). Without an FP8-capable GPU the weight is dequantized
-on load into the model's dtype.
+is exact, and needs no requantization of fused shards. Quantizing on load rounds each
+checkpoint tensor as it arrives, per output row, before the loader keeps this rank's part:
+a row-parallel rank then gets the scales of whole rows, the same as with one rank.
+Activations are scaled per token at run time (activation_scheme "dynamic"). Without an
+FP8-capable GPU the weight is dequantized on load into the model's dtype.
 """
 
 from __future__ import annotations
@@ -29,18 +31,27 @@ from kvfleet_runtime.layers.quantization.base import (
 
 def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
                        shard_id: int | None) -> None:
-    if shard_id is None:
-        offset, size = 0, layer.output_size
-    else:
-        offset, size = sum(layer.output_sizes[:shard_id]), layer.output_sizes[shard_id]
-    target = param.data.narrow(0, offset, size)
     if loaded.numel() == 1:
-        target.fill_(loaded.reshape(()).item())
-    elif loaded.numel() == size:
-        target.copy_(loaded.reshape(size))
-    else:
+        # per tensor: this rank's rows of the piece all get it
+        if shard_id is None:
+            offset, size = 0, layer.output_size
+        else:
+            offset, size = sum(layer.output_sizes[:shard_id]), layer.output_sizes[shard_id]
+        param.data.narrow(0, offset, size).fill_(loaded.reshape(()).item())
+        return
+    full = sum(layer.full_output_sizes) if shard_id is None else layer.full_output_sizes[shard_id]
+    if loaded.numel() != full:
         raise ValueError(f"{layer.prefix}: fp8 weight_scale of shape {tuple(loaded.shape)} is "
-                         f"neither per-tensor (1 value) nor per-channel ({size} values)")
+                         f"neither per-tensor (1 value) nor per-channel ({full} values)")
+    layer.place(param, loaded.reshape(full), shard_id)
+
+
+def _quantize_on_load(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
+                      shard_id: int | None) -> None:
+    # rounded in the model's dtype first: what the layer would hold unquantized
+    w8, scale = quantize_fp8_rowwise(loaded.to(param.device, layer.params_dtype))
+    layer.place(param, w8, shard_id)
+    layer.place(layer.weight_scale, scale.reshape(-1), shard_id)
 
 
 class FP8LinearMethod(LinearMethod):
@@ -50,22 +61,24 @@ class FP8LinearMethod(LinearMethod):
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         n = sum(output_sizes)
-        weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8 if self.serialized else dtype),
-                              requires_grad=False)
-        set_weight_attrs(weight, output_dim=0)
+        weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8), requires_grad=False)
+        set_weight_attrs(weight, output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
+        # ones: what a dummy load (random weights, no checkpoint) leaves in place
+        scale = torch.ones(n, dtype=torch.float32)
         if self.serialized:
-            scale = nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+            scale = nn.Parameter(scale, requires_grad=False)
             set_weight_attrs(scale, weight_loader=partial(_load_weight_scale, layer))
             layer.register_parameter("weight_scale", scale)
+        else:
+            # not a checkpoint tensor: each weight's rounding fills it
+            set_weight_attrs(weight, weight_loader=partial(_quantize_on_load, layer))
+            layer.register_buffer("weight_scale", scale, persistent=False)
+        set_weight_attrs(scale, output_dim=0)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if self.serialized:
-            weight, scale = layer.weight.data, layer.weight_scale.data
-            delattr(layer, "weight_scale")
-        else:
-            weight, scale = quantize_fp8_rowwise(layer.weight.data)
-            scale = scale.reshape(-1)
+        weight, scale = layer.weight.data, layer.weight_scale.data
+        delattr(layer, "weight_scale")
         delattr(layer, "weight")
         n, k = weight.shape
         layer.uses_fp8 = fp8_supported(weight.device) and n % 16 == 0 and k % 16 == 0

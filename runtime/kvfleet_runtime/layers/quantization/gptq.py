@@ -7,12 +7,14 @@ Tensors of one projection with K inputs, N outputs, G groups, P = 32 // bits val
                              "gptq_v2" the zero point itself
   scales  [G, N] fp16
   g_idx   [K] int32          group of each input row; with desc_act (act-order) a shuffle
+                             (so a row-parallel rank keeps all groups: see int_weight.py)
 w[k, n] = (q[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n].
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -25,11 +27,12 @@ from kvfleet_runtime.layers.quantization.base import (
     read_not_convert,
 )
 from kvfleet_runtime.layers.quantization.int_weight import (
+    GroupSplit,
     IntWeight,
     IntWeightMethod,
     check_divisible,
     default_g_idx,
-    num_groups,
+    split_groups,
 )
 from kvfleet_runtime.layers.quantization.packing import pack_int32, unpack_int32
 
@@ -56,11 +59,21 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                      scales=scales, g_idx=g_idx, bits=bits)
 
 
-def _load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
-    # fused shards share their input, so their act-order (hence g_idx) must be one
+def _load_g_idx(layer: Linear, split: GroupSplit, param: torch.Tensor, loaded: torch.Tensor,
+                shard_id: int | None) -> None:
+    # this rank's input rows, numbered like the groups of scales it holds
+    loaded = layer.rank_part(param, loaded, shard_id).to(param.dtype) - split.first_group
     if param.shape != loaded.shape:
-        raise ValueError(f"g_idx of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-    if getattr(param, "is_loaded", False) and not torch.equal(param.data, loaded.to(param.dtype)):
+        raise ValueError(f"{layer.prefix}: g_idx of shape {tuple(loaded.shape)} does not fit "
+                         f"{tuple(param.shape)}")
+    if loaded.numel() and (int(loaded.min()) < 0 or int(loaded.max()) >= split.num_groups):
+        first, last = split.first_group, split.first_group + split.num_groups - 1
+        raise ValueError(f"{layer.prefix}: g_idx of this rank's input rows names groups "
+                         f"{int(loaded.min()) + first}..{int(loaded.max()) + first}, outside its "
+                         f"groups {first}..{last}; a shuffled (act-order) g_idx needs desc_act "
+                         "true in the quantization_config")
+    # fused shards share their input, so their act-order (hence g_idx) must be one
+    if getattr(param, "is_loaded", False) and not torch.equal(param.data, loaded):
         raise ValueError(f"g_idx of shard {shard_id} differs from another shard's; fused "
                          "projections (q/k/v, gate/up) must share one act-order")
     param.data.copy_(loaded)
@@ -71,25 +84,29 @@ class GPTQLinearMethod(IntWeightMethod):
     name = "gptq"
     checkpoint_params = ("qweight", "qzeros", "scales", "g_idx")
 
-    def __init__(self, bits: int, group_size: int, checkpoint_format: str) -> None:
+    def __init__(self, bits: int, group_size: int, checkpoint_format: str,
+                 desc_act: bool = False) -> None:
         super().__init__(bits, group_size)
         self.checkpoint_format = checkpoint_format
+        self.desc_act = desc_act
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         per_word = 32 // self.bits
-        check_divisible(layer.prefix, "input size", input_size, per_word, self.name)
+        check_divisible(layer, "input size", input_size, per_word, self.name)
         for size in output_sizes:
-            check_divisible(layer.prefix, "output size", size, per_word, self.name)
-        n, g = sum(output_sizes), num_groups(input_size, self.group_size)
+            check_divisible(layer, "output size", size, per_word, self.name)
+        split = split_groups(layer, self.group_size, self.desc_act, self.name)
+        n, g = sum(output_sizes), split.num_groups
+        # checkpoints without g_idx mean the plain grouping
+        g_idx = default_g_idx(input_size, self.group_size, layer.input_start) - split.first_group
         params = {
             "qweight": (torch.empty(input_size // per_word, n, dtype=torch.int32),
-                        {"output_dim": 1}),
+                        {"output_dim": 1, "input_dim": 0, "input_pack": per_word}),
             "qzeros": (torch.empty(g, n // per_word, dtype=torch.int32),
-                       {"output_dim": 1, "output_pack": per_word}),
-            "scales": (torch.empty(g, n, dtype=torch.float16), {"output_dim": 1}),
-            # checkpoints without g_idx mean the plain grouping
-            "g_idx": (default_g_idx(input_size, self.group_size), {"weight_loader": _load_g_idx}),
+                       {"output_dim": 1, "output_pack": per_word, **split.attrs}),
+            "scales": (torch.empty(g, n, dtype=torch.float16), {"output_dim": 1, **split.attrs}),
+            "g_idx": (g_idx, {"input_dim": 0, "weight_loader": partial(_load_g_idx, layer, split)}),
         }
         for name, (tensor, attrs) in params.items():
             param = nn.Parameter(tensor, requires_grad=False)
@@ -130,4 +147,5 @@ class GPTQConfig(QuantConfig):
                    modules_to_not_convert=read_not_convert(raw))
 
     def create_method(self) -> LinearMethod:
-        return GPTQLinearMethod(self.bits, self.group_size, self.checkpoint_format)
+        return GPTQLinearMethod(self.bits, self.group_size, self.checkpoint_format,
+                                self.desc_act)

@@ -1,6 +1,12 @@
 """What GPTQ and AWQ share once their tensors are unpacked: the integer weight, its fused
 W4A16 kernel on GPU, and the dequantized fallback.
 
+Under tensor parallelism (layers/linear.py) a column-parallel layer keeps its output
+columns of every tensor; a row-parallel one keeps its input rows of qweight and, through
+`split_groups`, either only its own groups of scales and zero points (plain grouping: the
+split must fall on group boundaries) or all of them (act-order: its rows fall into every group,
+so its slice of g_idx keeps the checkpoint's group numbers).
+
 After loading, a method unpacks its checkpoint tensors into an `IntWeight` and this module
 either repacks it into the kernel's layout (kvfleet_kernels.w4a16: qweight packed along K,
 rows sorted by group, fp16 scales and zero points per group) or, where the kernel cannot
@@ -10,13 +16,14 @@ in the model's dtype and logs why, once per reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from kvfleet_kernels.w4a16 import kernel_supports, w4a16_gemm
 from torch import nn
 
+from kvfleet_runtime.distributed.parallel_state import get_tp_size
 from kvfleet_runtime.layers.linear import Linear, LinearMethod
 from kvfleet_runtime.layers.quantization.base import log_once
 from kvfleet_runtime.layers.quantization.packing import pack_int32
@@ -37,8 +44,9 @@ class IntWeight:
         return ((self.q.float() - self.zeros.float()[g]) * self.scales.float()[g]).t()
 
 
-def default_g_idx(input_size: int, group_size: int) -> torch.Tensor:
-    rows = torch.arange(input_size, dtype=torch.int32)
+def default_g_idx(input_size: int, group_size: int, start: int = 0) -> torch.Tensor:
+    """Group of each of the input rows [start, start + input_size) under plain grouping."""
+    rows = torch.arange(start, start + input_size, dtype=torch.int32)
     return rows // group_size if group_size != -1 else torch.zeros_like(rows)
 
 
@@ -46,10 +54,37 @@ def num_groups(input_size: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-input_size // group_size)
 
 
-def check_divisible(prefix: str, what: str, size: int, divisor: int, method: str) -> None:
+def _per_rank(layer: Linear) -> str:
+    return f" per rank (tensor_parallel_size {get_tp_size()})" if layer.parallel else ""
+
+
+def check_divisible(layer: Linear, what: str, size: int, divisor: int, method: str) -> None:
     if size % divisor:
-        raise ValueError(f"{method}: {prefix} has {what} {size}, which must be a multiple of "
-                         f"{divisor} to be packed")
+        raise ValueError(f"{method}: {layer.prefix} has {what} {size}{_per_rank(layer)}, which "
+                         f"must be a multiple of {divisor} to be packed")
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """This rank's rows of the per-group tensors (scales, zero points) of one layer."""
+    num_groups: int           # rows it holds
+    first_group: int          # checkpoint group number of its first row (g_idx is rebased by it)
+    attrs: dict = field(default_factory=dict)   # weight attrs that make the loader slice them
+
+
+def split_groups(layer: Linear, group_size: int, act_order: bool, method: str) -> GroupSplit:
+    """Which groups a layer's rank keeps; refuses a row split that would cut a group."""
+    if layer.parallel != "row" or group_size == -1 or act_order:
+        # unsplit input, one group over all of K, or act-order: all of the checkpoint's groups
+        return GroupSplit(num_groups(layer.full_input_size, group_size), 0)
+    if layer.input_size % group_size:
+        raise ValueError(f"{method}: {layer.prefix} has input size {layer.full_input_size}, "
+                         f"split over tensor_parallel_size {get_tp_size()} into "
+                         f"{layer.input_size} rows per rank, which must be a multiple of "
+                         f"group_size {group_size} (each rank keeps whole groups)")
+    # one row of scales/qzeros spans group_size inputs: the loader cuts them like qweight
+    return GroupSplit(layer.input_size // group_size, layer.input_start // group_size,
+                      {"input_dim": 0, "input_pack": group_size})
 
 
 def _replace(layer: Linear, name: str, tensor: torch.Tensor | None) -> None:
