@@ -12,16 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_sharding
 import torch
 from kvfleet_runtime import LLM
 from kvfleet_runtime.layers.linear import Linear
 from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig
 from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
-from test_sharding import as_rank  # noqa: F401 - the fixture
+from quantization.checkpoints import quantize_fp8, quantize_int, write_quantized
 from test_tensor_parallel import ENGINE_ARGS, _greedy, _live_workers, _prompts
 
-from quantization.checkpoints import quantize_fp8, quantize_int, write_quantized
+as_rank = test_sharding.as_rank      # the fixture: layers built next are rank r's shard of n
 
 TP = 2
 K = 128
