@@ -179,23 +179,53 @@ def test_per_rank_output_piece_that_cannot_be_packed_is_named(as_rank):
                prefix=QKV, parallel="column")
 
 
+def row_shards_product(as_rank, name: str, x: torch.Tensor, n: int,
+                       prepare) -> tuple[torch.Tensor, torch.Tensor, list[Linear]]:
+    """(sum of each row shard's output for x [M, K], x @ the whole dequantized weight, the
+    shards), the shards built on x's device in x's dtype and made ready by `prepare`."""
+    config, recipe = METHODS[name]
+    k = x.shape[1]
+    (w,) = weights(5, n, k=k)
+    tensors, whole = checkpoint(recipe, w)
+    out, layers = torch.zeros(x.shape[0], n, device=x.device), []
+    for rank in range(TP):
+        with torch.device(x.device):
+            layer = rank_layer(as_rank, rank, config, k, n, "row", [tensors], DOWN, dtype=x.dtype)
+        prepare(layer)
+        rows = slice(rank * k // TP, (rank + 1) * k // TP)
+        out += layer.linear_method.apply(layer, x[:, rows], None).float()
+        layers.append(layer)
+    return out, x.float() @ whole.to(x.device).t(), layers
+
+
+def _kernel_layout(layer: Linear) -> None:
+    method = layer.linear_method
+    method.finalize(layer, method.unpack(layer), use_kernel=True)
+
+
 @pytest.mark.parametrize("name", ["gptq-g32", "awq-g32", "gptq-g32-desc_act"])
 def test_row_shards_on_the_w4a16_kernel_sum_to_the_full_product(name, as_rank):
-    config, recipe = METHODS[name]
-    (w,) = weights(5, 64)
-    tensors, whole = checkpoint(recipe, w)
-    x = torch.randn(3, K, dtype=torch.float16)
-    out = torch.zeros(3, 64)
-    for rank in range(TP):
-        layer = rank_layer(as_rank, rank, config, K, 64, "row", [tensors], DOWN,
-                           dtype=torch.float16)
-        method = layer.linear_method
-        method.finalize(layer, method.unpack(layer), use_kernel=True)
-        # an act-order shard's groups have unequal row counts: dequantized instead
-        assert layer.uses_kernel == (not recipe[3])
-        rows = slice(rank * K // TP, (rank + 1) * K // TP)
-        out += method.apply(layer, x[:, rows], None).float()
-    torch.testing.assert_close(out, x.float() @ whole.t(), rtol=2e-3, atol=2e-3)
+    out, expected, layers = row_shards_product(as_rank, name, torch.randn(3, K).half(), 64,
+                                               _kernel_layout)
+    # an act-order shard's groups have unequal row counts: dequantized instead
+    assert [layer.uses_kernel for layer in layers] == [not METHODS[name][1][3]] * TP
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["gptq-g32", "gptq-g32-desc_act", "awq-g32", "fp8-per-channel",
+                                  "fp8-on-load"])
+def test_row_shards_on_the_gpu_sum_to_the_full_product(name, as_rank):
+    # Llama-sized rows (4096 inputs, 2048 per rank) through the real load path on one GPU
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.float16)
+    out, expected, layers = row_shards_product(
+        as_rank, name, x, 1024, lambda layer: layer.linear_method.process_weights_after_loading(layer))
+    fast = [getattr(layer, "uses_fp8", getattr(layer, "uses_kernel", None)) for layer in layers]
+    assert fast == [name != "gptq-g32-desc_act"] * TP
+    # fp8 also rounds the activations per token (3 mantissa bits)
+    tolerance = 0.05 if name.startswith("fp8") else 1e-2
+    assert (out - expected).norm() / expected.norm() < tolerance
 
 
 # case -> (tiny model of conftest.CASES, write_quantized arguments; None: fp8 on load)

@@ -61,8 +61,10 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 def _load_g_idx(layer: Linear, split: GroupSplit, param: torch.Tensor, loaded: torch.Tensor,
                 shard_id: int | None) -> None:
-    # this rank's input rows, numbered like the groups of scales it holds
-    loaded = layer.rank_part(param, loaded, shard_id).to(param.dtype) - split.first_group
+    # this rank's input rows, numbered like the groups of scales it holds (on the param's
+    # device: checkpoints are read to the CPU, and fused shards' g_idx are compared below)
+    loaded = layer.rank_part(param, loaded, shard_id).to(param.device, param.dtype) \
+        - split.first_group
     if param.shape != loaded.shape:
         raise ValueError(f"{layer.prefix}: g_idx of shape {tuple(loaded.shape)} does not fit "
                          f"{tuple(param.shape)}")
