@@ -52,7 +52,7 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for rid, prompt, params in zip(ids, prompts, sampling_params):
+            for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
                 self.engine.add_request(rid, prompt, params)
                 added.append(rid)
         except ValueError:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from kvfleet_runtime.config import EngineConfig
-from kvfleet_runtime.layers.quantization import get_quant_config
 from kvfleet_runtime.layers.linear import Linear
+from kvfleet_runtime.layers.quantization import get_quant_config
 from kvfleet_runtime.models import get_model_class
 from kvfleet_runtime.models.config import ModelConfig
 

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import pytest
 from support.tiny_models import make_tiny_model
-
-# case -> (architecture, overrides of the tiny config)
-CASES = {
-    "llama": ("llama", {}),                                    # 4 KV heads: 2 per rank
-    "llama3-gqa": ("llama3", {}),                              # 2 KV heads: 1 per rank
-    "llama3-one-kv-head": ("llama3", {"num_key_value_heads": 1}),   # replicated on both ranks
-    "qwen2": ("qwen2", {}),                                    # qkv bias, tied embeddings
-    "qwen3": ("qwen3", {}),                                    # q/k norm, head_dim 32
-}
+from tp_cases import CASES
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import torch
 from kvfleet_runtime.distributed import parallel_state
 from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
 from kvfleet_runtime.layers.linear import Linear
-from kvfleet_runtime.layers.quantization import GPTQConfig
 
 
 @pytest.fixture
@@ -66,15 +65,6 @@ def test_sizes_that_do_not_split_name_the_layer_and_the_sizes(as_rank):
     with pytest.raises(ValueError, match=r"down_proj input size \(7\) must be a multiple of "
                                          r"tensor_parallel_size \(2\)"):
         Linear(7, 4, prefix="down_proj", parallel="row")
-
-
-def test_quantized_layers_with_more_than_one_rank_are_refused(as_rank):
-    as_rank(0, 2)
-    method = GPTQConfig(bits=4, group_size=32).get_linear_method("model.layers.0.mlp.down_proj")
-    with pytest.raises(ValueError, match=r"down_proj: tensor_parallel_size must be 1 for "
-                                         r"quantized checkpoints \(GPTQLinearMethod"):
-        Linear(128, 64, linear_method=method, prefix="model.layers.0.mlp.down_proj",
-               parallel="row")
 
 
 def test_vocab_rows_split_with_the_last_rank_padded(as_rank):

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from conftest import CASES
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.distributed.workers import WorkerDiedError
+from tp_cases import CASES
 
 MAX_NEW = 10
 # small token budget and KV pool: chunked prefill, mixed prefill/decode steps and preemption

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvfleet_runtime.engine.block_pool import BlockPool
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.request import Request

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.engine.engine import LLMEngine
 
@@ -38,12 +37,12 @@ def test_logprobs_match_hf_log_softmax(llm, llama_dir):
     ids = torch.tensor([prompt + out.outputs[0].token_ids])
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
-    for i, (tok, pos) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+    for i, (tok, pos) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)):
         row = ref[len(prompt) - 1 + i]
         assert abs(pos[tok].logprob - row[tok].item()) < 1e-4
         top = row.topk(3)
         assert [t for t, lp in pos.items() if lp.rank is not None][:3] == top.indices.tolist()
-        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
             assert abs(pos[t].logprob - v) < 1e-4
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for j in range(1, len(prompt)):

@@ -6,9 +6,8 @@ import random
 
 import pytest
 import torch
-
-from conftest import hf_greedy
 from kvfleet_runtime import LLM, SamplingParams
+from support.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.gpu
 

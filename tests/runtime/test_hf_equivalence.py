@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import hf_greedy
-
 from kvfleet_runtime import LLM, SamplingParams
+from support.hf_reference import hf_greedy
 from support.tiny_models import ARCHS
 
 MAX_NEW = 12

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.config import default_model
 
@@ -30,7 +29,7 @@ def test_greedy_tokens_match_hf_on_the_gguf(llm):
     tok = llm.get_tokenizer()
     prompts = ["The quick brown fox", "def fibonacci(n):", "Kubernetes is"]
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    for prompt, out in zip(prompts, ours):
+    for prompt, out in zip(prompts, ours, strict=True):
         ids = torch.tensor([tok(prompt).input_ids])
         with torch.no_grad():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -22,9 +22,8 @@ def tokenizer_dir() -> Path:
     """A folder holding SmolLM2's tokenizer (tokenizer.json + chat template)."""
     out = _CACHE / "smollm2-tokenizer"
     if not (out / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
-
         from kvfleet_runtime.config import default_model
+        from transformers import AutoTokenizer
         gguf = default_model()
         tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
         tmp = Path(tempfile.mkdtemp(dir=_CACHE.parent if _CACHE.parent.exists() else None))

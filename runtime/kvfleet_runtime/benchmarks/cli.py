@@ -103,7 +103,7 @@ def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> float:
         if config.torch_device.type == "cuda":
             torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    del model
+    model = None    # free its memory before our engine sizes its KV cache
     if config.torch_device.type == "cuda":
         torch.cuda.empty_cache()
     return elapsed

@@ -212,7 +212,7 @@ class LLMEngine:
     def _position_logprobs(self, tok: SampledToken) -> dict[int, Logprob]:
         decode = None
         pos = {}
-        for rank, (tid, lp) in enumerate(zip(tok.top_ids or [], tok.top_logprobs or []), 1):
+        for rank, (tid, lp) in enumerate(zip(tok.top_ids or [], tok.top_logprobs or [], strict=True), 1):
             pos[tid] = Logprob(lp, rank, self._decode_token(tid))
         if tok.token_id not in pos:
             decode = self._decode_token(tok.token_id)

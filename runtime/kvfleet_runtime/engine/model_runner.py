@@ -186,7 +186,7 @@ class ModelRunner:
             sample_idx = self._sample_row_indices(sched)
             last = logits if len(sample_idx) == logits.shape[0] else \
                 logits.index_select(0, torch.tensor(sample_idx, device=self.device))
-            for s, tok in zip(sampling, self.sampler(last, batch)):
+            for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
         return out
