@@ -40,3 +40,10 @@ def test_bench_latency_reports_ttft_tpot_and_a_profile(tiny_model_dir, tmp_path,
 def test_bench_rejects_an_unknown_backend(tiny_model_dir, capsys):
     rc = main(["bench", "throughput", "--model", tiny_model_dir("llama"), "--backend", "trt"])
     assert rc == 2 and "--backend must list kvfleet and/or hf" in capsys.readouterr().err
+
+
+def test_a_bad_model_path_is_one_clear_line_and_exit_2(capsys):
+    assert main(["serve", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvfleet serve: error: model '/nonexistent/model' is neither")
+    assert "Traceback" not in err
