@@ -46,13 +46,8 @@ def register(subparsers) -> None:
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
 
-    try:
-        from kvfleet_runtime.benchmarks.serve import add_serve_parser
-    except ModuleNotFoundError as e:
-        if e.name != "kvfleet_runtime.benchmarks.serve":
-            raise
-    else:
-        add_serve_parser(sub)
+    from kvfleet_runtime.benchmarks.serve import add_serve_parser
+    add_serve_parser(sub)
 
 
 def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
