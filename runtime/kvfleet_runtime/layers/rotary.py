@@ -49,18 +49,19 @@ class RotaryEmbedding(nn.Module):
         if use_triton(q):
             from kvfleet_kernels.rotary import rotary_embedding
             return rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, True)
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)      # [T, rot/2]
-        cos = torch.cat([cos, cos], dim=-1)[:, None, :]                 # [T, 1, rot]
-        sin = torch.cat([sin, sin], dim=-1)[:, None, :]
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)      # [T, rot/2] each
+        cos, sin = cos[:, None, :], sin[:, None, :]
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), done per half:
+        # the same products and sums, without materialising the duplicated tables
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
-        rot, rest = x[..., :self.rot_dim], x[..., self.rot_dim:]
         half = self.rot_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        x1, x2, rest = x[..., :half], x[..., half:self.rot_dim], x[..., self.rot_dim:]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
         if rest.shape[-1]:
-            out = torch.cat([out, rest], dim=-1)
-        return out.reshape(shape)
+            parts.append(rest)
+        return torch.cat(parts, dim=-1).reshape(shape)

