@@ -12,26 +12,29 @@ import importlib
 import os
 import sys
 
-# subcommand modules, in help order
-COMMAND_MODULES = [
-    "kvfleet_runtime.server.cli",       # serve
-    "kvfleet_runtime.generate",         # generate
-    "kvfleet_runtime.pull",             # pull
-    "kvfleet_runtime.benchmarks.cli",   # bench throughput | latency | serve
-    "kvfleet_runtime.make_model",       # make-model
-]
+# subcommand -> module, in help order
+COMMAND_MODULES = {
+    "serve": "kvfleet_runtime.server.cli",
+    "generate": "kvfleet_runtime.generate",
+    "pull": "kvfleet_runtime.pull",
+    "bench": "kvfleet_runtime.benchmarks.cli",
+    "make-model": "kvfleet_runtime.make_model",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command` given only its module is imported (`kvfleet pull` stays light)."""
     parser = argparse.ArgumentParser(prog="kvfleet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    names = [command] if command in COMMAND_MODULES else list(COMMAND_MODULES)
+    for name in names:
+        importlib.import_module(COMMAND_MODULES[name]).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
