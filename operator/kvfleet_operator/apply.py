@@ -12,7 +12,7 @@ Every call this operator makes to the API server goes through `KubeApi` below
     ""                    secrets                         get                    (checks referenced Secrets exist)
     ""                    events                          create                 (kopf.event)
     apiextensions.k8s.io  customresourcedefinitions       list watch             (kopf: resource discovery)
-    ""                    namespaces                      list watch             (kopf: --all-namespaces)
+    ""                    namespaces                      list watch             (kopf, with --namespace too)
 
 Children are removed by Kubernetes garbage collection through their
 ownerReferences; the operator itself deletes only an HPA or a PDB the spec no
