@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +51,6 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"         # auto | triton | torch
     load_format: str = "auto"               # auto | dummy (random weights, no checkpoint read)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model:

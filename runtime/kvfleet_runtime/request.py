@@ -64,10 +64,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    @property
-    def max_tokens(self) -> int:
-        return self.params.max_tokens  # resolved to an int by the engine at add time
-
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -56,12 +56,6 @@ class FreeKVCacheBlockQueue:
         block.next_free, self.tail.prev_free = self.tail, block
         self.num_free_blocks += 1
 
-    def __iter__(self):
-        block = self.head.next_free
-        while block is not self.tail:
-            yield block
-            block = block.next_free
-
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:

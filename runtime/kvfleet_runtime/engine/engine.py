@@ -210,7 +210,6 @@ class LLMEngine:
         return None
 
     def _position_logprobs(self, tok: SampledToken) -> dict[int, Logprob]:
-        decode = None
         pos = {}
         for rank, (tid, lp) in enumerate(zip(tok.top_ids or [], tok.top_logprobs or [], strict=True), 1):
             pos[tid] = Logprob(lp, rank, self._decode_token(tid))

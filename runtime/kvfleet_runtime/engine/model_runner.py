@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class LogitsLayout:
+    """Where each use of a step's logits rows sits (indices into those rows, in order)."""
+    sample: list[int] = field(default_factory=list)        # one per sampling request
+    prompt: list[tuple] = field(default_factory=list)      # (request, first row, count)
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
@@ -135,6 +142,7 @@ class ModelRunner:
         query_start = [0]
         tables: list[list[int]] = []
         logits_rows: list[int] = []          # flat-batch rows whose logits we need
+        layout = LogitsLayout()              # which of those rows serve what
         bs = self.block_size
         for s in sched.scheduled:
             r = s.request
@@ -148,8 +156,11 @@ class ModelRunner:
             base = query_start[-1]
             query_start.append(base + s.num_new_tokens)
             if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
-                logits_rows.extend(range(base, base + min(end, r.num_prompt_tokens - 1) - start))
+                count = min(end, r.num_prompt_tokens - 1) - start
+                layout.prompt.append((r, len(logits_rows), count))
+                logits_rows.extend(range(base, base + count))
             if s.samples:
+                layout.sample.append(len(logits_rows))
                 logits_rows.append(base + s.num_new_tokens - 1)
         width = max(len(t) for t in tables)
         table = [t + [0] * (width - len(t)) for t in tables]
@@ -165,16 +176,21 @@ class ModelRunner:
             query_start_loc=tensor(query_start, torch.int32),
             max_query_len=max(s.num_new_tokens for s in sched.scheduled),
             max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start)
-        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, logits_rows
+        step = StepInputs(tensor(input_ids, torch.long), tensor(positions, torch.long), meta,
+                          logits_rows)
+        return step, layout
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        step = StepInputs(*self._prepare(sched, block_ids))
+        step, layout = self._prepare(sched, block_ids)
         t1 = time.perf_counter()
         logits = self._forward(broadcast_step(step, self.device))             # [N, V] fp32
         out = ModelRunnerOutput(prepare_s=t1 - t0)
-        self._prompt_logprobs(sched, logits, out)
+        for r, first, count in layout.prompt:
+            targets = r.prompt_token_ids[r.num_computed_tokens + 1:r.num_computed_tokens + 1 + count]
+            out.prompt_logprobs[r.request_id] = self.sampler.prompt_logprobs(
+                logits[first:first + count], targets, r.params.prompt_logprobs)
         sampling = [s for s in sched.scheduled if s.samples]
         if sampling:
             batch = SamplingBatch(
@@ -183,9 +199,8 @@ class ModelRunner:
                 output_token_ids=[s.request.output_token_ids for s in sampling],
                 generators=[s.request.generator for s in sampling])
             # sampling rows are interleaved with prompt-logprob rows; pick them in order
-            sample_idx = self._sample_row_indices(sched)
-            last = logits if len(sample_idx) == logits.shape[0] else \
-                logits.index_select(0, torch.tensor(sample_idx, device=self.device))
+            last = logits if len(layout.sample) == logits.shape[0] else \
+                logits.index_select(0, torch.tensor(layout.sample, device=self.device))
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
@@ -209,32 +224,3 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, meta)
         rows = torch.tensor(step.logits_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
-
-    @staticmethod
-    def _sample_row_indices(sched: SchedulerOutput) -> list[int]:
-        """Index into the logits rows of each sampling request's last-token row."""
-        idx, n = [], 0
-        for s in sched.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
-                n += min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
-            if s.samples:
-                idx.append(n)
-                n += 1
-        return idx
-
-    def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor,
-                         out: ModelRunnerOutput) -> None:
-        n = 0
-        for s in sched.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
-                count = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
-                targets = r.prompt_token_ids[start + 1:start + 1 + count]
-                out.prompt_logprobs[r.request_id] = self.sampler.prompt_logprobs(
-                    logits[n:n + count], targets, r.params.prompt_logprobs)
-                n += count
-            if s.samples:
-                n += 1

@@ -45,7 +45,7 @@ _ENGINE_HELP = {
 _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
                                   "attention_backend": ["auto", "triton", "torch"]}
 # set by the server's own flags, not as engine flags
-_NOT_ENGINE_FLAGS = {"served_model_name", "extra"}
+_NOT_ENGINE_FLAGS = {"served_model_name"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
