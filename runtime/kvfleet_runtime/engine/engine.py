@@ -170,7 +170,7 @@ class LLMEngine:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
             for tok in result.prompt_logprobs.get(r.request_id, ()):
-                r.prompt_logprobs.append(self._position_logprobs(tok))
+                r.prompt_logprobs.append(self._position_logprobs(r, tok))
             tok = result.sampled.get(r.request_id)
             if tok is None:
                 continue
@@ -181,7 +181,7 @@ class LLMEngine:
     def _append(self, r: Request, tok: SampledToken, now: float) -> None:
         r.append_token(tok.token_id)
         if r.logprobs is not None:    # decoding the top-k costs: only when asked for
-            r.add_logprobs(self._position_logprobs(tok), tok.logprob)
+            r.add_logprobs(self._position_logprobs(r, tok), tok.logprob)
         if r.metrics.first_token_time is None:
             r.metrics.first_token_time = now
         r.metrics.last_token_time = now
@@ -209,17 +209,15 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _position_logprobs(self, tok: SampledToken) -> dict[int, Logprob]:
+    @staticmethod
+    def _position_logprobs(r: Request, tok: SampledToken) -> dict[int, Logprob]:
+        decode = r.detokenizer.decode_token
         pos = {}
         for rank, (tid, lp) in enumerate(zip(tok.top_ids or [], tok.top_logprobs or [], strict=True), 1):
-            pos[tid] = Logprob(lp, rank, self._decode_token(tid))
+            pos[tid] = Logprob(lp, rank, decode(tid))
         if tok.token_id not in pos:
-            decode = self._decode_token(tok.token_id)
-            pos = {tok.token_id: Logprob(tok.logprob, tok.rank, decode), **pos}
+            pos = {tok.token_id: Logprob(tok.logprob, tok.rank, decode(tok.token_id)), **pos}
         return pos
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if token_id < len(self.tokenizer) else ""
 
     def _make_output(self, group_id: str) -> RequestOutput:
         children = self.groups[group_id]
