@@ -52,7 +52,8 @@ def test_repull_of_complete_dest_is_skipped_fast(s3: S3Server, uploaded: str, tm
     result = pullmod.pull(uploaded, dest, pullmod.PullOptions(progress=False))
     elapsed = time.monotonic() - t0
     assert result.up_to_date and result.bytes_fetched == 0
-    assert elapsed < 0.5, f"an up-to-date check took {elapsed:.2f} s"
+    # one listing and no download: typically ~0.1 s; the bound leaves room for a busy CI machine
+    assert elapsed < 2.0, f"an up-to-date check took {elapsed:.2f} s"
     assert {p: p.stat().st_mtime_ns for p in dest.rglob("*") if p.is_file() and p.name != pullmod.LOCK} == \
         {p: t for p, t in before.items() if p.name != pullmod.LOCK}
     r = run_pull(s3, uploaded, str(dest))
