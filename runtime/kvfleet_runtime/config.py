@@ -51,6 +51,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"         # auto | triton | torch
     load_format: str = "auto"               # auto | dummy (random weights, no checkpoint read)
+    # schedule and launch step N+1 while step N runs on the device; None: on for CUDA
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -79,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
 
     @property
     def torch_device(self) -> torch.device:

@@ -41,6 +41,9 @@ _ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs",
     "tensor_parallel_size": "GPUs to shard the model over",
     "attention_backend": "auto, triton or torch",
+    "load_format": "auto (read the checkpoint) or dummy (random weights of the model's shapes)",
+    "async_scheduling": "schedule and launch the next step while the device runs this one "
+                        "(default: on for CUDA)",
 }
 _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
                                   "attention_backend": ["auto", "triton", "torch"]}
