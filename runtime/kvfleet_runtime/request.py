@@ -39,6 +39,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # async scheduling: tokens sampled by a step still on the device, not yet appended
+        self.num_pending = 0
         self.num_cached_tokens = -1          # prefix-cache hit of the first schedule; -1: not yet
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -55,6 +57,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def finishes_with_pending(self) -> bool:
+        """The pending token reaches max_tokens: no step after it is needed."""
+        return (self.num_pending > 0
+                and len(self.output_token_ids) + self.num_pending >= self.params.max_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

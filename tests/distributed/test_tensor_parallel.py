@@ -36,6 +36,20 @@ def _live_workers() -> list[multiprocessing.Process]:
 
 
 @pytest.mark.timeout(120)
+def test_two_ranks_with_async_scheduling_match_one_rank(tp_model_dir):
+    # the next step's inputs, read from the previous step's sampled ids on rank 0, reach
+    # the other rank through the step broadcast
+    path = tp_model_dir(next(iter(CASES)))
+    prompts = _prompts()
+    ref = _greedy(LLM(model=path, **ENGINE_ARGS), prompts)
+    llm = LLM(model=path, tensor_parallel_size=2, async_scheduling=True, **ENGINE_ARGS)
+    try:
+        assert _greedy(llm, prompts) == ref
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_greedy_matches_one_rank(case, tp_model_dir):
     path = tp_model_dir(case)

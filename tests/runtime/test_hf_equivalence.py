@@ -33,6 +33,13 @@ def _assert_blocks_free(llm: LLM) -> None:
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_usable_blocks
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def async_scheduling(request) -> bool:
+    """Each case also with async scheduling: step N+1 is scheduled and launched before
+    step N's tokens are read back (the CUDA default; on a CPU the same bookkeeping runs)."""
+    return request.param
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_case(request, tiny_model_dir):
     path = tiny_model_dir(request.param)
@@ -40,38 +47,38 @@ def arch_case(request, tiny_model_dir):
     return path, prompts, hf_greedy(path, prompts, MAX_NEW)
 
 
-def test_single_request_matches_hf(arch_case):
+def test_single_request_matches_hf(arch_case, async_scheduling):
     path, prompts, ref = arch_case
-    llm = LLM(model=path, max_num_seqs=1)
+    llm = LLM(model=path, async_scheduling=async_scheduling, max_num_seqs=1)
     assert _generate(llm, prompts[:3]) == ref[:3]
     _assert_blocks_free(llm)
 
 
-def test_32_mixed_requests_batched_match_hf(arch_case):
+def test_32_mixed_requests_batched_match_hf(arch_case, async_scheduling):
     path, prompts, ref = arch_case
-    llm = LLM(model=path, max_num_seqs=32)
+    llm = LLM(model=path, async_scheduling=async_scheduling, max_num_seqs=32)
     assert _generate(llm, prompts) == ref
     _assert_blocks_free(llm)
 
 
-def test_small_chunked_prefill_matches_hf(arch_case):
+def test_small_chunked_prefill_matches_hf(arch_case, async_scheduling):
     path, prompts, ref = arch_case
-    llm = LLM(model=path, max_num_seqs=8, max_num_batched_tokens=7)
+    llm = LLM(model=path, async_scheduling=async_scheduling, max_num_seqs=8, max_num_batched_tokens=7)
     assert _generate(llm, prompts) == ref
     _assert_blocks_free(llm)
 
 
-def test_preemption_on_tiny_block_pool_matches_hf(arch_case):
+def test_preemption_on_tiny_block_pool_matches_hf(arch_case, async_scheduling):
     path, prompts, ref = arch_case
-    llm = LLM(model=path, max_num_seqs=32, num_gpu_blocks=14, enable_prefix_caching=False)
+    llm = LLM(model=path, async_scheduling=async_scheduling, max_num_seqs=32, num_gpu_blocks=14, enable_prefix_caching=False)
     assert _generate(llm, prompts) == ref
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_blocks_free(llm)
 
 
-def test_prefix_cache_hits_on_second_pass_and_stays_identical(arch_case):
+def test_prefix_cache_hits_on_second_pass_and_stays_identical(arch_case, async_scheduling):
     path, prompts, ref = arch_case
-    llm = LLM(model=path, max_num_seqs=32)
+    llm = LLM(model=path, async_scheduling=async_scheduling, max_num_seqs=32)
     assert _generate(llm, prompts) == ref
     hits_before = llm.engine.kv.prefix_cache_hits
     assert _generate(llm, prompts) == ref

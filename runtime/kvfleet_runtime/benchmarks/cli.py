@@ -152,16 +152,33 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 
 def run_latency(args: argparse.Namespace) -> int:
-    import torch
-
     from kvfleet_runtime.engine.engine import LLMEngine
-    from kvfleet_runtime.sampling_params import SamplingParams
     engine = LLMEngine(engine_config_from_args(args))
     prompts = random_prompts(args.batch_size, args.input_len)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
-    sync = torch.cuda.synchronize if engine.config.device == "cuda" else (lambda: None)
+    res, params = measure_latency(engine, prompts, args.output_len, args.num_iters_warmup,
+                                  args.num_iters)
+    print(f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
+          f"TTFT {res['ttft_ms']:.1f} ms, TPOT {res['tpot_ms']:.2f} ms "
+          f"({res['decode_tokens_per_s_per_seq']:.1f} tok/s per sequence), "
+          f"end to end {res['latency_s']:.3f} s")
+    if args.profile:
+        for p in _profile_latency(engine, prompts, params):
+            print(p.render())
+            res[f"profile_{p.label}"] = {"wall_ms": p.wall_ms, "kernel_ms": p.kernel_ms,
+                                         "top": p.top}
+    _write(args, [res])
+    return 0
+
+
+def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters: int):
+    """TTFT, time per output token and end-to-end time of `prompts` as one batch -> (row, params)."""
+    import torch
+
+    from kvfleet_runtime.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    sync = torch.cuda.synchronize if engine.config.device.startswith("cuda") else (lambda: None)
     ttfts, tpots, totals = [], [], []
-    for it in range(args.num_iters_warmup + args.num_iters):
+    for it in range(num_warmup + num_iters):
         for i, p in enumerate(prompts):
             engine.add_request(f"lat-{it}-{i}", p, params)
         # prefix caching would turn later iterations' prefill into a cache hit
@@ -176,26 +193,15 @@ def run_latency(args: argparse.Namespace) -> int:
                 first = time.perf_counter() - start
         sync()
         total = time.perf_counter() - start
-        if it >= args.num_iters_warmup:
+        if it >= num_warmup:
             ttfts.append(first)
             totals.append(total)
-            tpots.append((total - first) / max(args.output_len - 1, 1))
+            tpots.append((total - first) / max(output_len - 1, 1))
     n = len(totals)
-    res = {"batch_size": args.batch_size, "input_len": args.input_len,
-           "output_len": args.output_len, "ttft_ms": 1e3 * sum(ttfts) / n,
-           "tpot_ms": 1e3 * sum(tpots) / n, "latency_s": sum(totals) / n,
-           "decode_tokens_per_s_per_seq": 1.0 / (sum(tpots) / n)}
-    print(f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
-          f"TTFT {res['ttft_ms']:.1f} ms, TPOT {res['tpot_ms']:.2f} ms "
-          f"({res['decode_tokens_per_s_per_seq']:.1f} tok/s per sequence), "
-          f"end to end {res['latency_s']:.3f} s")
-    if args.profile:
-        for p in _profile_latency(engine, prompts, params):
-            print(p.render())
-            res[f"profile_{p.label}"] = {"wall_ms": p.wall_ms, "kernel_ms": p.kernel_ms,
-                                         "top": p.top}
-    _write(args, [res])
-    return 0
+    res = {"batch_size": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
+           "ttft_ms": 1e3 * sum(ttfts) / n, "tpot_ms": 1e3 * sum(tpots) / n,
+           "latency_s": sum(totals) / n, "decode_tokens_per_s_per_seq": 1.0 / (sum(tpots) / n)}
+    return res, params
 
 
 def _profile_latency(engine, prompts, params):
@@ -204,8 +210,12 @@ def _profile_latency(engine, prompts, params):
         engine.add_request(f"profile-{i}", p, params)
     engine.kv.block_pool.reset_prefix_cache()
     device = engine.config.torch_device
-    # with a large token budget the whole prompt batch is one step
-    prefill = profile_steps(engine.step, 1, "prefill", device)
+    sched = engine.scheduler
+
+    def prompts_done() -> bool:     # every prompt computed (chunked over several steps or not)
+        return not sched.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                         for r in sched.running)
+    prefill = profile_steps(engine.step, 1 << 30, "prefill", device, until=prompts_done)
     decode = profile_steps(engine.step, max(min(params.max_tokens - 1, 32), 1), "decode", device)
     while engine.has_unfinished_requests():
         engine.step()

@@ -31,23 +31,31 @@ class StepProfile:
 
 
 def profile_steps(step, num_steps: int, label: str, device: torch.device,
-                  top: int = 8) -> StepProfile:
-    """Profile `num_steps` calls of `step()` (each one engine step)."""
+                  top: int = 8, until=None) -> StepProfile:
+    """Profile `num_steps` calls of `step()` (each one engine step), or fewer once `until()`.
+
+    Only device-side kernel events are summed: a CPU op's own "device time" repeats the
+    time of the kernels it launched.
+    """
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    done = 0
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        for _ in range(num_steps):
+        while done < num_steps and not (until is not None and until()):
             step()
+            done += 1
         sync()
         wall = time.perf_counter() - start
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernel = torch.autograd.DeviceType.CUDA
+    events = [e for e in prof.key_averages()
+              if e.device_type == kernel and e.self_device_time_total > 0]
     kernel_us = sum(e.self_device_time_total for e in events)
     ranked = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    n = max(num_steps, 1)
-    return StepProfile(label=label, num_steps=num_steps, wall_ms=1e3 * wall / n,
+    n = max(done, 1)
+    return StepProfile(label=label, num_steps=done, wall_ms=1e3 * wall / n,
                        kernel_ms=kernel_us / 1e3 / n,
                        top=[(e.key, e.self_device_time_total / 1e3 / n) for e in ranked])

@@ -12,7 +12,7 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.detokenizer import IncrementalDetokenizer
 from kvfleet_runtime.distributed.workers import WorkerDiedError, WorkerGroup
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
-from kvfleet_runtime.engine.model_runner import ModelRunner
+from kvfleet_runtime.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from kvfleet_runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvfleet_runtime.layers.backend import set_backend
 from kvfleet_runtime.layers.sampler import SampledToken
@@ -49,6 +49,10 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
+        # async scheduling: the step launched by the last step() call, not yet read back;
+        # groups whose sampling reads their earlier tokens on the host run synchronously
+        self.in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self.sync_groups: set[str] = set()
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
                                               "step_s": 0.0}
@@ -110,6 +114,8 @@ class LLMEngine:
             children.append(r)
         self.groups[request_id] = children
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        if _needs_host_tokens(params):
+            self.sync_groups.add(request_id)
         for r in children:
             self.scheduler.add_request(r)
 
@@ -134,6 +140,7 @@ class LLMEngine:
                 if not r.is_finished:
                     self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
             self.prompts.pop(rid, None)
+            self.sync_groups.discard(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -143,25 +150,87 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.workers is not None:
             self.workers.check_alive()
+        if self.config.async_scheduling and not self.sync_groups:
+            return self._step_async(t0)
+        outputs = self._drain()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
-                     for s in sched.scheduled}
+            return outputs
         try:
-            result = self.runner.execute(sched, block_ids)
+            result = self.runner.execute(sched, self._block_ids(sched))
         except RuntimeError as e:
             if self.workers is None:
                 raise
             raise self.workers.fail(e) from e
         touched = self._update(sched, result)
-        outputs = [self._make_output(gid) for gid in touched]
+        outputs += [self._make_output(gid) for gid in touched]
+        self._account(result, t0)
+        return outputs
+
+    def _step_async(self, t0: float) -> list[RequestOutput]:
+        """Schedule step N+1 counting the tokens step N is still sampling, launch it, and only
+        then wait for step N and process its tokens (detokenize, stop checks, outputs) while
+        N+1 runs. A request that step N finishes wastes its row of N+1, which is dropped."""
+        sched = self.scheduler.schedule()
+        prev, self.in_flight = self.in_flight, None
+        if not sched.is_empty:
+            try:
+                pending = self.runner.launch(sched, self._block_ids(sched),
+                                             prev[1] if prev else None)
+            except RuntimeError as e:
+                if self.workers is None:
+                    raise
+                raise self.workers.fail(e) from e
+            for s in sched.scheduled:
+                r = s.request
+                if s.samples:
+                    r.num_pending += 1
+                r.num_computed_tokens += s.num_new_tokens
+            self.in_flight = (sched, pending)
+        if prev is None:
+            return []
+        outputs, result = self._finish_launched(prev)
+        self._account(result, t0)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Finish the launched step, if any (before a step that needs every token on the host)."""
+        prev, self.in_flight = self.in_flight, None
+        return self._finish_launched(prev)[0] if prev else []
+
+    def _finish_launched(self, launched: tuple[SchedulerOutput, PendingStep]
+                         ) -> tuple[list[RequestOutput], ModelRunnerOutput]:
+        sched, pending = launched
+        try:
+            result = self.runner.finish(pending)
+        except RuntimeError as e:
+            if self.workers is None:
+                raise
+            raise self.workers.fail(e) from e
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for s in sched.scheduled:
+            r = s.request
+            tok = result.sampled.get(r.request_id)
+            if tok is None:
+                continue
+            r.num_pending -= 1
+            if r.is_finished:       # stopped or aborted while this step ran: drop its token
+                continue
+            self._append(r, tok, now)
+            touched[r.group_id] = None
+        return [self._make_output(gid) for gid in touched if gid in self.groups], result
+
+    def _block_ids(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        return {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
+                for s in sched.scheduled}
+
+    def _account(self, result: ModelRunnerOutput, t0: float) -> None:
         totals = self.step_totals
         totals["steps"] += 1
         totals["prepare_s"] += result.prepare_s
         totals["forward_s"] += result.forward_s
         totals["step_s"] += time.perf_counter() - t0
-        return outputs
 
     def _update(self, sched: SchedulerOutput, result) -> list[str]:
         now = time.monotonic()
@@ -237,6 +306,7 @@ class LLMEngine:
         if finished:
             del self.groups[group_id]
             self.prompts.pop(group_id, None)
+            self.sync_groups.discard(group_id)
         return out
 
     def get_stats(self) -> EngineStats:
@@ -247,3 +317,9 @@ class LLMEngine:
             prefix_cache_hits_total=self.kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions,
             extra=dict(self.step_totals))
+
+
+def _needs_host_tokens(params: SamplingParams) -> bool:
+    """Sampling that reads the request's earlier tokens or returns logprobs runs synchronously."""
+    return (params.needs_penalties or params.min_tokens > 0 or params.logprobs is not None
+            or params.prompt_logprobs is not None)

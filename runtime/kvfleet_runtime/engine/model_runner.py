@@ -35,11 +35,21 @@ class LogitsLayout:
 
 
 @dataclass
+class PendingStep:
+    """A launched step whose sampled tokens are still on (or coming back from) the device."""
+    rows: dict[str, int]                 # request id -> its row in token_ids
+    token_ids: torch.Tensor | None       # [S] on the device: the next step's inputs read it there
+    host_ids: torch.Tensor | None        # [S] the same, copied back without blocking
+    done: torch.cuda.Event | None        # recorded after that copy (None on a CPU)
+    prepare_s: float = 0.0
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
     prepare_s: float = 0.0       # CPU time building inputs
-    forward_s: float = 0.0       # forward + sampling, synchronised
+    forward_s: float = 0.0       # forward + sampling, synchronised (async: the wait for them)
 
 
 class ModelRunner:
@@ -134,8 +144,11 @@ class ModelRunner:
             layer.kv_cache = (self.kv_cache[i, 0], self.kv_cache[i, 1])
 
     # ---- one step -------------------------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]):
+    def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+                 prev: PendingStep | None = None):
         input_ids: list[int] = []
+        from_prev: list[int] = []            # rows of input_ids still being sampled ...
+        prev_rows: list[int] = []            # ... and their rows in prev.token_ids
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
@@ -148,7 +161,12 @@ class ModelRunner:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             ids = block_ids[r.request_id]
-            input_ids.extend(r.all_token_ids[start:end])
+            known = min(end, r.num_tokens)
+            input_ids.extend(r.all_token_ids[start:known])
+            if end > known:     # async scheduling: the previous step is sampling this token
+                from_prev.append(len(input_ids))
+                prev_rows.append(prev.rows[r.request_id])
+                input_ids.append(0)
             positions.extend(range(start, end))
             slots.extend(ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
@@ -176,8 +194,10 @@ class ModelRunner:
             query_start_loc=tensor(query_start, torch.int32),
             max_query_len=max(s.num_new_tokens for s in sched.scheduled),
             max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start)
-        step = StepInputs(tensor(input_ids, torch.long), tensor(positions, torch.long), meta,
-                          logits_rows)
+        ids = tensor(input_ids, torch.long)
+        if from_prev:
+            ids[tensor(from_prev, torch.long)] = prev.token_ids[tensor(prev_rows, torch.long)]
+        step = StepInputs(ids, tensor(positions, torch.long), meta, logits_rows)
         return step, layout
 
     @torch.inference_mode()
@@ -204,6 +224,54 @@ class ModelRunner:
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
+        return out
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+               prev: PendingStep | None) -> PendingStep:
+        """Async scheduling: enqueue the step (forward + sampling) and return without waiting.
+
+        Only for steps whose sampling needs nothing but the logits (no penalties, min_tokens,
+        logprobs): the engine runs the others through `execute`. Tokens the still-running
+        `prev` step samples are read on the device, where it leaves them.
+        """
+        t0 = time.perf_counter()
+        step, layout = self._prepare(sched, block_ids, prev)
+        t1 = time.perf_counter()
+        logits = self._forward(broadcast_step(step, self.device))
+        sampling = [s for s in sched.scheduled if s.samples]
+        pending = PendingStep(rows={}, token_ids=None, host_ids=None, done=None, prepare_s=t1 - t0)
+        if sampling:
+            batch = SamplingBatch(
+                params=[s.request.params for s in sampling],
+                prompt_token_ids=[s.request.prompt_token_ids for s in sampling],
+                output_token_ids=[s.request.output_token_ids for s in sampling],
+                generators=[s.request.generator for s in sampling])
+            last = logits if len(layout.sample) == logits.shape[0] else \
+                logits.index_select(0, torch.tensor(layout.sample, device=self.device))
+            ids = self.sampler.sample_ids(last, batch)
+            pending.rows = {s.request.request_id: i for i, s in enumerate(sampling)}
+            pending.token_ids = ids
+            if self.device.type == "cuda":
+                pending.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                pending.host_ids.copy_(ids, non_blocking=True)
+                pending.done = torch.cuda.Event()
+                pending.done.record()
+            else:
+                pending.host_ids = ids
+        return pending
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens."""
+        t0 = time.perf_counter()
+        out = ModelRunnerOutput(prepare_s=pending.prepare_s)
+        if pending.token_ids is not None:
+            if pending.done is not None:
+                pending.done.synchronize()
+            ids = pending.host_ids.tolist()
+            out.sampled = {rid: SampledToken(token_id=ids[row]) for rid, row in pending.rows.items()}
+        # async: only the wait counts as device time; host work overlapped the device
+        out.forward_s = time.perf_counter() - t0
         return out
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Whether this step reaches the request's last token, so a new token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + r.num_pending
 
 
 @dataclass
@@ -68,7 +68,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # a token still being sampled on the device (async scheduling) is this step's input
+            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens,
+                          budget)
+            if num_new <= 0 or request.finishes_with_pending:
+                i += 1          # its last token is on its way: nothing left to compute
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break   # the request preempted itself: nothing below it runs either
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -98,6 +103,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:
+                break   # preempted while its last token was on the device: wait for it
             if request.sibling is not None and not self._sibling_prompt_cached(request):
                 # n > 1: let the first sample compute the prompt, the others then hit the cache
                 skipped.append(self.waiting.popleft())

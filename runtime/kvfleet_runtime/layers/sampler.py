@@ -79,12 +79,18 @@ def _rows_tensor(values: list, device: torch.device, dtype: torch.dtype) -> torc
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         # logits: [N, V]
+        if logits.shape[0] == 0 and not batch.params:
+            return []
+        raw = logits.float()
+        token_ids = self.sample_ids(raw, batch)
+        return _with_logprobs(raw, token_ids, [p.logprobs for p in batch.params])
+
+    def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled token ids [N], left on the device (no host sync)."""
         num_rows = logits.shape[0]
         if num_rows != len(batch.params):
             raise ValueError(f"logits has {num_rows} rows but the SamplingBatch has "
                              f"{len(batch.params)}")
-        if num_rows == 0:
-            return []
         raw = logits.float()
         processed = apply_penalties(raw, batch)
         greedy = [i for i, p in enumerate(batch.params) if p.greedy]
@@ -101,7 +107,7 @@ class Sampler:
                                                [batch.generators[i] for i in randoms])
             greedy_idx = _rows_tensor(greedy, raw.device, torch.long)
             token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
-        return _with_logprobs(raw, token_ids, [p.logprobs for p in batch.params])
+        return token_ids
 
     def prompt_logprobs(self, logits: torch.Tensor, next_token_ids: list[int],
                         k: int) -> list[SampledToken]:

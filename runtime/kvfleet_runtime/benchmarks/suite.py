@@ -1,0 +1,106 @@
+"""The issue-3 benchmark rows on one engine, loaded once (a GPU session's minutes are few).
+
+    python -m kvfleet_runtime.benchmarks.suite --model DIR [engine flags] \
+        [--rows bs1,ttft,profile,tp128,tp128-max,tp1000] [--num-prompts 1000] [--json PATH]
+
+Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
+  bs1        latency, batch 1, 128 in / 256 out
+  ttft       latency, batch 1, 2048 in / 2 out, 5 iterations (TTFT on an idle engine)
+  profile    `--profile` of batch 1 x 2048 in and batch 256 x 128 in (33 out each)
+  tp128      throughput 128 in / 128 out, at most 256 running sequences
+  tp128-max  the same with the engine's own --max-num-seqs (e.g. 1024, as vLLM on an H200)
+  tp1000     throughput 1000 in / 1000 out, at most 256 running sequences
+Between rows the prefix cache is reset; the admission limit (the scheduler's max_num_seqs)
+is lowered to 256 where a row says so, on the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvfleet_runtime.benchmarks.cli import (_kvfleet_throughput, _profile_latency, measure_latency,
+                                            random_prompts)
+from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
+
+ROWS = ("bs1", "ttft", "profile", "tp128", "tp128-max", "tp1000")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvfleet_runtime.benchmarks.suite",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)}")
+    p.add_argument("--num-prompts", type=int, default=1000, help="prompts of tp128 rows")
+    p.add_argument("--num-prompts-1000", type=int, default=None,
+                   help="prompts of the tp1000 row (default: --num-prompts)")
+    p.add_argument("--label", default="", help="prefix of each row's name in the output")
+    p.add_argument("--json", metavar="PATH")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = sorted(set(rows) - set(ROWS))
+    if bad:
+        p.error(f"--rows: unknown {', '.join(bad)}; choose from {', '.join(ROWS)}")
+
+    from kvfleet_runtime.llm import LLM
+    llm = LLM.from_config(engine_config_from_args(args))
+    engine = llm.engine
+    own_max = engine.scheduler.max_num_seqs
+    results = []
+
+    def emit(name: str, row: dict) -> None:
+        row = {"row": args.label + name, **row}
+        results.append(row)
+        shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+                 if not k.startswith("profile_")}
+        print(json.dumps(shown), flush=True)
+
+    def latency(name: str, batch: int, input_len: int, output_len: int, iters: int) -> None:
+        engine.scheduler.max_num_seqs = own_max
+        res, _ = measure_latency(engine, random_prompts(batch, input_len), output_len, 1, iters)
+        emit(name, res)
+
+    def throughput(name: str, num: int, length: int, max_seqs: int) -> None:
+        engine.kv.block_pool.reset_prefix_cache()
+        engine.scheduler.max_num_seqs = max_seqs
+        totals = engine.step_totals
+        before = dict(totals)
+        elapsed = _kvfleet_throughput(llm, random_prompts(num, length, seed=len(results)), length)
+        step_s = totals["step_s"] - before["step_s"]
+        emit(name, {"num_prompts": num, "input_len": length, "output_len": length,
+                    "max_num_seqs": max_seqs, "elapsed_s": elapsed,
+                    "output_tokens_per_s": num * length / elapsed,
+                    "total_tokens_per_s": 2 * num * length / elapsed,
+                    "steps": totals["steps"] - before["steps"],
+                    "host_share": 1.0 - (totals["forward_s"] - before["forward_s"]) / max(step_s, 1e-9)})
+
+    if "bs1" in rows:
+        latency("bs1", 1, 128, 256, 3)
+    if "ttft" in rows:
+        latency("ttft2048", 1, 2048, 2, 5)
+    if "profile" in rows:
+        for batch, input_len in ((1, 2048), (min(256, own_max), 128)):
+            engine.scheduler.max_num_seqs = own_max
+            prompts = random_prompts(batch, input_len, seed=99)
+            _, params = measure_latency(engine, prompts, 33, 0, 1)
+            for prof in _profile_latency(engine, prompts, params):
+                print(f"[profile batch {batch} x {input_len}] " + prof.render(), flush=True)
+                results.append({"row": f"{args.label}profile-bs{batch}-{prof.label}",
+                                "wall_ms": prof.wall_ms, "kernel_ms": prof.kernel_ms,
+                                "top": prof.top})
+    if "tp128" in rows:
+        throughput("tp128", args.num_prompts, 128, min(256, own_max))
+    if "tp128-max" in rows and own_max > 256:
+        throughput(f"tp128-seqs{own_max}", args.num_prompts, 128, own_max)
+    if "tp1000" in rows:
+        throughput("tp1000", args.num_prompts_1000 or args.num_prompts, 1000, min(256, own_max))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
