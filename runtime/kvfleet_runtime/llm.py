@@ -53,7 +53,7 @@ class LLM:
         added = []
         try:
             for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, final_only=True)
                 added.append(rid)
         except ValueError:
             self.engine.abort_request(added)

@@ -116,3 +116,19 @@ def test_random_add_abort_step_never_leaks_blocks_async(engines, ops):
     while engine.has_unfinished_requests():
         engine.step()
     assert _all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("mode", [False, True], ids=["sync", "async"])
+def test_final_only_requests_get_one_output_when_finished(engines, mode):
+    engine = engines[mode].engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("streamed", [5, 6, 7, 8], params)
+    engine.add_request("final", [5, 6, 7, 8], params, final_only=True)
+    seen: dict[str, list] = {"streamed": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["streamed"]) == 6 and len(seen["final"]) == 1
+    assert seen["final"][0].finished
+    assert seen["final"][0].outputs[0].token_ids == seen["streamed"][-1].outputs[0].token_ids
+    assert not engine.final_only

@@ -53,6 +53,7 @@ class LLMEngine:
         # groups whose sampling reads their earlier tokens on the host run synchronously
         self.in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sync_groups: set[str] = set()
+        self.final_only: set[str] = set()
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
                                               "step_s": 0.0}
@@ -94,7 +95,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, final_only: bool = False) -> None:
+        """Queue a request. final_only: step() returns its output once, when it finishes
+        (offline generate; as vLLM's FINAL_ONLY), not after every token."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self.tokenize(prompt)
@@ -116,6 +119,8 @@ class LLMEngine:
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
         if _needs_host_tokens(params):
             self.sync_groups.add(request_id)
+        if final_only:
+            self.final_only.add(request_id)
         for r in children:
             self.scheduler.add_request(r)
 
@@ -141,6 +146,7 @@ class LLMEngine:
                     self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
             self.prompts.pop(rid, None)
             self.sync_groups.discard(rid)
+            self.final_only.discard(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -163,7 +169,7 @@ class LLMEngine:
                 raise
             raise self.workers.fail(e) from e
         touched = self._update(sched, result)
-        outputs += [self._make_output(gid) for gid in touched]
+        outputs += self._outputs(touched)
         self._account(result, t0)
         return outputs
 
@@ -219,7 +225,7 @@ class LLMEngine:
                 continue
             self._append(r, tok, now)
             touched[r.group_id] = None
-        return [self._make_output(gid) for gid in touched if gid in self.groups], result
+        return self._outputs(touched), result
 
     def _block_ids(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
@@ -288,6 +294,12 @@ class LLMEngine:
             pos = {tok.token_id: Logprob(tok.logprob, tok.rank, decode(tok.token_id)), **pos}
         return pos
 
+    def _outputs(self, group_ids) -> list[RequestOutput]:
+        """Outputs of the groups a step touched (a final-only group's only once it finished)."""
+        groups, final_only = self.groups, self.final_only
+        return [self._make_output(gid) for gid in group_ids if gid in groups and (
+            gid not in final_only or all(c.is_finished for c in groups[gid]))]
+
     def _make_output(self, group_id: str) -> RequestOutput:
         children = self.groups[group_id]
         first = children[0]
@@ -307,6 +319,7 @@ class LLMEngine:
             del self.groups[group_id]
             self.prompts.pop(group_id, None)
             self.sync_groups.discard(group_id)
+            self.final_only.discard(group_id)
         return out
 
     def get_stats(self) -> EngineStats:

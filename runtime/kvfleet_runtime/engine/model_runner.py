@@ -52,6 +52,14 @@ class ModelRunnerOutput:
     forward_s: float = 0.0       # forward + sampling, synchronised (async: the wait for them)
 
 
+def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: on CUDA through pinned
+    memory (a copy from pageable memory may synchronise with the stream, and async scheduling
+    needs every launch to return at once)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
@@ -185,7 +193,7 @@ class ModelRunner:
         dev = self.device
 
         def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+            return host_to_device(data, dtype, dev)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.long),
@@ -220,7 +228,7 @@ class ModelRunner:
                 generators=[s.request.generator for s in sampling])
             # sampling rows are interleaved with prompt-logprob rows; pick them in order
             last = logits if len(layout.sample) == logits.shape[0] else \
-                logits.index_select(0, torch.tensor(layout.sample, device=self.device))
+                logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
@@ -248,7 +256,7 @@ class ModelRunner:
                 output_token_ids=[s.request.output_token_ids for s in sampling],
                 generators=[s.request.generator for s in sampling])
             last = logits if len(layout.sample) == logits.shape[0] else \
-                logits.index_select(0, torch.tensor(layout.sample, device=self.device))
+                logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
             ids = self.sampler.sample_ids(last, batch)
             pending.rows = {s.request.request_id: i for i, s in enumerate(sampling)}
             pending.token_ids = ids
@@ -290,5 +298,7 @@ class ModelRunner:
             hidden = self.graph_runner.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, meta)
-        rows = torch.tensor(step.logits_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        rows = step.logits_rows
+        if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:   # decode: every row
+            hidden = hidden.index_select(0, host_to_device(rows, torch.long, self.device))
+        return self.model.compute_logits(hidden)

@@ -68,12 +68,19 @@ def _flat_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
     row_index = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
-    return (torch.from_numpy(row_index).to(device, non_blocking=True),
-            torch.from_numpy(ids).to(device, non_blocking=True))
+    cuda = device.type == "cuda"
+
+    def move(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return (t.pin_memory() if cuda else t).to(device, non_blocking=cuda)
+    return move(row_index), move(ids)
 
 
 def _rows_tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    # pinned on CUDA: a copy from pageable memory may wait for the stream (async scheduling
+    # launches the next step's sampling while the device still runs it)
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 class Sampler:
