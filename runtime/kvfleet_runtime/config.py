@@ -24,6 +24,13 @@ def default_model() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX), as torch reports."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
 def _positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -89,12 +96,19 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """The compute dtype: the user's choice, else the checkpoint's (fp32 on CPU for halves)."""
+        """The compute dtype: the user's choice, else the checkpoint's.
+
+        On a CPU: bfloat16 for a half-precision or quantized checkpoint (GGUF Q*, fp16, bf16)
+        where the CPU computes bf16 natively (AVX512-BF16 or AMX, as vLLM's CPU backend
+        picks), fp32 otherwise; an fp32 checkpoint, or one that does not say, stays fp32.
+        """
         chosen = DTYPES[self.dtype]
         if chosen is not None:
             return chosen
         if self.device == "cpu":
-            return torch.float32
+            if checkpoint_dtype in (None, torch.float32) or not cpu_has_native_bf16():
+                return torch.float32
+            return torch.bfloat16
         if checkpoint_dtype in (None, torch.float32):
             return torch.bfloat16
         return checkpoint_dtype

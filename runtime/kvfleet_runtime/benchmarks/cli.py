@@ -69,19 +69,24 @@ def _kvfleet_throughput(llm, prompts, output_len: int) -> float:
     return elapsed
 
 
-def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> float:
+def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> tuple[float, str]:
+    """(seconds, dtype): HF runs in the --dtype given, else in its own default dtype (what
+    from_pretrained gives: fp32 for a GGUF), not in the one our engine picks for itself."""
     import os
 
     import torch
     from transformers import AutoModelForCausalLM
-    dtype = config.resolve_dtype(None)
+
+    from kvfleet_runtime.config import DTYPES
+    dtype = DTYPES[config.dtype]
     path = config.model
-    kwargs = {}
+    kwargs = {} if dtype is None else {"dtype": dtype}
     if path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(path)
         path = os.path.dirname(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(config.torch_device)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(config.torch_device)
     model.eval()
+    dtype_name = str(model.dtype).removeprefix("torch.")
 
     def run(batch):
         ids = torch.tensor(batch, device=config.torch_device)
@@ -101,7 +106,7 @@ def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> float:
     model = None    # free its memory before our engine sizes its KV cache
     if config.torch_device.type == "cuda":
         torch.cuda.empty_cache()
-    return elapsed
+    return elapsed, dtype_name
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -122,11 +127,13 @@ def run_throughput(args: argparse.Namespace) -> int:
             llm = LLM.from_config(config)
             elapsed = _kvfleet_throughput(llm, prompts, args.output_len)
             totals = llm.engine.step_totals
-            extra = {"steps": totals["steps"],
+            extra = {"dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+                     "steps": totals["steps"],
                      "host_share": 1.0 - totals["forward_s"] / max(totals["step_s"], 1e-9)}
         else:
-            elapsed = _hf_throughput(config, prompts, args.output_len,
-                                     args.hf_max_batch_size or config.max_num_seqs)
+            elapsed, dtype = _hf_throughput(config, prompts, args.output_len,
+                                            args.hf_max_batch_size or config.max_num_seqs)
+            extra = {"dtype": dtype}
         out_tokens = args.num_prompts * args.output_len
         results.append({
             "backend": backend, "num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -137,13 +144,15 @@ def run_throughput(args: argparse.Namespace) -> int:
             **extra})
         r = results[-1]
         host = f", host share of step time {r['host_share']:.1%}" if "host_share" in r else ""
-        print(f"[{backend}] {args.num_prompts} prompts {args.input_len} in / {args.output_len} out: "
+        print(f"[{backend}] {r['dtype']}, {args.num_prompts} prompts {args.input_len} in / "
+              f"{args.output_len} out: "
               f"{r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} req/s, "
               f"{r['output_tokens_per_s']:.1f} output tok/s, "
               f"{r['total_tokens_per_s']:.1f} total tok/s{host}", flush=True)
     if len(results) == 2:
         ours, hf = sorted(results, key=lambda r: r["backend"] != "kvfleet")
-        print(f"ratio kvfleet/hf: {ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x")
+        print(f"ratio kvfleet/hf: {ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x "
+              f"(kvfleet in {ours['dtype']}, hf in {hf['dtype']})")
     _write(args, results)
     if args.plot:
         from kvfleet_runtime.benchmarks.plot import plot_throughput
