@@ -72,35 +72,50 @@ def _context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Te
     # [num_blocks, bs, Hkv, D] -> [Hkv, S, D]
     bs = cache.shape[1]
     blocks = table[: -(-seq_len // bs)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
 
 
 def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                           scale: float) -> torch.Tensor:
-    """SDPA per sequence (prefill) or batched over padded contexts (decode)."""
+    """SDPA over runs of fresh prompts of one length (prefill), one sequence at a time over
+    its cached context (chunked prefill, prefix hits), or batched over padded contexts (decode)."""
     lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     starts = (meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None
               else meta.query_start_loc.tolist())
     if meta.max_query_len == 1:
         return _decode(q, k_cache, v_cache, meta.block_tables, lens, scale)
     out = torch.empty_like(q)
-    for i, seq_len in enumerate(lens):
+    i, num_seqs = 0, len(lens)
+    while i < num_seqs:
+        seq_len = lens[i]
         s, e = starts[i], starts[i + 1]
         q_len = e - s
-        qi = q[s:e].transpose(0, 1)                                      # [H, Q, D]
-        if q_len == seq_len:        # nothing cached before: attend over the new tokens only
-            ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+        if q_len == seq_len:
+            # nothing cached before: attend over the new tokens only, as one batch with the
+            # next sequences that are fresh prompts of the same length (one SDPA, not n)
+            n = 1
+            while (i + n < num_seqs and lens[i + n] == seq_len
+                   and starts[i + n + 1] - starts[i + n] == seq_len):
+                n += 1
+            end = s + n * seq_len
+            qi = q[s:end].view(n, seq_len, *q.shape[1:]).transpose(1, 2)       # [n, H, L, D]
+            ki = k[s:end].view(n, seq_len, *k.shape[1:]).transpose(1, 2)       # [n, Hkv, L, D]
+            vi = v[s:end].view(n, seq_len, *v.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                enable_gqa=True)
-        else:
-            ki = _context(k_cache, meta.block_tables[i], seq_len)
-            vi = _context(v_cache, meta.block_tables[i], seq_len)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale,
-                                               enable_gqa=True)
+            out[s:end] = o.transpose(1, 2).reshape(end - s, *q.shape[1:])
+            i += n
+            continue
+        qi = q[s:e].transpose(0, 1)                                      # [H, Q, D]
+        ki = _context(k_cache, meta.block_tables[i], seq_len)
+        vi = _context(v_cache, meta.block_tables[i], seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale,
+                                           enable_gqa=True)
         out[s:e] = o.transpose(0, 1)
+        i += 1
     return out
 
 
@@ -108,19 +123,24 @@ def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float) ->
     """One query token per sequence over padded contexts: two batched matmuls and a softmax.
 
     Plain matmuls, not SDPA: with a padding mask SDPA takes its slow math path on a CPU
-    (7x slower in bf16 at 32 sequences).
+    (7x slower in bf16 at 32 sequences). The blocks are gathered by index_select (8x faster
+    than advanced indexing on a CPU).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     bs = k_cache.shape[1]
     max_len = max(lens)
-    table = block_tables[:, : -(-max_len // bs)].long()
-    ks = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)      # [B, Hkv, S, D]
-    vs = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    seq_lens = torch.tensor(lens, device=q.device)
-    padding = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]   # [B, S]
+    num_blocks = -(-max_len // bs)
+    table = block_tables[:, :num_blocks].reshape(-1).long()
+    ks = k_cache.index_select(0, table).view(num_seqs, num_blocks * bs, num_kv_heads, head_dim)
+    vs = v_cache.index_select(0, table).view(num_seqs, num_blocks * bs, num_kv_heads, head_dim)
+    ks = ks[:, :max_len].transpose(1, 2)                                  # [B, Hkv, S, D]
+    vs = vs[:, :max_len].transpose(1, 2)
     q4 = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)   # [B, Hkv, G, D]
     scores = torch.matmul(q4, ks.transpose(-1, -2)).float() * scale   # [B, Hkv, G, S]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    if min(lens) < max_len:
+        seq_lens = torch.tensor(lens, device=q.device)
+        padding = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]   # [B, S]
+        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, vs).reshape(num_seqs, num_heads, head_dim)

@@ -44,24 +44,42 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor] | None = None):
+        # positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]; tables: from prepare(), or None
         if use_triton(q):
             from kvfleet_kernels.rotary import rotary_embedding
             return rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, True)
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)      # [T, rot/2] each
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        if tables is None:
+            tables = self.prepare(positions, q.dtype)
+        return self.apply_tables(q, tables), self.apply_tables(k, tables)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), done per half:
-        # the same products and sums, without materialising the duplicated tables
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's cos and signed sin tables for the torch path, made once for all layers
+        (None where the Triton kernel reads the cache itself)."""
+        if use_triton(positions):
+            return None
+        cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)   # [T, rot/2] each
+        cos = cos[:, None, None, :]                                       # [T, 1, 1, rot/2]
+        signed_sin = torch.stack([-sin, sin], dim=1)[:, None]              # [T, 1, 2, rot/2]
+        return cos, signed_sin
+
+    def apply_tables(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+                     ) -> torch.Tensor:
+        """x: [T, heads*D] (any heads: q, k, or q and k side by side) -> rotated, new tensor.
+
+        HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), i.e. per half
+        [x1*cos - x2*sin, x2*cos + x1*sin]: the same products and sums (x2 * -sin is
+        -(x2*sin) exactly), as three tensor ops over both halves of every head at once.
+        """
+        cos, signed_sin = tables
         shape = x.shape
-        x = x.view(shape[0], -1, self.head_size)
         half = self.rot_dim // 2
-        x1, x2, rest = x[..., :half], x[..., half:self.rot_dim], x[..., self.rot_dim:]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-        if rest.shape[-1]:
-            parts.append(rest)
-        return torch.cat(parts, dim=-1).reshape(shape)
+        if self.rot_dim == self.head_size:
+            x = x.reshape(shape[0], -1, 2, half)                           # [T, H, 2, rot/2]
+            return (x * cos + x.flip(2) * signed_sin).view(shape)
+        x = x.reshape(shape[0], -1, self.head_size)
+        rot = x[..., :self.rot_dim].reshape(shape[0], x.shape[1], 2, half)
+        rotated = (rot * cos + rot.flip(2) * signed_sin).flatten(2)
+        return torch.cat([rotated, x[..., self.rot_dim:]], dim=-1).reshape(shape)

@@ -18,7 +18,7 @@ from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
 from kvfleet_runtime.distributed.parallel_state import get_tp_size
 from kvfleet_runtime.layers.activation import SiluAndMul
 from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
-from kvfleet_runtime.layers.linear import Linear
+from kvfleet_runtime.layers.linear import Linear, cpu_packed_weight, packed_linear
 from kvfleet_runtime.layers.norm import RMSNorm
 from kvfleet_runtime.layers.rotary import RotaryEmbedding
 from kvfleet_runtime.models.config import ModelConfig
@@ -69,13 +69,22 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary_emb       # one cos/sin cache shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # rope: this step's rotary tables (torch path), made once by DecoderModel
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+        qk_size = self.q_size + self.kv_size
+        if rope is not None and not self.qk_norm:
+            # rotate q and k side by side in one pass: one set of ops, not one per tensor
+            q, k = self.rotary_emb.apply_tables(qkv[:, :qk_size], rope).split(
+                [self.q_size, self.kv_size], dim=-1)
+            v = qkv[:, qk_size:]
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm:
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+                k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+            q, k = self.rotary_emb(positions, q, k, rope)
         return self.o_proj(self.attn(q, k, v.contiguous(), meta))
 
 
@@ -105,13 +114,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, positions, x, residual, meta, rope=None):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -122,6 +131,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
                                      cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}", rotary_emb)
             for i in range(cfg.num_layers))
@@ -129,9 +139,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)                                   # [T, D]
+        rope = self.rotary_emb.prepare(positions, x.dtype)     # cos/sin once, not per layer
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(positions, x, residual, meta, rope)
         x, _ = self.norm(x, residual)
         return x
 
@@ -151,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         for p in self.parameters():
             p.requires_grad_(False)
+        self.lm_head_packed: torch.Tensor | None = None    # set by load_weights (CPU bf16)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -159,6 +171,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, D] -> logits [N, V] in fp32, gathered on rank 0 (None on the others)
+        if self.lm_head_packed is not None:
+            logits = packed_linear(hidden, self.lm_head_packed, None)
+            return logits[:, : self.config.vocab_size].float()
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
@@ -196,4 +211,8 @@ class LlamaForCausalLM(nn.Module):
                                      f"model shape {tuple(param.shape)}")
                 param.data.copy_(tensor)
             loaded.add(f"{module_path}.{param_name}")
+        # the 49k-row lm_head is the largest matmul of a decode step: on a CPU in bf16 keep a
+        # prepacked copy of its weight too (as Linear does; the embedding keeps the plain one)
+        self.lm_head_packed = (cpu_packed_weight(self.lm_head.weight)
+                               if get_tp_size() == 1 else None)
         return loaded
