@@ -77,8 +77,54 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                       stride_xm, stride_qk, stride_qn, stride_sg, stride_sn, stride_om,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    """Decode: one program per (row of x, BLOCK_N columns, K slice); no tl.dot.
+
+    Each int32 word is loaded once and unpacked in registers into its PER_WORD rows
+    ([BLOCK_KW, PER_WORD, BLOCK_N]); with one group per tile the zero point comes out of
+    the sum: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    shifts = tl.arange(0, PER_WORD) * BITS
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for tile in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        rows = tile * BLOCK_KW + tl.arange(0, BLOCK_KW)
+        mask_w = rows < K // PER_WORD
+        words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                        mask=mask_w[:, None] & mask_n[None, :], other=0)       # [KW, BN]
+        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [KW, P, BN]
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x3 = tl.reshape(x, (BLOCK_KW, PER_WORD))
+        dot = tl.sum(tl.sum(x3[:, :, None] * q.to(tl.float32), axis=1), axis=0)   # [BN]
+        group = (tile * BLOCK_K) // group_size
+        s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
+        z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
+        acc += s.to(tl.float32) * (dot - z.to(tl.float32) * tl.sum(x, axis=0))
+    out_ptrs = out_ptr + m * stride_om + offs_n
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask_n)
+
+
+# M up to this many rows runs the GEMV kernel (each row re-reads the weight tiles, from L2)
+GEMV_MAX_M = 4
+
+
 @dataclass(frozen=True)
 class GemmConfig:
+    """Tiles of one launch; block_m == 1 selects the GEMV kernel (block_k rows per tile)."""
     block_m: int
     block_n: int
     block_k: int
@@ -96,6 +142,16 @@ def _num_sms(device: torch.device) -> int:
 
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
+    if m <= GEMV_MAX_M:
+        # one group per K tile; enough programs (rows x column tiles x K slices) that every
+        # SM streams its share of the weight, in tiles of >= 2 K-blocks each
+        block_n, block_k = 64, 128
+        while group_size < k and group_size % block_k:
+            block_k //= 2
+        tiles = m * triton.cdiv(n, block_n)
+        k_tiles = triton.cdiv(k, block_k)
+        split_k = max(1, min(k_tiles // 2, triton.cdiv(4 * _num_sms(device), tiles)))
+        return GemmConfig(1, block_n, block_k, split_k, 4, 3)
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:
@@ -130,11 +186,24 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share strides")
     cfg = config or pick_config(m, n, k, group_size, x.device)
+    per_word = 32 // bits
+    if cfg.block_m == 1 and (cfg.block_k % per_word or (group_size < k and group_size % cfg.block_k)):
+        raise ValueError(f"GEMV block_k {cfg.block_k} must be a multiple of {per_word} "
+                         f"dividing group_size {group_size}")
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    if cfg.block_m == 1:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        _w4a16_gemv_kernel[grid](
+            x, qweight, scales, zeros, out, n, k, group_size,
+            x.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0),
+            scales.stride(1), out.stride(0),
+            BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word,
+            SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out if cfg.split_k == 1 else out.to(x.dtype)
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, out, m, n, k, group_size,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),

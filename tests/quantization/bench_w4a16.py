@@ -17,7 +17,13 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
-from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref  # noqa: E402
+from kvfleet_kernels.w4a16 import (  # noqa: E402
+    GEMV_MAX_M,
+    GemmConfig,
+    pick_config,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
 
 # (name, K, N) of one Llama-3.1-8B layer, q/k/v and gate/up fused as the engine runs them
 SHAPES = [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
@@ -25,6 +31,9 @@ SHAPES = [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
 # --sweep: candidate tiles (block_m, block_n, block_k, num_warps, num_stages); split-K of
 # decode tiles is tried at 1 and at pick_config's choice
 SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)]
+# the GEMV kernel (block_m 1) for M <= GEMV_MAX_M
+SWEEP_GEMV = [(1, n, k, w, st) for n in (32, 64, 128) for k in (64, 128) for w in (2, 4)
+              for st in (2, 3)]
 SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                  (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 256, 64, 8, 3),
                  (128, 256, 64, 8, 3)]
@@ -35,7 +44,9 @@ def sweep(x, qweight, scales, zeros, bits, group_size) -> tuple[float, GemmConfi
     m, k = x.shape
     auto = pick_config(m, qweight.shape[1], k, group_size, x.device)
     best: tuple[float, GemmConfig] | None = None
-    for bm, bn, bk, warps, stages in SWEEP_SMALL_M if m <= 16 else SWEEP_LARGE_M:
+    candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
+                  else SWEEP_LARGE_M)
+    for bm, bn, bk, warps, stages in candidates:
         for split in sorted({1, auto.split_k}):
             cfg = GemmConfig(bm, bn, bk, split, warps, stages)
             try:
@@ -54,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 256])
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -1,0 +1,49 @@
+"""The W4A16 kernels (decode GEMV and tiled GEMM) against dequantize-then-matmul in fp32.
+
+Here in Triton's interpreter (fp16/fp32, small shapes); tests/quantization/test_gpu.py runs
+the same kernels on the GPU in bf16 at the 8B model's shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref
+
+
+def _layer(k: int, n: int, bits: int, group_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group_size
+    q = torch.randint(0, 1 << bits, (k, n), generator=g)
+    per_word = 32 // bits
+    words = torch.zeros(k // per_word, n, dtype=torch.int64)
+    for j in range(per_word):
+        words |= q[j::per_word] << (j * bits)
+    qweight = (words - ((words >> 31) << 32)).to(torch.int32)     # two's complement int32
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 1e-3).half()
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).half()
+    return qweight, scales, zeros
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("bits, group_size, k, n", [(4, 32, 256, 96), (4, 128, 512, 64),
+                                                    (8, 64, 256, 80), (4, 256, 256, 40)])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_kernel_matches_reference(m, bits, group_size, k, n, split_k, dtype):
+    qweight, scales, zeros = _layer(k, n, bits, group_size, seed=m * 7 + n)
+    x = torch.randn(m, k, dtype=dtype)
+    auto = pick_config(m, n, k, group_size, x.device)
+    assert auto.block_m == 1, "decode-sized M must pick the GEMV kernel"
+    cfg = GemmConfig(1, 32, min(auto.block_k, 64), split_k, 4, 1)
+    out = w4a16_gemm(x, qweight, scales, zeros, bits, group_size, cfg)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, bits, group_size)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0,
+                               atol=ref.float().abs().max().item() * 2e-3)
+
+
+def test_gemv_block_k_must_divide_the_group():
+    qweight, scales, zeros = _layer(256, 32, 4, 32, seed=0)
+    with pytest.raises(ValueError, match="dividing group_size 32"):
+        w4a16_gemm(torch.randn(1, 256), qweight, scales, zeros, 4, 32, GemmConfig(1, 32, 64, 1, 4, 1))
