@@ -60,6 +60,8 @@ def cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
             or not torch.backends.mkldnn.is_available()):
         return None
     try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():   # oneDNN bf16 needs AVX512
+            return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
     except (RuntimeError, AttributeError):   # a torch built without these ops
         return None

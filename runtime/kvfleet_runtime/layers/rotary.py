@@ -60,7 +60,7 @@ class RotaryEmbedding(nn.Module):
         (None where the Triton kernel reads the cache itself)."""
         if use_triton(positions):
             return None
-        cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)   # [T, rot/2] each
+        cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
         cos = cos[:, None, None, :]                                       # [T, 1, 1, rot/2]
         signed_sin = torch.stack([-sin, sin], dim=1)[:, None]              # [T, 1, 2, rot/2]
         return cos, signed_sin
