@@ -118,8 +118,9 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
         tl.atomic_add(out_ptrs, acc, mask=mask_n)
 
 
-# M up to this many rows runs the GEMV kernel (each row re-reads the weight tiles, from L2)
-GEMV_MAX_M = 4
+# M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
+# M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
+GEMV_MAX_M = 1
 
 
 @dataclass(frozen=True)
@@ -143,15 +144,16 @@ def _num_sms(device: torch.device) -> int:
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
     if m <= GEMV_MAX_M:
-        # one group per K tile; enough programs (rows x column tiles x K slices) that every
-        # SM streams its share of the weight, in tiles of >= 2 K-blocks each
-        block_n, block_k = 64, 128
+        # one group per K tile; about two programs per SM (rows x column tiles x K slices),
+        # in slices of >= 2 K-blocks each. The tiles are the H200 sweep's best (bench_w4a16.py
+        # --sweep, commit 06e9c73: 22-59 us on the 8B shapes where 64-column tiles took 60-306)
+        block_n, block_k = 128, 128
         while group_size < k and group_size % block_k:
             block_k //= 2
         tiles = m * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block_k)
-        split_k = max(1, min(k_tiles // 2, triton.cdiv(4 * _num_sms(device), tiles)))
-        return GemmConfig(1, block_n, block_k, split_k, 4, 3)
+        split_k = max(1, min(k_tiles // 2, triton.cdiv(2 * _num_sms(device), tiles)))
+        return GemmConfig(1, block_n, block_k, split_k, 2, 3)
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:

@@ -25,7 +25,8 @@ logger = logging.getLogger("kvfleet.serve")
 _ENGINE_HELP = {
     "model": "HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)",
     "tokenizer": "tokenizer folder, when it is not the model's",
-    "dtype": "compute dtype (auto: the checkpoint's; fp32 on CPU)",
+    "dtype": "compute dtype (auto: the checkpoint's, bf16 for fp32 ones, on a GPU; on a CPU bf16 "
+             "for half/quantized checkpoints where the CPU has native bf16, else fp32)",
     "device": "cuda, cpu or auto",
     "seed": "engine seed for requests without their own",
     "block_size": "tokens per KV-cache block: 8, 16, 32, 64 or 128",
