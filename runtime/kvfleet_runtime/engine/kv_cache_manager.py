@@ -21,6 +21,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}   # the same, as ids (kept in step)
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks already hashed into the cache
         self.prefix_cache_queries = 0   # tokens looked up
         self.prefix_cache_hits = 0      # tokens found
@@ -58,20 +59,33 @@ class KVCacheManager:
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Blocks for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
         computed = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        if blocks is not None and not computed and num_required <= len(blocks):
+            # the common decode step: the last block still has room
+            if self.enable_caching and (num_computed + num_new_tokens) // self.block_size \
+                    > self.num_cached_blocks.get(rid, 0):
+                self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+            return []
+        if blocks is None:
+            blocks = self.req_to_blocks[rid] = []
+            self.req_to_block_ids[rid] = []
         num_new_blocks = num_required - len(blocks) - len(computed)
         # hits sitting in the free queue are not free for new allocations once touched
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             if not blocks:
-                del self.req_to_blocks[request.request_id]
+                del self.req_to_blocks[rid]
+                del self.req_to_block_ids[rid]
             return None
         self.block_pool.touch(computed)
-        blocks.extend(computed)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        blocks.extend(new_blocks)
+        ids = self.req_to_block_ids[rid]
+        for added in (computed, new_blocks):
+            blocks.extend(added)
+            ids.extend(b.block_id for b in added)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
@@ -88,11 +102,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block ids, in order (the manager's own list: read, don't keep)."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
