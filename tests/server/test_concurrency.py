@@ -19,11 +19,12 @@ MAX_QUEUED = 32
 NAME = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path) -> Iterator[ServerProcess]:
+# also with async scheduling (the CUDA default): streams, disconnects and back-pressure
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["sync", "async"])
+def server(tiny_llama: Path, request) -> Iterator[ServerProcess]:
     with running_server(tiny_llama, "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--max-queued-requests", str(MAX_QUEUED), "--max-model-len", "512",
-                        "--served-model-name", NAME) as s:
+                        "--served-model-name", NAME, *request.param) as s:
         yield s
 
 
@@ -54,7 +55,10 @@ def _wait_for_requests(server: ServerProcess, count: int, timeout: float = 30.0)
         time.sleep(0.05)
 
 
-async def test_64_concurrent_streams_equal_the_same_requests_alone(server: ServerProcess) -> None:
+async def test_64_concurrent_streams_equal_the_same_requests_alone(server: ServerProcess,
+                                                                    request) -> None:
+    mode = "on" if request.node.callspec.params["server"] else "off"
+    assert f"async scheduling {mode}" in server.log(tail=100_000)
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         alone = [http.post("/v1/completions", json=_request(i)).json()["choices"][0]["text"]
                  for i in range(64)]

@@ -18,10 +18,12 @@ NAME = "tiny"
 FIXED = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path) -> Iterator[ServerProcess]:
+# every test also against the engine loop with async scheduling (the CUDA default), which a
+# CPU engine otherwise runs without
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["sync", "async"])
+def server(tiny_llama: Path, request) -> Iterator[ServerProcess]:
     with running_server(tiny_llama, "--served-model-name", NAME, "tiny-alias",
-                        "--max-model-len", "256", api_key=API_KEY) as s:
+                        "--max-model-len", "256", *request.param, api_key=API_KEY) as s:
         yield s
 
 

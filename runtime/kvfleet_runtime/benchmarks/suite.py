@@ -20,8 +20,12 @@ import argparse
 import json
 import sys
 
-from kvfleet_runtime.benchmarks.cli import (_kvfleet_throughput, _profile_latency, measure_latency,
-                                            random_prompts)
+from kvfleet_runtime.benchmarks.cli import (
+    _kvfleet_throughput,
+    _profile_latency,
+    measure_latency,
+    random_prompts,
+)
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
 ROWS = ("bs1", "ttft", "profile", "tp128", "tp128-max", "tp1000")

@@ -57,9 +57,10 @@ class LLMEngine:
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
                                               "step_s": 0.0}
-        log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, device %s",
-                 self.served_model_name, self.runner.num_blocks, config.block_size,
-                 loaded.dtype, config.device)
+        log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, device %s, "
+                 "async scheduling %s", self.served_model_name, self.runner.num_blocks,
+                 config.block_size, loaded.dtype, config.device,
+                 "on" if config.async_scheduling else "off")
 
     def _fail_start(self, error: BaseException) -> None:
         if self.workers is None:
