@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfleet_runtime import LLM, SamplingParams
-from kvfleet_runtime.engine.engine import LLMEngine
+from support.engine_ops import all_blocks_free, run_random_ops
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +22,6 @@ def llama_dir(tiny_model_dir):
 def engines(llama_dir):
     return {mode: LLM(model=llama_dir, max_num_seqs=16, num_gpu_blocks=64, async_scheduling=mode)
             for mode in (False, True)}
-
-
-def _all_blocks_free(engine: LLMEngine) -> bool:
-    pool = engine.kv.block_pool
-    return (not engine.kv.req_to_blocks and pool.get_num_free_blocks() == pool.num_usable_blocks
-            and all(b.ref_cnt >= 0 for b in pool.blocks))
 
 
 def _prompts() -> list[list[int]]:
@@ -48,7 +42,7 @@ def test_seeded_sampling_with_stops_and_n_is_identical_to_sync(engines):
     sync, async_ = _results(engines[False], params), _results(engines[True], params)
     assert sync == async_
     assert any(c[2] == "stop" for r in sync for c in r), "no stop string hit: the case is too weak"
-    assert _all_blocks_free(engines[True].engine)
+    assert all_blocks_free(engines[True].engine)
 
 
 def test_requests_that_need_host_tokens_run_synchronously_and_match(engines):
@@ -76,7 +70,7 @@ def test_no_step_is_launched_past_max_tokens(engines):
     assert len(outputs[-1].outputs[0].token_ids) == 5
     # one prefill and four decode steps: the pending fifth token ends it without a sixth step
     assert engine.step_totals["steps"] - before == 5
-    assert engine.in_flight is None and _all_blocks_free(engine)
+    assert engine.in_flight is None and all_blocks_free(engine)
 
 
 def test_abort_while_a_step_is_in_flight_frees_every_block(engines):
@@ -87,48 +81,14 @@ def test_abort_while_a_step_is_in_flight_frees_every_block(engines):
     engine.step()
     assert engine.in_flight is not None
     engine.abort_request(["x", "y"])
-    assert not engine.has_unfinished_requests() and _all_blocks_free(engine)
+    assert not engine.has_unfinished_requests() and all_blocks_free(engine)
     # the step that was in flight is read back and dropped; a new request runs normally
     out = engines[True].generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))
-    assert len(out[0].outputs[0].token_ids) == 3 and _all_blocks_free(engine)
+    assert len(out[0].outputs[0].token_ids) == 3 and all_blocks_free(engine)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
                               st.integers(1, 60), st.integers(1, 12)), min_size=5, max_size=40))
 def test_random_add_abort_step_never_leaks_blocks_async(engines, ops):
-    engine = engines[True].engine
-    live: list[str] = []
-    for i, (op, length, max_tokens) in enumerate(ops):
-        if op == "add":
-            rid = f"prop-{i}-{len(live)}-{engine.step_totals['steps']}"
-            engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
-                               SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i,
-                                              n=1 + i % 2))
-            live.append(rid)
-        elif op == "abort" and live:
-            engine.abort_request(live.pop(length % len(live)))
-        else:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.remove(out.request_id)
-        assert all(b.ref_cnt >= 0 for b in engine.kv.block_pool.blocks)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert _all_blocks_free(engine)
-
-
-@pytest.mark.parametrize("mode", [False, True], ids=["sync", "async"])
-def test_final_only_requests_get_one_output_when_finished(engines, mode):
-    engine = engines[mode].engine
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine.add_request("streamed", [5, 6, 7, 8], params)
-    engine.add_request("final", [5, 6, 7, 8], params, final_only=True)
-    seen: dict[str, list] = {"streamed": [], "final": []}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            seen[out.request_id].append(out)
-    assert len(seen["streamed"]) == 6 and len(seen["final"]) == 1
-    assert seen["final"][0].finished
-    assert seen["final"][0].outputs[0].token_ids == seen["streamed"][-1].outputs[0].token_ids
-    assert not engine.final_only
+    run_random_ops(engines[True].engine, ops)

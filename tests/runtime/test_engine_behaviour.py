@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.engine.engine import LLMEngine
+from support.engine_ops import run_random_ops
 
 
 @pytest.fixture(scope="module")
@@ -133,25 +134,8 @@ def test_abort_frees_blocks_mid_generation(llm):
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
                               st.integers(1, 60), st.integers(1, 12)), min_size=5, max_size=40))
 def test_random_add_abort_step_never_leaks_blocks(llm, ops):
-    engine = llm.engine
-    live: list[str] = []
-    for i, (op, length, max_tokens) in enumerate(ops):
-        if op == "add":
-            rid = f"prop-{i}"
-            engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
-                               SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i,
-                                              n=1 + i % 2))
-            live.append(rid)
-        elif op == "abort" and live:
-            engine.abort_request(live.pop(length % len(live)))
-        else:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.remove(out.request_id)
-        assert all(b.ref_cnt >= 0 for b in engine.kv.block_pool.blocks)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert _all_blocks_free(engine)
+    run_random_ops(llm.engine, ops)
+
 
 
 def test_sharded_checkpoint_with_index_loads_the_same_model(llama_dir, tmp_path):

@@ -239,18 +239,23 @@ class ModelRunner:
                 logits[first:first + count], targets, r.params.prompt_logprobs)
         sampling = [s for s in sched.scheduled if s.samples]
         if sampling:
-            batch = SamplingBatch(
-                params=[s.request.params for s in sampling],
-                prompt_token_ids=[s.request.prompt_token_ids for s in sampling],
-                output_token_ids=[s.request.output_token_ids for s in sampling],
-                generators=[s.request.generator for s in sampling])
-            # sampling rows are interleaved with prompt-logprob rows; pick them in order
-            last = logits if len(layout.sample) == logits.shape[0] else \
-                logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
+            last, batch = self._sampling_inputs(logits, layout, sampling)
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
         return out
+
+    def _sampling_inputs(self, logits: torch.Tensor, layout: LogitsLayout,
+                         sampling: list) -> tuple[torch.Tensor, SamplingBatch]:
+        """The sampling rows of `logits` (interleaved with prompt-logprob rows) and their batch."""
+        batch = SamplingBatch(
+            params=[s.request.params for s in sampling],
+            prompt_token_ids=[s.request.prompt_token_ids for s in sampling],
+            output_token_ids=[s.request.output_token_ids for s in sampling],
+            generators=[s.request.generator for s in sampling])
+        last = logits if len(layout.sample) == logits.shape[0] else \
+            logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
+        return last, batch
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
@@ -268,14 +273,7 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.samples]
         pending = PendingStep(rows={}, token_ids=None, host_ids=None, done=None, prepare_s=t1 - t0)
         if sampling:
-            batch = SamplingBatch(
-                params=[s.request.params for s in sampling],
-                prompt_token_ids=[s.request.prompt_token_ids for s in sampling],
-                output_token_ids=[s.request.output_token_ids for s in sampling],
-                generators=[s.request.generator for s in sampling])
-            last = logits if len(layout.sample) == logits.shape[0] else \
-                logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
-            ids = self.sampler.sample_ids(last, batch)
+            ids = self.sampler.sample_ids(*self._sampling_inputs(logits, layout, sampling))
             pending.rows = {s.request.request_id: i for i, s in enumerate(sampling)}
             pending.token_ids = ids
             if self.device.type == "cuda":

@@ -1,0 +1,34 @@
+"""Engine drivers shared by tests: random add/abort/step sequences and the block-accounting check."""
+
+from __future__ import annotations
+
+from kvfleet_runtime import SamplingParams
+from kvfleet_runtime.engine.engine import LLMEngine
+
+
+def all_blocks_free(engine: LLMEngine) -> bool:
+    pool = engine.kv.block_pool
+    return (not engine.kv.req_to_blocks and pool.get_num_free_blocks() == pool.num_usable_blocks
+            and all(b.ref_cnt >= 0 for b in pool.blocks))
+
+
+def run_random_ops(engine: LLMEngine, ops: list[tuple[str, int, int]]) -> None:
+    """Drive `engine` through add/abort/step ops; no ref count < 0, every block free at the end."""
+    live: list[str] = []
+    for i, (op, length, max_tokens) in enumerate(ops):
+        if op == "add":
+            rid = f"prop-{i}-{engine.step_totals['steps']}"
+            engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
+                               SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i,
+                                              n=1 + i % 2))
+            live.append(rid)
+        elif op == "abort" and live:
+            engine.abort_request(live.pop(length % len(live)))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        assert all(b.ref_cnt >= 0 for b in engine.kv.block_pool.blocks)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all_blocks_free(engine)
