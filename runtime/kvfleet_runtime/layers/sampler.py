@@ -134,7 +134,9 @@ class Sampler:
         """Temperature, top_k, top_p, min_p, then one draw per row -> token ids [R]."""
         # x: [R, V]
         vocab = x.shape[1]
-        x = x / _rows_tensor([p.temperature for p in params], x.device, torch.float32).unsqueeze(1)
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):      # 1.0 everywhere: nothing to divide
+            x = x / _rows_tensor(temperatures, x.device, torch.float32).unsqueeze(1)
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
