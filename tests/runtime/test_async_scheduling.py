@@ -45,9 +45,24 @@ def test_seeded_sampling_with_stops_and_n_is_identical_to_sync(engines):
     assert all_blocks_free(engines[True].engine)
 
 
+def test_logprobs_stay_async_and_match_sync(engines):
+    # logprobs (rank, top-k) are computed on the device with the draw and read back with it
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=6, logprobs=i % 4)
+              for i in range(12)]
+    engine = engines[True].engine
+    engine.add_request("probe", [5, 6, 7], params[1])
+    assert not engine.sync_groups, "a logprobs request must not force synchronous steps"
+    engine.abort_request("probe")
+    results = {mode: [[(c.token_ids, c.logprobs, c.cumulative_logprob) for c in o.outputs]
+                      for o in engines[mode].generate(_prompts(), params)]
+               for mode in (False, True)}
+    assert results[False] == results[True]
+    assert all(len(c[1]) == 6 and len(c[1][0]) >= 1 for r in results[True] for c in r)
+
+
 def test_requests_that_need_host_tokens_run_synchronously_and_match(engines):
-    # penalties, min_tokens and logprobs read earlier tokens on the host: those steps drain
-    # the launched step first; the plain requests beside them are unaffected
+    # penalties and min_tokens read earlier tokens on the host: those steps drain the
+    # launched step first; the plain and logprobs requests beside them are unaffected
     params = [SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3) if i % 3 == 0
               else SamplingParams(temperature=0.0, max_tokens=8, logprobs=2) if i % 3 == 1
               else SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6)

@@ -334,6 +334,6 @@ class LLMEngine:
 
 
 def _needs_host_tokens(params: SamplingParams) -> bool:
-    """Sampling that reads the request's earlier tokens or returns logprobs runs synchronously."""
-    return (params.needs_penalties or params.min_tokens > 0 or params.logprobs is not None
-            or params.prompt_logprobs is not None)
+    """Sampling that reads the request's earlier tokens (penalties, min_tokens) runs
+    synchronously; so do prompt logprobs (their targets are the prompt, row by row)."""
+    return params.needs_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None

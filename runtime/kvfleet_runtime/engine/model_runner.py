@@ -23,7 +23,13 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.distributed.communication import StepInputs, broadcast_step, min_over_ranks
 from kvfleet_runtime.engine.scheduler import SchedulerOutput
 from kvfleet_runtime.layers.attention import AttentionMetadata
-from kvfleet_runtime.layers.sampler import SampledToken, Sampler, SamplingBatch
+from kvfleet_runtime.layers.sampler import (
+    LogprobTensors,
+    SampledToken,
+    Sampler,
+    SamplingBatch,
+    sampled_tokens,
+)
 from kvfleet_runtime.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -42,8 +48,11 @@ class PendingStep:
     rows: dict[str, int]                 # request id -> its row in token_ids
     token_ids: torch.Tensor | None       # [S] on the device: the next step's inputs read it there
     host_ids: torch.Tensor | None        # [S] the same, copied back without blocking
-    done: torch.cuda.Event | None        # recorded after that copy (None on a CPU)
+    done: torch.cuda.Event | None        # recorded after those copies (None on a CPU)
     prepare_s: float = 0.0
+    logprobs: LogprobTensors | None = None        # rows that asked for logprobs ...
+    host_logprobs: list[torch.Tensor] = field(default_factory=list)   # ... copied back
+    num_top: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +76,12 @@ def numpy_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(array)
     cuda = device.type == "cuda"
     return (t.pin_memory() if cuda else t).to(device, non_blocking=cuda)
+
+
+def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, enqueued without waiting."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _padded_table(rows: list[list[int]]) -> np.ndarray:
@@ -262,9 +277,9 @@ class ModelRunner:
                prev: PendingStep | None) -> PendingStep:
         """Async scheduling: enqueue the step (forward + sampling) and return without waiting.
 
-        Only for steps whose sampling needs nothing but the logits (no penalties, min_tokens,
-        logprobs): the engine runs the others through `execute`. Tokens the still-running
-        `prev` step samples are read on the device, where it leaves them.
+        Only for steps whose sampling needs nothing but the logits and the draw (no penalties,
+        min_tokens, prompt logprobs): the engine runs the others through `execute`. Tokens the
+        still-running `prev` step samples are read on the device, where it leaves them.
         """
         t0 = time.perf_counter()
         step, layout = self._prepare(sched, block_ids, prev)
@@ -273,16 +288,18 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.samples]
         pending = PendingStep(rows={}, token_ids=None, host_ids=None, done=None, prepare_s=t1 - t0)
         if sampling:
-            ids = self.sampler.sample_ids(*self._sampling_inputs(logits, layout, sampling))
+            last, batch = self._sampling_inputs(logits, layout, sampling)
+            ids, pending.logprobs = self.sampler.sample_on_device(last, batch)
+            pending.num_top = [p.logprobs for p in batch.params]
             pending.rows = {s.request.request_id: i for i, s in enumerate(sampling)}
             pending.token_ids = ids
+            results = pending.logprobs.tensors() if pending.logprobs is not None else []
             if self.device.type == "cuda":
-                pending.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                pending.host_ids.copy_(ids, non_blocking=True)
+                pending.host_ids, *pending.host_logprobs = (_copy_to_host(t) for t in [ids, *results])
                 pending.done = torch.cuda.Event()
                 pending.done.record()
             else:
-                pending.host_ids = ids
+                pending.host_ids, pending.host_logprobs = ids, results
         return pending
 
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:
@@ -292,8 +309,9 @@ class ModelRunner:
         if pending.token_ids is not None:
             if pending.done is not None:
                 pending.done.synchronize()
-            ids = pending.host_ids.tolist()
-            out.sampled = {rid: SampledToken(token_id=ids[row]) for rid, row in pending.rows.items()}
+            tokens = sampled_tokens(pending.host_ids.tolist(), pending.logprobs, pending.num_top,
+                                    [t.tolist() for t in pending.host_logprobs])
+            out.sampled = {rid: tokens[row] for rid, row in pending.rows.items()}
         # async: only the wait counts as device time; host work overlapped the device
         out.forward_s = time.perf_counter() - t0
         return out

@@ -92,6 +92,13 @@ class Sampler:
         token_ids = self.sample_ids(raw, batch)
         return _with_logprobs(raw, token_ids, [p.logprobs for p in batch.params])
 
+    def sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch
+                         ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Token ids [N] and their logprob results, left on the device (no host sync)."""
+        raw = logits.float()
+        token_ids = self.sample_ids(raw, batch)
+        return token_ids, logprob_tensors(raw, token_ids, [p.logprobs for p in batch.params])
+
     def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The sampled token ids [N], left on the device (no host sync)."""
         num_rows = logits.shape[0]
@@ -248,34 +255,66 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return (probs / noise).argmax(dim=-1)
 
 
+@dataclass
+class LogprobTensors:
+    """A step's logprob results on the device; `to_host` turns them into lists (one sync)."""
+    chosen: torch.Tensor                 # [N] logprob of each row's token under the raw logits
+    wanted: list[int]                    # rows that asked for rank + top-k
+    ranks: torch.Tensor | None = None    # [W]
+    top_ids: torch.Tensor | None = None  # [W, max k]
+    top_logprobs: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.chosen, self.ranks, self.top_ids, self.top_logprobs)
+                if t is not None]
+
+
+def logprob_tensors(raw: torch.Tensor, token_ids: torch.Tensor,
+                    num_top: list[int | None]) -> LogprobTensors | None:
+    """Each row's chosen logprob under the raw logits, and rank + top-k where num_top[i] is set;
+    None when no row asked (the [N, V] logsumexp is the largest sampler cost on a CPU)."""
+    # raw: [N, V]; token_ids: [N]
+    if all(k is None for k in num_top):
+        return None
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)        # [N]
+    normalizer = raw.logsumexp(dim=-1)                                 # [N]
+    out = LogprobTensors(chosen=chosen - normalizer,
+                         wanted=[i for i, k in enumerate(num_top) if k is not None])
+    if not out.wanted:
+        return out
+    idx = _rows_tensor(out.wanted, raw.device, torch.long)
+    every = len(out.wanted) == len(num_top)
+    rows = raw if every else raw[idx]                                  # [W, V]
+    out.ranks = (rows > (chosen if every else chosen[idx]).unsqueeze(1)).sum(dim=-1) + 1
+    max_top = max(num_top[i] for i in out.wanted)
+    if max_top > 0:
+        values, out.top_ids = rows.topk(max_top, dim=-1)
+        out.top_logprobs = values - (normalizer if every else normalizer[idx]).unsqueeze(1)
+    return out
+
+
+def sampled_tokens(token_ids: list[int], lp: LogprobTensors | None,
+                   num_top: list[int | None], host: list[list] | None = None) -> list[SampledToken]:
+    """SampledTokens from ids on the host and `lp` (its tensors' `.tolist()`s in `host`, in
+    `lp.tensors()` order, when they were copied back already; else taken here)."""
+    if lp is None:
+        return [SampledToken(token_id=t) for t in token_ids]
+    lists = host if host is not None else [t.tolist() for t in lp.tensors()]
+    chosen = lists[0]
+    result = [SampledToken(token_id=t, logprob=c) for t, c in zip(token_ids, chosen, strict=True)]
+    if not lp.wanted:
+        return result
+    ranks = lists[1]
+    top_ids, top_lps = (lists[2], lists[3]) if lp.top_ids is not None else (None, None)
+    for j, i in enumerate(lp.wanted):
+        k = num_top[i]
+        result[i].rank = ranks[j]
+        result[i].top_ids = top_ids[j][:k] if top_ids is not None else []
+        result[i].top_logprobs = top_lps[j][:k] if top_lps is not None else []
+    return result
+
+
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
                    num_top: list[int | None]) -> list[SampledToken]:
     """Each row's chosen logprob under the raw logits; rank and top-k where num_top[i] is set."""
-    # raw: [N, V]; token_ids: [N]
-    if all(k is None for k in num_top):
-        # nobody asked: skip the [N, V] logsumexp (the largest sampler cost on a CPU)
-        return [SampledToken(token_id=t) for t in token_ids.tolist()]
-    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)        # [N]
-    normalizer = raw.logsumexp(dim=-1)                                 # [N]
-    logprobs = (chosen - normalizer).tolist()
-    ids = token_ids.tolist()
-    result = [SampledToken(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs, strict=True)]
-    wanted = [i for i, k in enumerate(num_top) if k is not None]
-    if not wanted:
-        return result
-    idx = _rows_tensor(wanted, raw.device, torch.long)
-    rows = raw if len(wanted) == len(num_top) else raw[idx]           # [W, V]
-    ranks = ((rows > chosen[idx].unsqueeze(1)).sum(dim=-1) + 1).tolist()
-    max_top = max(num_top[i] for i in wanted)
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    top_lps: list[list[float]] = [[] for _ in wanted]
-    if max_top > 0:
-        values, indices = rows.topk(max_top, dim=-1)
-        top_ids = indices.tolist()
-        top_lps = (values - normalizer[idx].unsqueeze(1)).tolist()
-    for j, i in enumerate(wanted):
-        k = num_top[i]
-        result[i].rank = ranks[j]
-        result[i].top_ids = top_ids[j][:k]
-        result[i].top_logprobs = top_lps[j][:k]
-    return result
+    return sampled_tokens(token_ids.tolist(), logprob_tensors(raw, token_ids, num_top), num_top)
