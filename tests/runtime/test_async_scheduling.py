@@ -60,18 +60,38 @@ def test_logprobs_stay_async_and_match_sync(engines):
     assert all(len(c[1]) == 6 and len(c[1][0]) >= 1 for r in results[True] for c in r)
 
 
-def test_requests_that_need_host_tokens_run_synchronously_and_match(engines):
-    # penalties and min_tokens read earlier tokens on the host: those steps drain the
-    # launched step first; the plain and logprobs requests beside them are unaffected
-    params = [SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3) if i % 3 == 0
-              else SamplingParams(temperature=0.0, max_tokens=8, logprobs=2) if i % 3 == 1
-              else SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6)
+def test_penalties_and_min_tokens_count_the_token_still_on_the_device(engines):
+    # their history includes the previous step's token, read on the device: same draws as sync
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=10, repetition_penalty=1.5)
+              if i % 3 == 0 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=10, presence_penalty=1.5,
+                             frequency_penalty=1.0) if i % 3 == 1 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=10, min_tokens=7,
+                             stop_token_ids=list(range(3, 45000)))
               for i in range(12)]
-    sync = [[(c.token_ids, c.logprobs) for c in o.outputs]
-            for o in engines[False].generate(_prompts(), params)]
-    async_ = [[(c.token_ids, c.logprobs) for c in o.outputs]
-              for o in engines[True].generate(_prompts(), params)]
-    assert sync == async_
+    engine = engines[True].engine
+    engine.add_request("probe", [5, 6, 7], params[0])
+    assert not engine.sync_groups, "penalties must not force synchronous steps"
+    engine.abort_request("probe")
+    results = {mode: [[(c.token_ids, c.finish_reason) for c in o.outputs]
+                      for o in engines[mode].generate(_prompts(), params)]
+               for mode in (False, True)}
+    assert results[False] == results[True]
+    # min_tokens held back 45k stop ids (~90% of the vocabulary) for 7 tokens, then one of them
+    # ended the request: one token counted too few or too many would show here
+    min_rows = [results[True][i][0] for i in range(2, 12, 3)]
+    assert all(len(ids) >= 7 for ids, _ in min_rows)
+    assert any(reason == "stop" for _, reason in min_rows)
+
+
+def test_prompt_logprobs_run_synchronously_beside_async_requests_and_match(engines):
+    # prompt logprobs are read row by row on the host: those steps drain the launched step
+    params = [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2) if i % 4 == 0
+              else SamplingParams(temperature=0.0, max_tokens=8) for i in range(12)]
+    outs = {mode: [([c.token_ids for c in o.outputs], o.prompt_logprobs)
+                   for o in engines[mode].generate(_prompts(), params)] for mode in (False, True)}
+    assert outs[False] == outs[True]
+    assert not engines[True].engine.sync_groups
 
 
 def test_no_step_is_launched_past_max_tokens(engines):

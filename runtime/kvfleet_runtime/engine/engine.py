@@ -118,7 +118,7 @@ class LLMEngine:
             children.append(r)
         self.groups[request_id] = children
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
-        if _needs_host_tokens(params):
+        if params.prompt_logprobs is not None:     # targets read row by row on the host
             self.sync_groups.add(request_id)
         if final_only:
             self.final_only.add(request_id)
@@ -331,9 +331,3 @@ class LLMEngine:
             prefix_cache_hits_total=self.kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions,
             extra=dict(self.step_totals))
-
-
-def _needs_host_tokens(params: SamplingParams) -> bool:
-    """Sampling that reads the request's earlier tokens (penalties, min_tokens) runs
-    synchronously; so do prompt logprobs (their targets are the prompt, row by row)."""
-    return params.needs_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None

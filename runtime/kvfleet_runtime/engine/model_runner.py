@@ -272,14 +272,28 @@ class ModelRunner:
             logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
         return last, batch
 
+    def _add_pending_history(self, batch: SamplingBatch, sampling: list,
+                             prev: PendingStep | None) -> None:
+        """Penalties and min_tokens count every generated token: give the sampler the ones
+        `prev` is still sampling (read on the device) and how many each row has."""
+        needs = any(p.needs_penalties or p.min_tokens for p in batch.params)
+        rows = [(i, prev.rows[s.request.request_id]) for i, s in enumerate(sampling)
+                if s.request.num_pending] if needs and prev is not None else []
+        if not rows:
+            return
+        batch.num_pending = [s.request.num_pending for s in sampling]
+        batch.pending_ids = torch.full((len(sampling),), -1, dtype=torch.long, device=self.device)
+        batch.pending_ids[host_to_device([i for i, _ in rows], torch.long, self.device)] = \
+            prev.token_ids[host_to_device([j for _, j in rows], torch.long, self.device)]
+
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
                prev: PendingStep | None) -> PendingStep:
         """Async scheduling: enqueue the step (forward + sampling) and return without waiting.
 
-        Only for steps whose sampling needs nothing but the logits and the draw (no penalties,
-        min_tokens, prompt logprobs): the engine runs the others through `execute`. Tokens the
-        still-running `prev` step samples are read on the device, where it leaves them.
+        Not for steps with prompt logprobs: the engine runs those through `execute`. Tokens
+        the still-running `prev` step samples are read on the device, where it leaves them:
+        as this step's inputs, and as history for penalties and min_tokens.
         """
         t0 = time.perf_counter()
         step, layout = self._prepare(sched, block_ids, prev)
@@ -289,6 +303,7 @@ class ModelRunner:
         pending = PendingStep(rows={}, token_ids=None, host_ids=None, done=None, prepare_s=t1 - t0)
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
+            self._add_pending_history(batch, sampling, prev)
             ids, pending.logprobs = self.sampler.sample_on_device(last, batch)
             pending.num_top = [p.logprobs for p in batch.params]
             pending.rows = {s.request.request_id: i for i, s in enumerate(sampling)}

@@ -32,6 +32,10 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]            # generated so far (before this step's token)
     generators: list[torch.Generator | None]     # per request, from params.seed; None: global RNG
+    # async scheduling: a row's last generated token may still be on the device, not yet in
+    # output_token_ids: its id here ([N], -1: none), and how many such tokens each row has
+    pending_ids: torch.Tensor | None = None
+    num_pending: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -162,8 +166,9 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = raw.shape[1]
     mask_rows: list[int] = []
     mask_cols: list[int] = []
+    pending = batch.num_pending or [0] * len(batch.params)
     for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids, strict=True)):
-        if len(out) < p.min_tokens:
+        if len(out) + pending[i] < p.min_tokens:
             for t in p._eos_token_ids.union(p.stop_token_ids):
                 if t < vocab:
                     mask_rows.append(i)
@@ -185,6 +190,14 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                                          for i in penalized], x.device)
         seen = torch.zeros(len(penalized), vocab, dtype=torch.bool, device=x.device)  # [P, V]
         seen[seen_rows, seen_ids] = True
+        idx = _rows_tensor(penalized, x.device, torch.long)
+        if batch.pending_ids is not None:
+            # each row's token still on the device counts too (one scatter, no host sync)
+            ids = batch.pending_ids[idx]
+            extra = torch.zeros_like(counts)
+            extra.scatter_(1, ids.clamp(min=0).unsqueeze(1), (ids >= 0).to(counts.dtype).unsqueeze(1))
+            counts += extra
+            seen |= extra > 0
 
         def column(values: list[float]) -> torch.Tensor:   # [P, 1]
             return _rows_tensor(values, x.device, torch.float32).unsqueeze(1)
@@ -192,7 +205,6 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rep = column([p.repetition_penalty for p in params])
         freq = column([p.frequency_penalty for p in params])
         pres = column([p.presence_penalty for p in params])
-        idx = _rows_tensor(penalized, x.device, torch.long)
         rows = x[idx]
         # HF RepetitionPenaltyLogitsProcessor: shrink a seen token's logit toward "less likely"
         rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
