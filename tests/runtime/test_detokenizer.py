@@ -163,3 +163,22 @@ def test_held_back_text_is_released_on_finish(tokenizer):
         assert shown == so_far[:max(len(so_far) - held_back, 0)]
     detok.finish()
     assert detok.output_text == SENTENCE
+
+
+def test_fast_stream_shows_what_the_offset_algorithm_shows_on_random_ids(tokenizer):
+    # a fast tokenizer streams through tokenizers' DecodeStream, a slow one through the
+    # prefix/read offsets; random-weight models emit any ids, byte tokens that never form a
+    # character included, and prompts may end inside one: every shown text must agree
+    rng = random.Random(3)
+    vocab = len(tokenizer)
+    for _ in range(200):
+        prompt = [rng.randrange(vocab) if rng.random() < 0.5 else rng.randrange(300)
+                  for _ in range(rng.randrange(1, 8))]
+        ids = [rng.randrange(vocab) if rng.random() < 0.5 else rng.randrange(300)
+               for _ in range(rng.randrange(1, 40))]
+        fast = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+        slow = IncrementalDetokenizer(SlowTokenizer(tokenizer), prompt, SamplingParams())
+        for t in ids:
+            fast.update([t])
+            slow.update([t])
+            assert fast.output_text == slow.output_text, (prompt, ids)
