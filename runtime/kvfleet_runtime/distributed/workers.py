@@ -206,12 +206,20 @@ class WorkerGroup:
             self._poll()
             if self.dead is not None and not self._stopping.is_set():
                 log.error("%s; the engine stops", self.dead)
-                group = get_state().device_group
-                if self._device.type == "cuda" and group is not None:
-                    # NCCL would wait out its timeout in a collective with the dead rank
-                    from torch.distributed.distributed_c10d import _abort_process_group
-                    _abort_process_group(group)
+                # NCCL would wait out its timeout in a collective with the dead rank
+                self._abort_device_group()
                 return
+
+    def _abort_device_group(self) -> None:
+        """Abort the NCCL group (its pending collectives fail at once); nothing for gloo."""
+        group = get_state().device_group
+        if self._device.type != "cuda" or group is None:
+            return
+        from torch.distributed.distributed_c10d import _abort_process_group
+        try:
+            _abort_process_group(group)
+        except Exception as e:  # noqa: BLE001 - aborted already (the supervisor); teardown goes on
+            log.warning("aborting the tensor-parallel group: %s", e)
 
     def shutdown(self) -> None:
         """Release the workers from their step loop (kill them if they do not leave, if they
@@ -227,6 +235,10 @@ class WorkerGroup:
             except RuntimeError as e:      # a worker died just now
                 log.warning("could not release the tensor-parallel workers: %s", e)
         self._kill_all(grace_s=STOP_GRACE_S if released else 0.0)
+        if not released:
+            # this rank may have a collective in flight with a rank just killed (a start that
+            # failed half-way, a dead peer): NCCL would wait out its timeout in the teardown
+            self._abort_device_group()
         destroy_tensor_parallel()
         self.dead = self.dead or "the engine was shut down"
 
