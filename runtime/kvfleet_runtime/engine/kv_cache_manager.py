@@ -65,8 +65,7 @@ class KVCacheManager:
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         if blocks is not None and not computed and num_required <= len(blocks):
             # the common decode step: the last block still has room
-            if self.enable_caching and (num_computed + num_new_tokens) // self.block_size \
-                    > self.num_cached_blocks.get(rid, 0):
+            if self.enable_caching:
                 self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
             return []
         if blocks is None:
@@ -93,9 +92,11 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # tokens are known before their KV is computed; the KV is written in this very step,
         # before any attention of that layer reads it, so a same-step hit is safe
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return                  # no block filled since the last call: nothing to hash
         hashes = self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(hashes))
-        start = self.num_cached_blocks.get(request.request_id, 0)
         for i in range(start, num_full):
             self.block_pool.cache_full_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, num_full)

@@ -269,7 +269,7 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
 
 @dataclass
 class LogprobTensors:
-    """A step's logprob results on the device; `to_host` turns them into lists (one sync)."""
+    """A step's logprob results on the device; `sampled_tokens` reads them back (one sync)."""
     chosen: torch.Tensor                 # [N] logprob of each row's token under the raw logits
     wanted: list[int]                    # rows that asked for rank + top-k
     ranks: torch.Tensor | None = None    # [W]
