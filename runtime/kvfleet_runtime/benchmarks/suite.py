@@ -1,7 +1,7 @@
 """The issue-3 benchmark rows on one engine, loaded once (a GPU session's minutes are few).
 
     python -m kvfleet_runtime.benchmarks.suite --model DIR [engine flags] \
-        [--rows bs1,ttft,profile,tp128,tp128-max,tp1000] [--num-prompts 1000] [--json PATH]
+        [--rows bs1,ttft,profile,tp128,tp128-max,tp1000,tp1000-max] [--num-prompts 1000] [--json PATH]
 
 Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
   bs1        latency, batch 1, 128 in / 256 out
@@ -10,6 +10,9 @@ Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
   tp128      throughput 128 in / 128 out, at most 256 running sequences
   tp128-max  the same with the engine's own --max-num-seqs (e.g. 1024, as vLLM on an H200)
   tp1000     throughput 1000 in / 1000 out, at most 256 running sequences
+  tp1000-max the same with the engine's own --max-num-seqs (then the KV cache, not the
+             admission limit, bounds how many run: the scheduler preempts when blocks run out)
+  profile-max  `--profile` of a decode batch of the engine's own --max-num-seqs x 128 in
 Between rows the prefix cache is reset; the admission limit (the scheduler's max_num_seqs)
 is lowered to 256 where a row says so, on the same engine.
 """
@@ -28,7 +31,7 @@ from kvfleet_runtime.benchmarks.cli import (
 )
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
-ROWS = ("bs1", "ttft", "profile", "tp128", "tp128-max", "tp1000")
+ROWS = ("bs1", "ttft", "profile", "profile-max", "tp128", "tp128-max", "tp1000", "tp1000-max")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         latency("bs1", 1, 128, 256, 3)
     if "ttft" in rows:
         latency("ttft2048", 1, 2048, 2, 5)
-    if "profile" in rows:
-        for batch, input_len in ((1, 2048), (min(256, own_max), 128)):
+    shapes = (((1, 2048), (min(256, own_max), 128)) if "profile" in rows else ())
+    if "profile-max" in rows:
+        shapes += ((own_max, 128),)
+    if shapes:
+        for batch, input_len in shapes:
             engine.scheduler.max_num_seqs = own_max
             prompts = random_prompts(batch, input_len, seed=99)
             _, params = measure_latency(engine, prompts, 33, 0, 1)
@@ -99,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         throughput(f"tp128-seqs{own_max}", args.num_prompts, 128, own_max)
     if "tp1000" in rows:
         throughput("tp1000", args.num_prompts_1000 or args.num_prompts, 1000, min(256, own_max))
+    if "tp1000-max" in rows and own_max > 256:
+        throughput(f"tp1000-seqs{own_max}", args.num_prompts_1000 or args.num_prompts, 1000, own_max)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
