@@ -1,4 +1,5 @@
-"""rms_norm, rotary_embedding and silu_and_mul (Triton) against their torch references.
+"""rms_norm, rotary_embedding, rotary_and_cache and silu_and_mul (Triton) against their torch
+references.
 
 CPU cases run in Triton's interpreter (fp32, fp16); gpu-marked cases use Llama-3.1-8B shapes in
 bf16 and fp16. Each case draws fresh inputs; the inputs are checked untouched afterwards.
@@ -10,7 +11,12 @@ import pytest
 import torch
 from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_ref
 from kvfleet_kernels.norm import rms_norm, rms_norm_ref
-from kvfleet_kernels.rotary import rotary_embedding, rotary_embedding_ref
+from kvfleet_kernels.rotary import (
+    rotary_and_cache,
+    rotary_and_cache_ref,
+    rotary_embedding,
+    rotary_embedding_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -89,6 +95,63 @@ def test_rotary_embedding_full_and_partial(dtype: torch.dtype, is_neox: bool, ro
     _check_rotary(4, 2, 32, rot_dim, is_neox, dtype, num_tokens=6, seed=rot_dim)
 
 
+def _check_rotary_and_cache(num_q_heads: int, num_kv_heads: int, head_size: int, rot_dim: int,
+                            is_neox: bool, dtype: torch.dtype, num_tokens: int, block_size: int,
+                            seed: int, cache_dtype: torch.dtype | None = None) -> None:
+    cache = _cos_sin_cache(4096, rot_dim)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    qkv = _randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=seed)
+    q_size, kv_size = num_q_heads * head_size, num_kv_heads * head_size
+    query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    num_blocks = num_tokens // block_size + 3
+    # distinct slots in scrambled order across blocks; every third token is padding (-1)
+    perm = torch.randperm(num_blocks * block_size, generator=gen)
+    zero = int((perm == 0).nonzero())
+    perm[[1, zero]] = perm[[zero, 1]]             # slot 0 (block 0, offset 0) is written too
+    slots = perm[:num_tokens]
+    slots[::3] = -1
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    cache_dtype = cache_dtype or dtype
+    caches = [_randn(*shape, dtype=torch.float32, seed=seed + i).to(cache_dtype) for i in range(2)]
+    expected = [c.clone() for c in caches]
+    qkv_before = qkv.clone()
+    q_out = rotary_and_cache(positions, query, key, value, head_size, cache, is_neox, *caches, slots)
+    q_ref = rotary_and_cache_ref(positions, query, key, value, head_size, cache, is_neox,
+                                 *expected, slots)
+    _close(q_out, q_ref)
+    # The rotated keys went through the same rounding as the query: compare them like q;
+    # values are copies (bit-exact); untouched slots keep their old contents.
+    written = slots[slots >= 0]
+    blocks, offsets = written // block_size, written % block_size
+    for actual, ref in zip(caches, expected, strict=True):
+        mask = torch.ones(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
+        mask[blocks, offsets] = False
+        assert torch.equal(actual[mask].view(torch.uint8), ref[mask].view(torch.uint8))
+    _close(caches[0][blocks, offsets].to(dtype), expected[0][blocks, offsets].to(dtype))
+    assert torch.equal(caches[1][blocks, offsets].view(torch.uint8),
+                       expected[1][blocks, offsets].view(torch.uint8))
+    assert torch.equal(qkv, qkv_before)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("rot_dim", [32, 12])
+def test_rotary_and_cache_matches_rotary_then_cache_write(dtype: torch.dtype, rot_dim: int) -> None:
+    _check_rotary_and_cache(4, 2, 32, rot_dim, True, dtype, num_tokens=7, block_size=4, seed=rot_dim)
+    _check_rotary_and_cache(4, 1, 32, rot_dim, False, dtype, num_tokens=5, block_size=2, seed=rot_dim + 1)
+
+
+def test_rotary_and_cache_rejects_a_cache_of_the_wrong_shape() -> None:
+    cache = _cos_sin_cache(16, 8)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    q, k = torch.zeros(2, 16, device=DEVICE), torch.zeros(2, 8, device=DEVICE)
+    wrong = torch.zeros(4, 4, 2, 8, device=DEVICE)     # 2 kv heads; key holds 1
+    with pytest.raises(ValueError, match="k_cache must be"):
+        rotary_and_cache(positions, q, k, k, 8, cache, True, wrong, wrong,
+                         torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
 def test_rotary_reference_rotates_pairs_the_hf_way() -> None:
     # HF apply_rotary_pos_emb with rotate_half, full rotary, one head.
     cache = _cos_sin_cache(16, 8)
@@ -118,5 +181,8 @@ def test_gpu_pointwise_kernels_at_llama_8b_shapes(dtype: torch.dtype) -> None:
     _check_rms_norm(2048, 4096, dtype, seed=20)
     _check_rotary(32, 8, 128, 128, True, dtype, num_tokens=2048, seed=21)
     _check_rotary(32, 8, 128, 64, False, dtype, num_tokens=300, seed=22)
+    _check_rotary_and_cache(32, 8, 128, 128, True, dtype, num_tokens=2048, block_size=16, seed=24)
+    _check_rotary_and_cache(32, 8, 128, 128, True, dtype, num_tokens=300, block_size=16, seed=25,
+                            cache_dtype=torch.float8_e4m3fn)
     x = _randn(2048, 2 * 14336, dtype=dtype, seed=23)
     _close(silu_and_mul(x), silu_and_mul_ref(x))

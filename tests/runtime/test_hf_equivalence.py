@@ -86,3 +86,19 @@ def test_prefix_cache_hits_on_second_pass_and_stays_identical(arch_case, async_s
     assert llm.engine.kv.prefix_cache_hits - hits_before >= sum(
         (len(p) - 1) // 16 * 16 for p in prompts)
     _assert_blocks_free(llm)
+
+
+def test_triton_path_in_the_interpreter_matches_hf(arch_case, monkeypatch):
+    # The GPU code path (fused rotary + cache write, paged attention, norm and activation
+    # kernels) on a CPU through Triton's interpreter: prefill chunks, mixed and decode steps.
+    path, prompts, ref = arch_case
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model=path, attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24)
+    try:
+        assert _generate(llm, prompts[:6]) == ref[:6]
+        _assert_blocks_free(llm)
+    finally:
+        llm.engine.shutdown()
+        llm.engine.config.attention_backend = "auto"
+        from kvfleet_runtime.layers.backend import set_backend
+        set_backend("auto")
