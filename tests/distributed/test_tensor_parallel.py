@@ -152,6 +152,9 @@ def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
     try:
         assert _greedy(llm, prompts) == ref
         assert llm.engine.runner.graph_runner.graphs      # decode steps replayed graphs
+        # the small all-reduces went through symmetric memory (one-shot), inside the graphs too
+        from kvfleet_runtime.distributed.parallel_state import get_state
+        assert get_state().one_shot is not None
         assert llm.engine.runner.kv_cache.device == torch.device("cuda", 0)
     finally:
         llm.engine.shutdown()

@@ -32,6 +32,7 @@ class ParallelState:
     size: int = 1
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    one_shot: object | None = None       # communication.OneShotAllReduce, on CUDA when it works
 
 
 _state = ParallelState()
@@ -60,6 +61,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     if device.type == "cuda":
         # NVLink multicast (NVLS) is off on the machines we run on (see docs/TENSOR_PARALLEL.md)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         torch.cuda.set_device(rank if device.index is None else device.index)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
@@ -67,6 +69,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     _state = ParallelState(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
+    if device.type == "cuda":
+        from kvfleet_runtime.distributed.communication import OneShotAllReduce
+        _state.one_shot = OneShotAllReduce.create(device)
 
 
 def destroy_tensor_parallel() -> None:
