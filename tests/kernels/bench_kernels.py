@@ -34,7 +34,7 @@ HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 sdpa = torch.nn.functional.scaled_dot_product_attention
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DECODE_CASES = [(1, 1024), (1, 8192), (16, 4096), (64, 2048), (128, 4096), (256, 1024),
-                (256, 4096), (64, 8192)]                               # (num_seqs, context)
+                (256, 4096), (64, 8192), (1024, 160), (512, 1500)]                               # (num_seqs, context)
 PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] * 16),
                  ([2048], [8192])]                                      # (q_lens, seq_lens)
 
@@ -128,12 +128,12 @@ def sweep(dtype: torch.dtype, block_size: int) -> None:
     default_per_sm = pa._PROGRAMS_PER_SM
     print(f"\n## sweep ({dtype}, block_size {block_size})")
     try:
-        for num_seqs, ctx in [(1, 8192), (64, 2048), (256, 4096)]:
+        for num_seqs, ctx in [(1, 8192), (64, 2048), (256, 4096), (1024, 160), (512, 1500)]:
             b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
                                  dtype=dtype, device="cuda", seed=1, **HEADS)
             b.max_query_len = 1
             results = []
-            for block_n, warps, stages in itertools.product([32, 64, 128], [4, 8], [2, 3]):
+            for block_n, warps, stages in itertools.product([16, 32, 64, 128], [2, 4, 8], [1, 2, 3]):
                 cfg = pa.TileConfig(16, block_n, warps, stages)
                 pa.decode_config = lambda *_a, cfg=cfg: cfg
                 results.append((graph_ms(triton_call(b)), cfg))

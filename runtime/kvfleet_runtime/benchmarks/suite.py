@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     "max_num_seqs": max_seqs, "elapsed_s": elapsed,
                     "output_tokens_per_s": num * length / elapsed,
                     "total_tokens_per_s": 2 * num * length / elapsed,
-                    "steps": totals["steps"] - before["steps"],
+                    "steps": totals["steps"] - before["steps"], "engine_step_s": step_s,
                     "host_share": 1.0 - (totals["forward_s"] - before["forward_s"]) / max(step_s, 1e-9)})
 
     if "bs1" in rows:
