@@ -122,13 +122,14 @@ def _print_best(case: str, results: list[tuple[float, pa.TileConfig]], default: 
     print(f"{case}: default {next(t for t, c in results if c == default):.3f} ms; best {top}")
 
 
-def sweep(dtype: torch.dtype, block_size: int) -> None:
+def sweep(dtype: torch.dtype, block_size: int, which: str = "all") -> None:
     """Time every tile configuration; the library keeps using its defaults afterwards."""
     default_decode, default_prefill = pa.decode_config, pa.prefill_config
     default_per_sm = pa._PROGRAMS_PER_SM
     print(f"\n## sweep ({dtype}, block_size {block_size})")
     try:
-        for num_seqs, ctx in [(1, 8192), (64, 2048), (256, 4096), (1024, 160), (512, 1500)]:
+        for num_seqs, ctx in ([(1, 8192), (64, 2048), (256, 4096), (1024, 160), (512, 1500)]
+                              if which in ("all", "decode") else []):
             b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
                                  dtype=dtype, device="cuda", seed=1, **HEADS)
             b.max_query_len = 1
@@ -140,7 +141,8 @@ def sweep(dtype: torch.dtype, block_size: int) -> None:
             results.sort(key=lambda r: r[0])
             _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True))
             pa.decode_config = default_decode
-        for num_seqs, ctx in [(1, 8192), (4, 8192), (16, 4096), (32, 2048)]:
+        for num_seqs, ctx in ([(1, 8192), (4, 8192), (16, 4096), (32, 2048)]
+                              if which in ("all", "decode") else []):
             b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
                                  dtype=dtype, device="cuda", seed=1, **HEADS)
             b.max_query_len = 1
@@ -151,7 +153,7 @@ def sweep(dtype: torch.dtype, block_size: int) -> None:
                 timed.append(f"{per_sm}/SM {split.num_splits} splits {graph_ms(triton_call(b)):.3f} ms")
             print(f"decode {num_seqs}x{ctx} programs per SM: " + "; ".join(timed))
             pa._PROGRAMS_PER_SM = default_per_sm
-        for q_lens in ([8192], [2048] * 4, [512] * 16):
+        for q_lens in ([[8192], [2048] * 4, [512] * 16] if which in ("all", "prefill") else []):
             b = make_paged_batch(q_lens, q_lens, block_size=block_size, dtype=dtype, device="cuda",
                                  seed=2, **HEADS)
             results = []
@@ -174,16 +176,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64])
-    parser.add_argument("--sweep", action="store_true", help="also time every tile configuration")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
+                        help="also time every tile configuration (of one kernel, or all)")
+    parser.add_argument("--no-tables", action="store_true", help="only the sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     dtype = DTYPES[args.dtype]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    bench_decode(dtype, args.block_size)
-    bench_prefill(dtype, args.block_size)
+    if not args.no_tables:
+        bench_decode(dtype, args.block_size)
+        bench_prefill(dtype, args.block_size)
     if args.sweep:
-        sweep(dtype, args.block_size)
+        sweep(dtype, args.block_size, args.sweep)
 
 
 if __name__ == "__main__":
