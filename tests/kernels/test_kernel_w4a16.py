@@ -47,3 +47,17 @@ def test_gemv_block_k_must_divide_the_group():
     qweight, scales, zeros = _layer(256, 32, 4, 32, seed=0)
     with pytest.raises(ValueError, match="dividing group_size 32"):
         w4a16_gemm(torch.randn(1, 256), qweight, scales, zeros, 4, 32, GemmConfig(1, 32, 64, 1, 4, 1))
+
+
+@pytest.mark.parametrize("split_k", [2, 5, 9])    # 9 > the 8 K tiles: one slice has none
+def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_k):
+    from kvfleet_kernels import w4a16
+    qweight, scales, zeros = _layer(256, 64, 4, 32, seed=split_k)
+    cfg = GemmConfig(1, 32, 32, split_k, 4, 1)
+    for seed in (1, 2):      # the second launch reuses the workspace the first one left
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(seed))
+        ref = w4a16_gemm_ref(x, qweight, scales, zeros, 4, 32)
+        out = w4a16_gemm(x, qweight, scales, zeros, 4, 32, cfg)
+        torch.testing.assert_close(out, ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+        _, counters = w4a16._GEMV_WORKSPACES[(x.device, 1, 64, split_k, 2)]
+        assert counters.tolist() == [0, 0]

@@ -1,7 +1,7 @@
 """Time the W4A16 GEMM against bf16 torch.matmul on Llama-3.1-8B's projection shapes.
 
 Run on a GPU: python tests/quantization/bench_w4a16.py [--group-size 128] [--bits 4]
-Prints, per shape and M, the time of each and the "TB/s-equivalent": bytes a GEMM must move
+Prints, per shape and M, the time of each (replayed from a CUDA graph, as decode runs) and the "TB/s-equivalent": bytes a GEMM must move
 (weight + x + out) divided by its time, which for decode (M=1) is the figure to compare with
 the GPU's HBM bandwidth (H200: 4.8 TB/s peak, ~4.3 measured copy).
 """
@@ -32,26 +32,52 @@ SHAPES = [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
 # decode tiles is tried at 1 and at pick_config's choice
 SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)]
 # the GEMV kernel (block_m 1) for M <= GEMV_MAX_M
-SWEEP_GEMV = [(1, n, k, w, st) for n in (32, 64, 128) for k in (64, 128) for w in (2, 4)
-              for st in (2, 3)]
+SWEEP_GEMV = [(1, n, k, w, st) for n in (64, 128, 256) for k in (64, 128) for w in (2, 4, 8)
+              for st in (2, 4)]
+# and its split-K at these programs per SM (split_k is a runtime argument: no recompile)
+SWEEP_GEMV_PER_SM = (1, 2, 4, 8, 16)
 SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                  (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 256, 64, 8, 3),
                  (128, 256, 64, 8, 3)]
 
 
+def graph_us(fn, rep: int = 100) -> float:
+    """GPU time of fn replayed from a CUDA graph (as the engine's decode runs it: no launch
+    overhead, which at a few microseconds per kernel would swamp a GEMV)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=rep // 4, rep=rep) * 1e3 / 10
+
+
 def sweep(x, qweight, scales, zeros, bits, group_size) -> tuple[float, GemmConfig]:
     """The fastest of the candidate configs for this shape: (us, config)."""
     m, k = x.shape
-    auto = pick_config(m, qweight.shape[1], k, group_size, x.device)
+    n = qweight.shape[1]
+    auto = pick_config(m, n, k, group_size, x.device)
     best: tuple[float, GemmConfig] | None = None
     candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
                   else SWEEP_LARGE_M)
     for bm, bn, bk, warps, stages in candidates:
-        for split in sorted({1, auto.split_k}):
+        if bm == 1:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            tiles, k_tiles = m * triton.cdiv(n, bn), triton.cdiv(k, bk)
+            splits = sorted({max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
+                             for per_sm in SWEEP_GEMV_PER_SM})
+        else:
+            splits = sorted({1, auto.split_k})
+        for split in splits:
             cfg = GemmConfig(bm, bn, bk, split, warps, stages)
             try:
-                t = triton.testing.do_bench(partial(w4a16_gemm, x, qweight, scales, zeros, bits,
-                                                    group_size, cfg)) * 1e3
+                t = graph_us(partial(w4a16_gemm, x, qweight, scales, zeros, bits, group_size, cfg),
+                             rep=20)
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip the config
                 print(f"  skip {cfg}: {type(e).__name__}")
                 continue
@@ -88,9 +114,9 @@ def main() -> None:
             ref = w4a16_gemm_ref(x, qweight, scales, zeros, args.bits, args.group_size)
             err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
             assert err < 2e-2, f"{name} M={m}: kernel off by {err:.3g} of max"
-            t_q = triton.testing.do_bench(partial(w4a16_gemm, x, qweight, scales, zeros,
-                                                  args.bits, args.group_size)) * 1e3
-            t_b = triton.testing.do_bench(partial(torch.matmul, x, w_bf16)) * 1e3
+            t_q = graph_us(partial(w4a16_gemm, x, qweight, scales, zeros, args.bits,
+                                   args.group_size))
+            t_b = graph_us(partial(torch.matmul, x, w_bf16))
             io = (m * k + m * n) * 2
             cfg = pick_config(m, n, k, args.group_size, dev)
             print(f"{name:<14}{m:>5}{t_q:>10.1f}{(q_bytes + io) / t_q / 1e6:>7.2f}{t_b:>9.1f}"

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from kvfleet_runtime.distributed.parallel_state import get_state
 from kvfleet_runtime.layers.attention import AttentionMetadata
 
-
 log = logging.getLogger(__name__)
 
 
