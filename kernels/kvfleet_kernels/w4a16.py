@@ -39,6 +39,13 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 @triton.jit
+def _small_int_to_float(q):
+    # q in [0, 2**23) as fp32 without an int-to-float conversion (a quarter-rate instruction
+    # on the GPU): OR it into the mantissa of 2**23 and subtract 2**23 (exact)
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_om, stride_on,
@@ -67,7 +74,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         group = (tile * BLOCK_K) // group_size
         s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
         z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
-        w = (q.to(tl.float32) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+        w = (_small_int_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
         acc += tl.dot(a, w.to(a.dtype))
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = mask_m[:, None] & mask_n[None, :]
@@ -112,7 +119,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         x3 = tl.reshape(x, (BLOCK_KW, PER_WORD))
-        dot = tl.sum(tl.sum(x3[:, :, None] * q.to(tl.float32), axis=1), axis=0)   # [BN]
+        dot = tl.sum(tl.sum(x3[:, :, None] * _small_int_to_float(q), axis=1), axis=0)   # [BN]
         group = (tile * BLOCK_K) // group_size
         s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
         z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
