@@ -9,6 +9,10 @@ Layout (shared by the engine, the torch references and the Triton kernels):
 The new tokens of sequence i are the last (query_start_loc[i+1] - query_start_loc[i])
 positions of its context, so one call serves prefill chunks (with a cached prefix)
 and decode (one query token) in the same batch.
+
+The cache may be float8_e4m3fn (`--kv-cache-dtype fp8`) with scale 1.0: K/V are clamped to
++-FP8_E4M3_MAX and cast on write (so out-of-range values saturate instead of becoming NaN), and
+cast back to the query's dtype on read; the attention math is unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
+# Largest finite float8_e4m3fn. K/V headed for an fp8 cache are clamped to +-this before the cast
+# (every writer: reshape_and_cache, its reference, the torch path, rotary_and_cache).
+FP8_E4M3_MAX = 448.0
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x cast to the cache dtype, as the kernels write it: clamped first when the cache is fp8."""
+    if cache_dtype == FP8_KV_DTYPE:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_dtype)
+
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -27,8 +43,8 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = quantize_kv_ref(key[valid], k_cache.dtype)
+    v_cache[blocks, offsets] = quantize_kv_ref(value[valid], v_cache.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -110,6 +126,15 @@ def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # --------------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)    # kernels read only constexpr globals
+
+
+@triton.jit
+def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
+    """x cast to the KV cache's element type; clamped to +-FP8_E4M3_MAX first for an fp8 cache."""
+    if CACHE_DTYPE == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    return x.to(CACHE_DTYPE)
 
 
 @triton.jit
@@ -132,8 +157,8 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -194,6 +219,10 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
     else:
         k = tl.load(k_ptrs, mask=(n < kv_end)[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=(n < kv_end)[:, None], other=0.0)
+    # An fp8 cache is read back in the query's dtype (exact: e4m3 fits in fp16/bf16/fp32).
+    # With a cache already in that dtype, .to() returns its input: no extra op.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if K_BY_ROWS:
         k = tl.trans(k)                                                  # [D, N]
     qk = tl.dot(q, k, input_precision="ieee") * scale_log2              # [M, N]

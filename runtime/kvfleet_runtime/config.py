@@ -12,6 +12,9 @@ QUANTIZATION_METHODS = ("gptq", "awq", "fp8")
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# KV-cache element type; auto: the compute dtype. fp8 is e4m3 with scale 1.0 (as vLLM without
+# calibrated scales): half the bytes of bf16 per cached token.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def default_model() -> str:
@@ -42,6 +45,7 @@ class EngineConfig:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"            # auto | fp8 | fp8_e4m3
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -66,6 +70,9 @@ class EngineConfig:
             self.model = default_model()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         _positive("max_num_seqs", self.max_num_seqs)
@@ -112,6 +119,10 @@ class EngineConfig:
         if checkpoint_dtype in (None, torch.float32):
             return torch.bfloat16
         return checkpoint_dtype
+
+    def resolve_kv_cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the compute dtype unless kv_cache_dtype picks fp8."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or compute_dtype
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the lengths that depend on the model once it is known."""

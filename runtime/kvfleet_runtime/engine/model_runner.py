@@ -23,6 +23,7 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.distributed.communication import StepInputs, broadcast_step, min_over_ranks
 from kvfleet_runtime.engine.scheduler import SchedulerOutput
 from kvfleet_runtime.layers.attention import AttentionMetadata
+from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.sampler import (
     LogprobTensors,
     SampledToken,
@@ -100,10 +101,12 @@ class ModelRunner:
         self.model = loaded.model
         self.model_config = loaded.config
         self.dtype = loaded.dtype
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(loaded.dtype)
         self.device = config.torch_device
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads     # on this rank
+        self._check_kv_cache_dtype()
         # every rank holds the same block ids, so the pool is the smallest rank's
         self.num_blocks = min_over_ranks(self._determine_num_blocks())
         self._allocate_kv_cache()
@@ -117,8 +120,18 @@ class ModelRunner:
     # ---- KV memory ---------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         c = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * c.num_layers * self.block_size * self.num_kv_heads * c.head_dim * elem
+
+    def _check_kv_cache_dtype(self) -> None:
+        # Triton converts to and from e4m3 (its fp8e4nv) only on compute capability >= 8.9
+        if (self.kv_cache_dtype != self.dtype and self.device.type == "cuda"
+                and use_triton(torch.empty(0, device=self.device))
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            raise ValueError(f"kv_cache_dtype {self.config.kv_cache_dtype} needs a GPU of compute "
+                             f"capability >= 8.9 (Ada, Hopper) for the Triton kernels; this one "
+                             f"is {major}.{minor} (attention_backend torch runs it, slowly)")
 
     def _determine_num_blocks(self) -> int:
         cfg = self.config
@@ -144,8 +157,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         num_tokens = self.config.max_num_batched_tokens
         c = self.model_config
-        dummy = torch.zeros(2, self.block_size, self.num_kv_heads, c.head_dim, dtype=self.dtype,
-                            device=self.device)
+        dummy = torch.zeros(2, self.block_size, self.num_kv_heads, c.head_dim,
+                            dtype=self.kv_cache_dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache = (dummy, dummy)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -180,10 +193,13 @@ class ModelRunner:
         c = self.model_config
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
-                                    self.num_kv_heads, c.head_dim, dtype=self.dtype,
+                                    self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype,
                                     device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.kv_cache = (self.kv_cache[i, 0], self.kv_cache[i, 1])
+        log.info("KV cache: %d blocks of %d tokens, dtype %s, %.2f GiB", self.num_blocks,
+                 self.block_size, self.kv_cache_dtype,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
     # ---- one step -------------------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],

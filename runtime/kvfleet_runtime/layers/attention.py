@@ -7,6 +7,9 @@ each [num_blocks, block_size, num_kv_heads, head_dim]) and passes an
 Backends: the Triton kernels on CUDA; elsewhere a torch path built on
 scaled_dot_product_attention (fast on CPU). Both are checked against
 `kvfleet_kernels.paged_attention.paged_attention_ref`.
+
+An fp8 cache (`kv_cache_dtype="fp8"`, scale 1.0) holds K/V clamped and cast to e4m3; both
+backends read it back in the query's dtype and attend over exactly what the cache holds.
 """
 
 from __future__ import annotations
@@ -41,38 +44,60 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]
+        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]. k = v = None: this step's K/V are already
+        # in the cache (the Triton path's fused rotary + cache write, `rotary_and_cache`).
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.kv_cache
+        if k is None:
+            if not use_triton(q):
+                raise ValueError("k and v may be None only on the Triton path")
+        else:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if use_triton(q):
             from kvfleet_kernels import paged_attention as pa
-            pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if k is not None:
+                pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, self.scale, meta.max_query_len,
                                      meta.max_seq_len)
         else:
-            write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+            k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v ([T, Hkv, D]) into their slots; return them as the cache now holds them.
+
+    With a cache in k's dtype that is k and v themselves; an fp8 cache returns the rounded
+    values (in k's dtype), so attention over this step's fresh tokens sees what later steps
+    read back, as on the Triton path.
+    """
     # every slot is valid on this path (padding slots only exist in CUDA graphs)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_cache.dtype == k.dtype:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        return k, v
+    from kvfleet_kernels.paged_attention import quantize_kv_ref
+    kq, vq = quantize_kv_ref(k, k_cache.dtype), quantize_kv_ref(v, v_cache.dtype)
+    for xq, cache in ((kq, k_cache), (vq, v_cache)):
+        # index_copy_ has no float8 kernel on a CPU: copy the bytes of 1-byte elements
+        as_bytes = torch.uint8 if cache.element_size() == 1 else cache.dtype
+        cache.view(as_bytes).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, xq.view(as_bytes))
+    return kq.to(k.dtype), vq.to(v.dtype)
 
 
-def _context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    # [num_blocks, bs, Hkv, D] -> [Hkv, S, D]
+def _context(cache: torch.Tensor, table: torch.Tensor, seq_len: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    # [num_blocks, bs, Hkv, D] -> [Hkv, S, D] in `dtype` (an fp8 cache is read back in q's dtype)
     bs = cache.shape[1]
     blocks = table[: -(-seq_len // bs)].long()
-    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).to(dtype)
 
 
 def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -108,8 +133,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             i += n
             continue
         qi = q[s:e].transpose(0, 1)                                      # [H, Q, D]
-        ki = _context(k_cache, meta.block_tables[i], seq_len)
-        vi = _context(v_cache, meta.block_tables[i], seq_len)
+        ki = _context(k_cache, meta.block_tables[i], seq_len, q.dtype)
+        vi = _context(v_cache, meta.block_tables[i], seq_len, q.dtype)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale,
@@ -134,8 +159,8 @@ def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float) ->
     table = block_tables[:, :num_blocks].reshape(-1).long()
     ks = k_cache.index_select(0, table).view(num_seqs, num_blocks * bs, num_kv_heads, head_dim)
     vs = v_cache.index_select(0, table).view(num_seqs, num_blocks * bs, num_kv_heads, head_dim)
-    ks = ks[:, :max_len].transpose(1, 2)                                  # [B, Hkv, S, D]
-    vs = vs[:, :max_len].transpose(1, 2)
+    ks = ks[:, :max_len].transpose(1, 2).to(q.dtype)                      # [B, Hkv, S, D]
+    vs = vs[:, :max_len].transpose(1, 2).to(q.dtype)
     q4 = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)   # [B, Hkv, G, D]
     scores = torch.matmul(q4, ks.transpose(-1, -2)).float() * scale   # [B, Hkv, G, S]
     if min(lens) < max_len:

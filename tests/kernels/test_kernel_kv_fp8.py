@@ -1,0 +1,276 @@
+"""An fp8 (e4m3, scale 1.0) KV cache: reshape_and_cache and paged_attention against their references.
+
+The write is compared byte for byte (`.view(torch.uint8)`); attention over an fp8 cache is
+compared with paged_attention_ref over the same fp8 cache, so both read identical inputs (e4m3
+converts exactly to fp16/bf16/fp32) and the tolerances are those of a bf16/fp16/fp32 cache.
+
+Triton's interpreter (3.9) rounds float -> fp8 wrongly when the rounding carries into the exponent
+(`_convert_float` adds the round bit to the 3-bit mantissa without a carry: 1.95 -> 1.0, not 2.0),
+so on a CPU the write is checked on values e4m3 holds exactly plus out-of-range values (which
+clamp to +-448, also exact); arbitrary values are checked on a GPU. Reads are exact in the
+interpreter. The interpreter also skips the compiler, so one CPU test compiles the kernels for an
+sm_90 target with an fp8 cache (what the H200 runs), which needs no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet_kernels.paged_attention import (
+    FP8_E4M3_MAX,
+    FP8_KV_DTYPE,
+    paged_attention,
+    paged_attention_ref,
+    quantize_kv_ref,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
+from paged_batch import PagedBatch, make_paged_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]
+# as in test_kernel_paged_attention.py: the cache's values are the same, so are the error sources
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+# values past the e4m3 range: 464 is the midpoint to 480 (which e4m3fn lacks), 65504 is fp16's max
+OUT_OF_RANGE = [449.0, 464.0, 480.0, 1000.0, 65504.0]
+
+
+def _e4m3_values(shape: tuple[int, ...], gen: torch.Generator, max_exponent: int = 15) -> torch.Tensor:
+    """Random finite e4m3 values as fp32: biased exponents 0..max_exponent (subnormals and zeros
+    included; 15 reaches +-448, 9 stays below +-8)."""
+    sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8) << 7
+    exponent = torch.randint(0, max_exponent + 1, shape, generator=gen, dtype=torch.uint8) << 3
+    mantissa = torch.randint(0, 8, shape, generator=gen, dtype=torch.uint8)
+    bits = sign | exponent | mantissa
+    bits[(bits & 0x7F) == 0x7F] -= 1              # 0x7F / 0xFF are NaN: +-448 instead
+    return bits.view(FP8_KV_DTYPE).float()
+
+
+def _poisoned_fp8_cache(num_blocks: int, block_size: int, num_kv_heads: int,
+                        head_dim: int) -> torch.Tensor:
+    # NaN bytes: slots the write must leave alone keep them
+    return torch.full((num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8,
+                      device=DEVICE).view(FP8_KV_DTYPE)
+
+
+def _write_both(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    """[kernel k, kernel v, ref k, ref v] fp8 caches after writing key/value at slot_mapping."""
+    caches = [_poisoned_fp8_cache(num_blocks, block_size, *key.shape[1:]) for _ in range(4)]
+    reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
+    reshape_and_cache_ref(key, value, caches[2], caches[3], slot_mapping)
+    return caches
+
+
+def _assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
+    mismatched = (a.view(torch.uint8) != b.view(torch.uint8)).sum().item()
+    assert mismatched == 0, f"{mismatched} of {a.numel()} bytes differ"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_reshape_and_cache_fp8_writes_the_references_bytes_and_saturates(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(10)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 3, 32
+    num_tokens = 9
+    key = _e4m3_values((num_tokens, num_kv_heads, head_dim), gen)
+    value = _e4m3_values((num_tokens, num_kv_heads, head_dim), gen)
+    # token 0: every out-of-range value, both signs, in K and V
+    big = torch.tensor(OUT_OF_RANGE)
+    key[0, 0, :len(big)], key[0, 1, :len(big)] = big, -big
+    value[0, 2, :len(big)] = -big
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[3, 7]] = -1
+    slot_mapping = slots.to(DEVICE)
+    key, value = key.to(dtype=dtype, device=DEVICE), value.to(dtype=dtype, device=DEVICE)
+
+    caches = _write_both(key, value, slot_mapping, num_blocks, block_size)
+    _assert_same_bytes(caches[0], caches[2])
+    _assert_same_bytes(caches[1], caches[3])
+    # the values themselves, not only agreement with the reference
+    block, offset = divmod(int(slots[0]), block_size)
+    k_row, v_row = caches[0][block, offset].float().cpu(), caches[1][block, offset].float().cpu()
+    assert k_row[0, :len(big)].tolist() == [FP8_E4M3_MAX] * len(big)
+    assert k_row[1, :len(big)].tolist() == [-FP8_E4M3_MAX] * len(big)
+    assert v_row[2, :len(big)].tolist() == [-FP8_E4M3_MAX] * len(big)
+    exact = slots >= 0
+    exact[0] = False
+    for cache, src in ((caches[0], key), (caches[1], value)):
+        written = cache.view(-1, num_kv_heads, head_dim)[slots[exact].to(DEVICE)]
+        assert torch.equal(written.float(), src[exact.to(DEVICE)].float())
+    # skipped tokens and unused slots still hold the NaN poison
+    assert caches[0].float().isnan().all(dim=(2, 3)).sum() == num_blocks * block_size - 7
+
+
+def _fp8_batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *, num_heads: int = 4,
+               num_kv_heads: int = 2, head_dim: int = 32, block_size: int = 16,
+               seed: int = 0) -> PagedBatch:
+    """A paged batch in `dtype` whose caches hold fp8: randn * 4 rounded to e4m3 (magnitudes
+    from e4m3's subnormals to ~20, so several exponents and rounding steps are in play)."""
+    batch = make_paged_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, block_size=block_size, dtype=torch.float32,
+                             device=DEVICE, seed=seed)
+    batch.query = (batch.query / 4).to(dtype)       # keeps softmax mixed over keys ~4x randn
+    batch.k_cache = quantize_kv_ref(batch.k_cache * 4, FP8_KV_DTYPE)
+    batch.v_cache = quantize_kv_ref(batch.v_cache * 4, FP8_KV_DTYPE)
+    return batch
+
+
+def _check_fp8(batch: PagedBatch, *, decode_only: bool = False) -> None:
+    assert batch.k_cache.dtype == FP8_KV_DTYPE and batch.v_cache.dtype == FP8_KV_DTYPE
+    max_query_len = 1 if decode_only else None
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, batch.scale, max_query_len)
+    out = torch.full_like(batch.query, float("nan"))
+    result = paged_attention(*args, batch.max_seq_len if decode_only else None, out=out)
+    assert result is out and out.dtype == batch.query.dtype
+    expected = paged_attention_ref(*args)
+    # outputs are averages of V values up to ~20: the tolerance is relative to their scale
+    scale = max(float(expected.float().abs().max()), 1.0)
+    torch.testing.assert_close(out.float() / scale, expected.float() / scale, rtol=0.0,
+                               atol=TOLERANCE[batch.query.dtype])
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_prefill_over_fp8_cache_matches_reference(dtype: torch.dtype) -> None:
+    # fresh prompts and a 9-token chunk after a 38-token cached prefix
+    _check_fp8(_fp8_batch([5, 23, 9], [5, 23, 47], dtype, seed=11))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_mixed_decode_and_prefill_over_fp8_cache_matches_reference(dtype: torch.dtype) -> None:
+    _check_fp8(_fp8_batch([1, 12, 1, 6], [40, 12, 70, 33], dtype, num_heads=8, seed=12))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("seq_lens", [[600, 37, 290], [17, 50]], ids=["split", "one-partition"])
+def test_decode_over_fp8_cache_matches_reference(dtype: torch.dtype, seq_lens: list[int]) -> None:
+    _check_fp8(_fp8_batch([1] * len(seq_lens), seq_lens, dtype, seed=13), decode_only=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_write_then_attend_through_fp8_cache_matches_reference(dtype: torch.dtype) -> None:
+    # The engine's order: this step's K/V go into the fp8 cache, then attention reads it.
+    gen = torch.Generator().manual_seed(14)
+    batch = _fp8_batch([4, 1], [20, 33], dtype, seed=14)
+    new_k = _e4m3_values((5, 2, 32), gen, max_exponent=9).to(dtype=dtype, device=DEVICE)
+    new_v = _e4m3_values((5, 2, 32), gen, max_exponent=9).to(dtype=dtype, device=DEVICE)
+    table = batch.block_tables.cpu().long()
+    positions = [(0, p) for p in range(16, 20)] + [(1, 32)]          # the last q_len of each
+    slots = torch.tensor([int(table[s, p // 16]) * 16 + p % 16 for s, p in positions],
+                         device=DEVICE)
+    caches = [batch.k_cache.clone(), batch.v_cache.clone(), batch.k_cache, batch.v_cache]
+    reshape_and_cache(new_k, new_v, caches[0], caches[1], slots)
+    reshape_and_cache_ref(new_k, new_v, caches[2], caches[3], slots)
+    _assert_same_bytes(caches[0], caches[2])
+    batch.k_cache, batch.v_cache = caches[0], caches[1]
+    _check_fp8(batch)
+
+
+def compile_for_sm90(kernel: str) -> str:
+    """PTX of one paged-attention kernel for an H200 (sm_90), bf16 K/V/queries, fp8 cache.
+
+    Runs only where TRITON_INTERPRET is unset: the interpreter replaces the kernels."""
+    import triton
+    from kvfleet_kernels import paged_attention as pa
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    i32 = "i32"
+    if kernel == "_reshape_and_cache_kernel":
+        sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+               "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64"}
+        sig.update({f"stride_{n}": i32 for n in ("kt", "kh", "vt", "vh", "kcb", "kcs", "kch",
+                                                  "vcb", "vcs", "vch")})
+        constexprs = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, BLOCK_SIZE=16)
+    else:
+        sig = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
+               "out_ptr": "*bf16"}
+        if kernel == "_decode_kernel":
+            sig.update({"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"})
+        sig.update({"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                    "query_start_loc_ptr": "*i32", "scale_log2": "fp32"})
+        sig.update({f"stride_{n}": i32 for n in ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "vb",
+                                                  "vs", "vh", "bt")})
+        if kernel == "_decode_kernel":
+            sig.update({"partition_size": i32, "num_splits": i32})
+            constexprs = dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128,
+                              BLOCK_SIZE=16)
+        else:
+            constexprs = dict(GROUP=4, TOKENS_PER_TILE=32, BLOCK_M=128, BLOCK_N=32, HEAD_DIM=128,
+                              BLOCK_SIZE=16)
+    sig.update({name: "constexpr" for name in constexprs})
+    compiled = triton.compile(ASTSource(getattr(pa, kernel), sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=3))
+    return compiled.asm["ptx"]
+
+
+# the write saturates and rounds to nearest; the reads convert e4m3 to half precision
+SM90_CONVERSIONS = {"_reshape_and_cache_kernel": "cvt.rn.satfinite.e4m3x2",
+                    "_decode_kernel": "cvt.rn.f16x2.e4m3x2",
+                    "_prefill_kernel": "cvt.rn.f16x2.e4m3x2"}
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_fp8_cache() -> None:
+    """The interpreter runs kernels as Python, so the compiler's own rules (only constexpr
+    globals, e4m3 from sm_89 on) are checked here: a child process without TRITON_INTERPRET
+    compiles each kernel to PTX for the H200's sm_90, which needs no GPU."""
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1] / "kernels"),
+                                         env.get("PYTHONPATH", "")])
+    script = ("import sys, test_kernel_kv_fp8 as t\n"
+              "for kernel, cvt in t.SM90_CONVERSIONS.items():\n"
+              "    ptx = t.compile_for_sm90(kernel)\n"
+              "    print(kernel, cvt in ptx, ptx.count(cvt))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    for kernel in SM90_CONVERSIONS:
+        assert any(line.startswith(f"{kernel} True ") for line in lines), done.stdout
+
+
+# ----------------------------------------------------------------------------- GPU, real shapes
+LLAMA8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_reshape_and_cache_fp8_rounds_like_torch(dtype: torch.dtype) -> None:
+    # arbitrary values: round-to-nearest-even ties and carries into the exponent included
+    gen = torch.Generator().manual_seed(20)
+    key = (torch.randn(1000, 8, 128, generator=gen) * 100).to(dtype=dtype, device="cuda")
+    value = (torch.randn(1000, 8, 128, generator=gen) * 0.01).to(dtype=dtype, device="cuda")
+    key[0, 0, :len(OUT_OF_RANGE)] = torch.tensor(OUT_OF_RANGE, dtype=dtype)
+    slot_mapping = torch.randperm(300 * 16, generator=gen)[:1000].cuda()
+    slot_mapping[::7] = -1
+    caches = _write_both(key, value, slot_mapping, 300, 16)
+    _assert_same_bytes(caches[0], caches[2])
+    _assert_same_bytes(caches[1], caches[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_decode_over_fp8_cache(dtype: torch.dtype, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    for num_seqs, max_len in [(1, 8192), (64, 3000), (256, 1500)]:
+        seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+        seq_lens[0] = max_len
+        _check_fp8(_fp8_batch([1] * num_seqs, seq_lens.tolist(), dtype, block_size=block_size,
+                              seed=num_seqs, **LLAMA8B), decode_only=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_prefill_over_fp8_cache(dtype: torch.dtype, block_size: int) -> None:
+    _check_fp8(_fp8_batch([2048, 1000, 1, 333], [2048, 8000, 4097, 333], dtype,
+                          block_size=block_size, seed=block_size, **LLAMA8B))
