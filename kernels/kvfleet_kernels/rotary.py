@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-# e4m3's largest finite value: K/V written to a float8 cache saturate here (paged_attention's
-# reshape_and_cache uses the same bound)
-FP8_E4M3_MAX = tl.constexpr(448.0)
+from kvfleet_kernels.paged_attention import reshape_and_cache_ref, to_cache_dtype
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int,
@@ -43,21 +41,17 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
 
 
 @triton.jit
-def _store_rounded(dst, val, mask, src, OUT_FP8: tl.constexpr):
+def _store_rounded(dst, val, mask, src):
     # Round to the input's dtype first (what the unfused rotary returns), then to the
-    # destination's: a cache of another dtype holds exactly what rotary + reshape_and_cache
-    # would write. An e4m3 destination saturates at +-FP8_E4M3_MAX (as reshape_and_cache does).
-    val = val.to(src.dtype.element_ty)
-    if OUT_FP8:
-        val = tl.minimum(tl.maximum(val.to(tl.float32), -FP8_E4M3_MAX), FP8_E4M3_MAX)
-    tl.store(dst, val.to(dst.dtype.element_ty), mask=mask)
+    # destination's as reshape_and_cache does (an e4m3 cache saturates at +-FP8_E4M3_MAX):
+    # a cache of another dtype holds exactly what rotary + reshape_and_cache would write.
+    tl.store(dst, to_cache_dtype(val.to(src.dtype.element_ty), dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, token, stride_x, stride_o, stride_oh, cos, sin, i, i_valid,
                   NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr,
-                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  OUT_FP8: tl.constexpr):
+                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     # All heads of one token: rotate pairs (first[i], second[i]), copy dims >= ROT_DIM.
     # Source heads are HEAD_SIZE apart; destination heads stride_oh apart.
     h = tl.arange(0, BLOCK_H)
@@ -73,13 +67,12 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_x, stride_o, stride_oh, cos, sin
     mask = h_valid[:, None] & i_valid[None, :]
     x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_rounded(dst + first[None, :], x1 * cos - x2 * sin, mask, src, OUT_FP8)
-    _store_rounded(dst + second[None, :], x2 * cos + x1 * sin, mask, src, OUT_FP8)
+    _store_rounded(dst + first[None, :], x1 * cos - x2 * sin, mask, src)
+    _store_rounded(dst + second[None, :], x2 * cos + x1 * sin, mask, src)
     if ROT_DIM < HEAD_SIZE:
         d = ROT_DIM + tl.arange(0, BLOCK_D)
         rest_mask = h_valid[:, None] & (d < HEAD_SIZE)[None, :]
-        _store_rounded(dst + d[None, :], tl.load(src + d[None, :], mask=rest_mask), rest_mask, src,
-                       OUT_FP8)
+        _store_rounded(dst + d[None, :], tl.load(src + d[None, :], mask=rest_mask), rest_mask, src)
 
 
 @triton.jit
@@ -97,9 +90,9 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_pt
     cos = tl.load(row + i, mask=i_valid, other=0.0)[None, :]
     sin = tl.load(row + ROT_DIM // 2 + i, mask=i_valid, other=0.0)[None, :]
     _rotate_heads(q_ptr, q_out_ptr, token, stride_q, stride_qo, HEAD_SIZE, cos, sin, i, i_valid,
-                  NUM_Q_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HQ, BLOCK_REST, False)
+                  NUM_Q_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HQ, BLOCK_REST)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_k, stride_ko, HEAD_SIZE, cos, sin, i, i_valid,
-                  NUM_KV_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HK, BLOCK_REST, False)
+                  NUM_KV_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HK, BLOCK_REST)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -138,7 +131,6 @@ def rotary_and_cache_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
                          slot_mapping: torch.Tensor) -> torch.Tensor:
     """rotary_embedding_ref, then reshape_and_cache_ref of the rotated key and the value;
     returns the rotated query [T, Hq * D]."""
-    from kvfleet_kernels.paged_attention import reshape_and_cache_ref
     q, k = rotary_embedding_ref(positions, query, key, head_size, cos_sin_cache, is_neox)
     num_tokens = positions.shape[0]
     reshape_and_cache_ref(k.view(num_tokens, -1, head_size), value.reshape(num_tokens, -1, head_size),
@@ -155,7 +147,7 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
                              HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr, OUT_FP8: tl.constexpr):
+                             BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per token: rotate its query heads into q_out; rotate its key heads and copy
     # its value heads straight into the token's cache slot (slot -1: padding, query only).
     token = tl.program_id(0)
@@ -166,20 +158,20 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
     cos = tl.load(row + i, mask=i_valid, other=0.0)[None, :]
     sin = tl.load(row + ROT_DIM // 2 + i, mask=i_valid, other=0.0)[None, :]
     _rotate_heads(q_ptr, q_out_ptr, token, stride_q, stride_qo, HEAD_SIZE, cos, sin, i, i_valid,
-                  NUM_Q_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HQ, BLOCK_REST, False)
+                  NUM_Q_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HQ, BLOCK_REST)
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
         _rotate_heads(k_ptr, k_dst, token, stride_k, 0, stride_kch, cos, sin, i, i_valid,
-                      NUM_KV_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HK, BLOCK_REST, OUT_FP8)
+                      NUM_KV_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HK, BLOCK_REST)
         h = tl.arange(0, BLOCK_HK)
         d = tl.arange(0, BLOCK_D)
         mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_SIZE)
         src = v_ptr + token * stride_v + h[:, None] * HEAD_SIZE + d[None, :]
         v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
-        _store_rounded(v_dst, tl.load(src, mask=mask), mask, src, OUT_FP8)
+        _store_rounded(v_dst, tl.load(src, mask=mask), mask, src)
 
 
 def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -222,6 +214,5 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             BLOCK_HALF=triton.next_power_of_2(rot_dim // 2),
             BLOCK_REST=triton.next_power_of_2(max(head_size - rot_dim, 1)),
             BLOCK_D=triton.next_power_of_2(head_size),
-            OUT_FP8=k_cache.dtype == torch.float8_e4m3fn,
         )
     return q_out

@@ -1,0 +1,87 @@
+"""The fused rotary + cache write, the split-K W4A16 GEMV and the FP8 activation quantization,
+compiled for the H200's sm_90 in a child process without TRITON_INTERPRET (no GPU needed).
+
+The interpreter runs kernels as Python, so what only the compiler enforces (constexpr
+globals, dtypes passed to nested jit functions, atomics' memory semantics, e4m3 conversions)
+is checked here, and the PTX is searched for the instructions the design relies on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+I32 = "i32"
+
+
+def compile_for_sm90(module: str, kernel: str, sig: dict, constexprs: dict) -> str:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = getattr(importlib.import_module(module), kernel)
+    # arguments not named in sig (strides, sizes) are i32
+    sig = {name: "constexpr" if name in constexprs else sig.get(name, I32)
+           for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=2))
+    return compiled.asm["ptx"]
+
+
+def _rotary_and_cache(cache: str) -> tuple:
+    sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+           "q_out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
+           "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    constexprs = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=128, ROT_DIM=128, IS_NEOX=True,
+                      BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, BLOCK_REST=1,
+                      BLOCK_D=128)
+    return "kvfleet_kernels.rotary", "_rotary_and_cache_kernel", sig, constexprs
+
+
+def _gemv() -> tuple:
+    sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    return ("kvfleet_kernels.w4a16", "_w4a16_gemv_kernel", sig,
+            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16))
+
+
+def _fp8_quant(one_pass: bool) -> tuple:
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
+            dict(BLOCK=4096, ONE_PASS=one_pass))
+
+
+# case -> (kernel spec, PTX fragments that must appear)
+CASES = {
+    "rotary_and_cache_fp8": (_rotary_and_cache("*fp8e4nv"), ["cvt.rn.satfinite.e4m3x2"]),
+    "rotary_and_cache_bf16": (_rotary_and_cache("*bf16"), ["st.global"]),
+    # the last-arrival reduction: a CTA barrier, then an acq_rel atomic at GPU scope
+    "w4a16_gemv": (_gemv(), ["bar.sync", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"]),
+    "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+}
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90() -> None:
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1] / "kernels"),
+                                         env.get("PYTHONPATH", "")])
+    script = ("import test_kernel_compile_sm90 as t\n"
+              "for case, (spec, needles) in t.CASES.items():\n"
+              "    ptx = t.compile_for_sm90(*spec)\n"
+              "    for n in needles:\n"
+              "        print(case, repr(n), n in ptx)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case, (_, needles) in CASES.items():
+        for n in needles:
+            assert f"{case} {n!r} True" in done.stdout, done.stdout
