@@ -3,8 +3,9 @@
 fp8_linear runs torch._scaled_mm (cuBLASLt FP8 GEMM with row-wise scales) on GPUs of compute
 capability >= 8.9 (Ada, Hopper); fp8_linear_ref computes the same quantized product in fp32
 and is what it is tested against. The activations' per-token quantization before each GEMM is
-one Triton kernel on the GPU (`quantize_fp8_rowwise_triton`, bit-identical to the torch
-`quantize_fp8_rowwise`, which takes ~7 kernels and fp32 temporaries of the whole activation).
+one Triton kernel on the GPU (`quantize_fp8_rowwise_triton`, bit-identical to its torch twin
+`quantize_fp8_per_token_ref`, which takes ~7 kernels and fp32 temporaries of the whole
+activation).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton.language as tl
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max        # 448
 _MIN_SCALE = 1e-12                     # an all-zero row still gets a finite scale
+_INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()   # fp32-rounded 1/448
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -31,14 +33,15 @@ def quantize_fp8_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(_MIN_SCALE)
+INV_FP8_E4M3_MAX = tl.constexpr(_INV_FP8_MAX)
 _ONE_PASS_MAX = 16384      # a row this long stays in registers (8 warps: 64 values a thread)
 
 
 @triton.jit
 def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
                              BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per row: amax, scale = max(amax, 1e-12) / 448, q = clamp(x / scale) in e4m3.
-    # Divisions are IEEE round-to-nearest (div_rn) as torch's are: bit-identical results.
+    # One program per row: amax, scale = max(amax, 1e-12) * fp32(1/448), q = clamp(x / scale)
+    # in e4m3. x / scale is IEEE round-to-nearest (div_rn), as torch's tensor division is.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -54,7 +57,7 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax = tl.max(amax, 0)
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_SCALE), FP8_E4M3_MAX)
+    scale = tl.maximum(amax, MIN_SCALE) * INV_FP8_E4M3_MAX
     if ONE_PASS:
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -67,8 +70,18 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
     tl.store(s_ptr + row, scale)
 
 
+def quantize_fp8_per_token_ref(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What quantize_fp8_rowwise_triton computes: quantize_fp8_rowwise with the scale taken as
+    amax times the fp32-rounded 1/448 (what torch on CUDA does for `/ 448`; a CPU divides
+    exactly, which can differ in the scale's last bit)."""
+    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) * _INV_FP8_MAX
+    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
 def quantize_fp8_rowwise_triton(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8_rowwise in one Triton kernel (rows with a contiguous last dimension)."""
+    """quantize_fp8_per_token_ref in one Triton kernel (rows with a contiguous last dimension):
+    the per-token activation quantization of fp8_linear."""
     if t.dim() != 2 or t.stride(-1) != 1:
         raise ValueError(f"expected a [R, C] tensor with a contiguous last dimension; got "
                          f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--rows: unknown {', '.join(bad)}; choose from {', '.join(ROWS)}")
 
+    import logging
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kvfleet_runtime").setLevel(logging.INFO)   # KV cache size, TP all-reduce, graphs
     from kvfleet_runtime.llm import LLM
     llm = LLM.from_config(engine_config_from_args(args))
     engine = llm.engine
