@@ -57,6 +57,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0            # KV pool size on CPU
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # admit a request only while every running one can still grow this many tokens (up to its
+    # max_tokens) in the free blocks: fewer preemptions (recomputes) when the KV cache is full
+    admission_headroom: int = 0
     quantization: str | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -88,6 +91,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if self.admission_headroom < 0:
+            raise ValueError(f"admission_headroom must be >= 0 tokens; got {self.admission_headroom}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be one of auto, triton, torch; "
                              f"got {self.attention_backend!r}")

@@ -46,7 +46,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.admission_headroom)
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
         # async scheduling: the step launched by the last step() call, not yet read back;

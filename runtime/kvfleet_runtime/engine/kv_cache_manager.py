@@ -56,8 +56,10 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
-        """Blocks for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       reserve: int = 0) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new_tokens` more tokens; None (and no change) when the pool is too
+        full, or when fewer than `reserve` blocks would stay free after it."""
         computed = new_computed_blocks or []
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
@@ -74,7 +76,7 @@ class KVCacheManager:
         num_new_blocks = num_required - len(blocks) - len(computed)
         # hits sitting in the free queue are not free for new allocations once touched
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits - reserve:
             if not blocks:
                 del self.req_to_blocks[rid]
                 del self.req_to_block_ids[rid]

@@ -47,9 +47,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, admission_headroom: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
+        # tokens of growth per running request (up to its max_tokens) that must still fit in
+        # the free blocks after a new request is admitted; 0 = admit while blocks remain
+        self.admission_headroom = admission_headroom
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
@@ -99,8 +102,21 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
+    def _growth_blocks(self, request: Request) -> int:
+        """Blocks `request` needs beyond those it holds to grow by the headroom (its remaining
+        prompt included, its max_tokens at most)."""
+        r = request
+        remaining = r.params.max_tokens - len(r.output_token_ids) - r.num_pending
+        target = r.num_tokens + r.num_pending + max(min(self.admission_headroom, remaining), 0)
+        return max(self.kv.num_blocks_for(target) - len(self.kv.get_block_ids(r.request_id)), 0)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
+        reserve = 0
+        if self.admission_headroom and self.waiting and len(self.running) < self.max_num_seqs:
+            # the running requests' next admission_headroom tokens stay allocatable: admitting
+            # into that room only leads to preempting (and recomputing) someone later
+            reserve = sum(self._growth_blocks(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
@@ -114,8 +130,10 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed) is None:
+            if self.kv.allocate_slots(request, num_new, computed, reserve) is None:
                 break
+            if self.admission_headroom:
+                reserve += self._growth_blocks(request)
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:

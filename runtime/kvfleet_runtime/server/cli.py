@@ -40,6 +40,9 @@ _ENGINE_HELP = {
     "cpu_kv_cache_gb": "KV-cache size on CPU in GiB",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prefills across steps",
+    "admission_headroom": "tokens of growth per running request (up to its max_tokens) kept "
+                          "free when admitting new ones: fewer preemptions when the KV cache "
+                          "is full (0: admit while blocks remain, as vLLM)",
     "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)}",
     "enforce_eager": "no CUDA graphs",
     "tensor_parallel_size": "GPUs to shard the model over",
