@@ -78,7 +78,10 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     values (in k's dtype), so attention over this step's fresh tokens sees what later steps
     read back, as on the Triton path.
     """
-    # every slot is valid on this path (padding slots only exist in CUDA graphs)
+    if slot_mapping.is_cuda:
+        # CUDA-graph padding rows carry slot -1 (index_copy_ takes none): they write into the
+        # pinned null block 0, which no sequence's block table lists (a CPU never pads)
+        slot_mapping = slot_mapping.clamp(min=0)
     if k_cache.dtype == k.dtype:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
