@@ -14,6 +14,7 @@ group so that no rank stays stuck in an all-reduce until the NCCL timeout.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -73,6 +74,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connect
     from kvfleet_runtime.engine.model_runner import ModelRunner
     from kvfleet_runtime.layers.backend import set_backend
     from kvfleet_runtime.loader import load_model
+    dump_after = os.environ.get("KVFLEET_WORKER_STACKS_AFTER_S")
+    if dump_after:     # debugging a hang: every thread's stack to stderr, every N seconds
+        import faulthandler
+        faulthandler.dump_traceback_later(float(dump_after), repeat=True)
     try:
         device = _device_of(config, rank)
         config.device = str(device)
