@@ -95,7 +95,23 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connect
     conn.send(WorkerReady(rank))
     while runner.execute_remote():
         pass
+    # released: abort the NCCL group rather than wait in a graceful teardown for rank 0's
+    # (which aborts too); see WorkerGroup.shutdown
+    abort_device_group(device)
     destroy_tensor_parallel()
+
+
+def abort_device_group(device: torch.device) -> None:
+    """Abort this rank's NCCL group (its pending collectives fail at once, its teardown waits
+    for no other rank); nothing for gloo."""
+    group = get_state().device_group
+    if device.type != "cuda" or group is None:
+        return
+    from torch.distributed.distributed_c10d import _abort_process_group
+    try:
+        _abort_process_group(group)
+    except Exception as e:  # noqa: BLE001 - aborted already (the supervisor); teardown goes on
+        log.warning("aborting the tensor-parallel group: %s", e)
 
 
 def _free_port() -> int:
@@ -216,15 +232,7 @@ class WorkerGroup:
                 return
 
     def _abort_device_group(self) -> None:
-        """Abort the NCCL group (its pending collectives fail at once); nothing for gloo."""
-        group = get_state().device_group
-        if self._device.type != "cuda" or group is None:
-            return
-        from torch.distributed.distributed_c10d import _abort_process_group
-        try:
-            _abort_process_group(group)
-        except Exception as e:  # noqa: BLE001 - aborted already (the supervisor); teardown goes on
-            log.warning("aborting the tensor-parallel group: %s", e)
+        abort_device_group(self._device)
 
     def shutdown(self) -> None:
         """Release the workers from their step loop (kill them if they do not leave, if they
@@ -239,11 +247,12 @@ class WorkerGroup:
                 released = True
             except RuntimeError as e:      # a worker died just now
                 log.warning("could not release the tensor-parallel workers: %s", e)
+        # NCCL's graceful teardown (destroy_process_group) waits for every rank's: a worker
+        # still leaving, or one killed, or a collective in flight with a dead peer would hang
+        # it (it did, on the H200, after the last step of a TP run). Nothing is left to
+        # communicate, so every rank aborts its NCCL group instead (workers too, on exit).
+        self._abort_device_group()
         self._kill_all(grace_s=STOP_GRACE_S if released else 0.0)
-        if not released:
-            # this rank may have a collective in flight with a rank just killed (a start that
-            # failed half-way, a dead peer): NCCL would wait out its timeout in the teardown
-            self._abort_device_group()
         destroy_tensor_parallel()
         self.dead = self.dead or "the engine was shut down"
 
