@@ -112,7 +112,10 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graph_runner = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # the torch attention path reads host-side lengths each step: a graph would replay the
+        # captured ones, so it runs eagerly (it is the comparison path, not the fast one)
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and use_triton(torch.empty(0, device=self.device))):
             from kvfleet_runtime.engine.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(self)
             self.graph_runner.capture_all()
