@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.split_k import store_or_reduce, workspace
+
 
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    bits: int, group_size: int) -> torch.Tensor:
@@ -87,7 +89,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        group_size, split_k,
-                       stride_xm, stride_qk, stride_qn, stride_sg, stride_sn, stride_om,
+                       stride_xm, stride_qk, stride_qn, stride_sg, stride_sn,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """Decode: one program per (row of x, BLOCK_N columns, K slice); no tl.dot.
 
@@ -95,11 +97,9 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
     ([BLOCK_KW, PER_WORD, BLOCK_N]); with one group per tile the zero point comes out of
     the sum: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
 
-    With split_k > 1 the K slices meet inside this one launch: each program writes its fp32
-    partial to part_ptr, then counts itself in on its output tile's counter; the program that
-    arrives last sums the split_k partials, writes the output and resets the counter to 0 for
-    the next launch. No zero-filled buffer, atomic accumulation or cast kernel around it (at
-    batch 1 those were two extra launches per linear layer).
+    With split_k > 1 the K slices meet inside this one launch (split_k.store_or_reduce): no
+    zero-filled buffer, atomic accumulation or cast kernel around it (at batch 1 those were
+    two extra launches per linear layer). out is contiguous [M, N].
     """
     PER_WORD: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
@@ -124,42 +124,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
         s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
         z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
         acc += s.to(tl.float32) * (dot - z.to(tl.float32) * tl.sum(x, axis=0))
-    out_ptrs = out_ptr + m * stride_om + offs_n
-    if split_k == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(part_ptr + (pid_k * M + m) * N + offs_n, acc, mask=mask_n)
-        # every thread's partial is written before one thread counts the program in; the
-        # release (gpu scope, cumulative over the barrier) publishes them, the acquire of the
-        # last arrival makes the others' visible to it
-        tl.debug_barrier()
-        counter = count_ptr + m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for part in range(0, split_k):
-                total += tl.load(part_ptr + (part * M + m) * N + offs_n, mask=mask_n, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-# Split-K workspaces of the GEMV kernel, per (device, M, N, split_k): fp32 partials and the
-# per-output-tile arrival counters (zero between launches: the last program resets its own).
-# Launches run one after another on the stream, so layers of one shape share one workspace.
-_GEMV_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _gemv_workspace(device: torch.device, m: int, n: int, split_k: int, n_tiles: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, m, n, split_k, n_tiles)
-    ws = _GEMV_WORKSPACES.get(key)
-    if ws is None:
-        # first met in an eager launch (CUDA graph capture is preceded by one), never in capture
-        ws = (torch.empty(split_k * m * n, dtype=torch.float32, device=device),
-              torch.zeros(m * n_tiles, dtype=torch.int32, device=device))
-        _GEMV_WORKSPACES[key] = ws
-    return ws
+    store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, m, M, N, offs_n, mask_n,
+                    pid_n, pid_k, split_k, False)
 
 
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
@@ -243,13 +209,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if cfg.block_m == 1:
         x = x if x.stride(1) == 1 else x.contiguous()
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        # split_k == 1 never touches the workspace: a one-element stand-in of the same types
-        part, count = (_gemv_workspace(x.device, m, n, cfg.split_k, grid[1]) if cfg.split_k > 1
-                       else _gemv_workspace(x.device, 1, 1, 1, 1))
+        part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         _w4a16_gemv_kernel[grid](
             x, qweight, scales, zeros, out, part, count, m, n, k, group_size, cfg.split_k,
             x.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0),
-            scales.stride(1), out.stride(0),
+            scales.stride(1),
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out

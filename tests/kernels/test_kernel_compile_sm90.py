@@ -51,6 +51,13 @@ def _gemv() -> tuple:
             dict(BITS=4, BLOCK_N=128, BLOCK_KW=16))
 
 
+def _gemv_bf16() -> tuple:
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "count_ptr": "*i32"}
+    return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
+            dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=512))
+
+
 def _fp8_quant(one_pass: bool) -> tuple:
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
@@ -63,6 +70,7 @@ CASES = {
     "rotary_and_cache_bf16": (_rotary_and_cache("*bf16"), ["st.global"]),
     # the last-arrival reduction: a CTA barrier, then an acq_rel atomic at GPU scope
     "w4a16_gemv": (_gemv(), ["bar.sync", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"]),
+    "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
 }

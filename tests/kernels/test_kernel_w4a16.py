@@ -51,7 +51,7 @@ def test_gemv_block_k_must_divide_the_group():
 
 @pytest.mark.parametrize("split_k", [2, 5, 9])    # 9 > the 8 K tiles: one slice has none
 def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_k):
-    from kvfleet_kernels import w4a16
+    from kvfleet_kernels import split_k as split_k_module
     qweight, scales, zeros = _layer(256, 64, 4, 32, seed=split_k)
     cfg = GemmConfig(1, 32, 32, split_k, 4, 1)
     for seed in (1, 2):      # the second launch reuses the workspace the first one left
@@ -59,5 +59,5 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
         ref = w4a16_gemm_ref(x, qweight, scales, zeros, 4, 32)
         out = w4a16_gemm(x, qweight, scales, zeros, 4, 32, cfg)
         torch.testing.assert_close(out, ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
-        _, counters = w4a16._GEMV_WORKSPACES[(x.device, 1, 64, split_k, 2)]
+        _, counters = split_k_module._WORKSPACES[(x.device, 1, 64, split_k, 2)]
         assert counters.tolist() == [0, 0]

@@ -1,0 +1,51 @@
+"""The batch-1 GEMV (Triton) against x @ w.T in fp32, in the interpreter (fp32/fp16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvfleet_kernels import split_k as split_k_module
+from kvfleet_kernels.gemv import GemvConfig, gemv, gemv_ref
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 40, 96), (1, 64, 512), (2, 33, 200)])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_matches_reference(m, n, k, split_k, bias, dtype):
+    g = torch.Generator().manual_seed(n * k + split_k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = gemv(x, w, b, GemvConfig(16, 32, split_k, 4, 1))
+    ref = gemv_ref(x, w, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_split_k_counters_are_back_at_zero_and_the_workspace_is_reused():
+    x, w = torch.randn(1, 256), torch.randn(48, 256)
+    cfg = GemvConfig(16, 32, 5, 4, 1)
+    for _ in range(2):
+        torch.testing.assert_close(gemv(x, w, None, cfg), gemv_ref(x, w), rtol=1e-5, atol=1e-4)
+        _, counters = split_k_module._WORKSPACES[(x.device, 1, 48, 5, 3)]
+        assert counters.tolist() == [0, 0, 0]
+
+
+def test_mismatched_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"expected \[N, 8\]"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                  (128256, 4096)])
+def test_gpu_gemv_at_llama_8b_shapes(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(device="cuda", dtype=torch.bfloat16)
+    ref = gemv_ref(x, w)
+    # fp32 sums of bf16 products, one bf16 rounding at the end (as the reference)
+    torch.testing.assert_close(gemv(x, w).float(), ref.float(), rtol=1.6e-2,
+                               atol=1e-2 * ref.float().abs().max().item())
