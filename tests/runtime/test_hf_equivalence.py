@@ -102,3 +102,27 @@ def test_triton_path_in_the_interpreter_matches_hf(arch_case, monkeypatch):
         llm.engine.config.attention_backend = "auto"
         from kvfleet_runtime.layers.backend import set_backend
         set_backend("auto")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])     # qwen2: projections with a bias
+def test_triton_gemv_for_batch_one_in_the_interpreter_matches_hf(arch, tiny_model_dir,
+                                                                 monkeypatch):
+    # KVFLEET_TRITON_GEMV's path: every batch-1 decode projection through kvfleet_kernels.gemv
+    from kvfleet_runtime.layers import linear
+    path = tiny_model_dir(arch)
+    prompts = _prompts(2, seed=3)
+    ref = hf_greedy(path, prompts, MAX_NEW)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_TRITON_GEMV", True)
+    calls = []
+    from kvfleet_kernels import gemv as gemv_module
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(model=path, attention_backend="triton", max_num_seqs=1)
+    try:
+        assert _generate(llm, prompts) == ref
+        assert calls                                    # the decode steps took the GEMV
+    finally:
+        llm.engine.shutdown()
+        from kvfleet_runtime.layers.backend import set_backend
+        set_backend("auto")

@@ -26,6 +26,7 @@ from torch import nn
 
 from kvfleet_runtime.distributed.communication import all_reduce
 from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
+from kvfleet_runtime.layers.backend import use_triton
 
 # batch-1 projections through kvfleet_kernels.gemv instead of cuBLAS (KVFLEET_TRITON_GEMV=1)
 _TRITON_GEMV = os.environ.get("KVFLEET_TRITON_GEMV") == "1"
@@ -50,7 +51,7 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
             return packed_linear(x, layer.weight, bias)
-        if _TRITON_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+        if _TRITON_GEMV and x.dim() == 2 and x.shape[0] == 1 and use_triton(x):
             from kvfleet_kernels.gemv import gemv  # opt-in until it beats cuBLAS (gemv.py)
             return gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
