@@ -104,7 +104,7 @@ def test_triton_path_in_the_interpreter_matches_hf(arch_case, monkeypatch):
         set_backend("auto")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama3"])     # qwen2: projections with a bias
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])     # the bias itself: test_triton_gemv_hook.py
 def test_triton_gemv_for_batch_one_in_the_interpreter_matches_hf(arch, tiny_model_dir,
                                                                  monkeypatch):
     # KVFLEET_TRITON_GEMV's path: every batch-1 decode projection through kvfleet_kernels.gemv

@@ -64,10 +64,11 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
     config = _hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # random init leaves norms at 1: perturb them so a wrong norm shows up in the logits
+    # random init leaves norms at 1 and biases (qwen2's qkv) at 0: perturb them so a wrong
+    # norm or a dropped bias shows up in the logits
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)

@@ -1,0 +1,35 @@
+"""KVFLEET_TRITON_GEMV: a batch-1 Linear (bias included) goes through kvfleet_kernels.gemv where
+the Triton path runs (here: Triton's interpreter), and gives F.linear's result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvfleet_runtime.layers import linear
+from kvfleet_runtime.layers.backend import set_backend
+from kvfleet_runtime.layers.linear import Linear
+
+
+@pytest.fixture
+def triton_gemv(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_TRITON_GEMV", True)
+    set_backend("triton")
+    yield
+    set_backend("auto")
+
+
+@pytest.mark.parametrize("rows", [1, 3])      # 3 rows stay on F.linear
+def test_batch_one_linear_with_bias_through_the_gemv(triton_gemv, monkeypatch, rows):
+    from kvfleet_kernels import gemv as gemv_module
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer = Linear(64, [32, 16], bias=True, dtype=torch.float32, prefix="qkv_proj")
+    g = torch.Generator().manual_seed(rows)
+    layer.weight.data.copy_(torch.randn(48, 64, generator=g))
+    layer.bias.data.copy_(torch.randn(48, generator=g))
+    x = torch.randn(rows, 64, generator=g)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    assert len(calls) == (rows == 1)
