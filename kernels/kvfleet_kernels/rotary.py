@@ -76,6 +76,19 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_x, stride_o, stride_oh, cos, sin
 
 
 @triton.jit
+def _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cache, ROT_DIM: tl.constexpr,
+             BLOCK_HALF: tl.constexpr):
+    # this token's cos and sin rows ([1, BLOCK_HALF]) and the pair indices they serve
+    pos = tl.load(positions_ptr + token)
+    i = tl.arange(0, BLOCK_HALF)
+    i_valid = i < ROT_DIM // 2
+    row = cos_sin_ptr + pos * stride_cache
+    cos = tl.load(row + i, mask=i_valid, other=0.0)[None, :]
+    sin = tl.load(row + ROT_DIM // 2 + i, mask=i_valid, other=0.0)[None, :]
+    return cos, sin, i, i_valid
+
+
+@triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr,
                    stride_q, stride_k, stride_qo, stride_ko, stride_cache,
                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
@@ -83,12 +96,8 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_pt
                    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     # One program per token; cos/sin are loaded once and serve query and key.
     token = tl.program_id(0)
-    pos = tl.load(positions_ptr + token)
-    i = tl.arange(0, BLOCK_HALF)
-    i_valid = i < ROT_DIM // 2
-    row = cos_sin_ptr + pos * stride_cache
-    cos = tl.load(row + i, mask=i_valid, other=0.0)[None, :]
-    sin = tl.load(row + ROT_DIM // 2 + i, mask=i_valid, other=0.0)[None, :]
+    cos, sin, i, i_valid = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cache, ROT_DIM,
+                                    BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_q, stride_qo, HEAD_SIZE, cos, sin, i, i_valid,
                   NUM_Q_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HQ, BLOCK_REST)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_k, stride_ko, HEAD_SIZE, cos, sin, i, i_valid,
@@ -151,12 +160,8 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
     # One program per token: rotate its query heads into q_out; rotate its key heads and copy
     # its value heads straight into the token's cache slot (slot -1: padding, query only).
     token = tl.program_id(0)
-    pos = tl.load(positions_ptr + token)
-    i = tl.arange(0, BLOCK_HALF)
-    i_valid = i < ROT_DIM // 2
-    row = cos_sin_ptr + pos * stride_cache
-    cos = tl.load(row + i, mask=i_valid, other=0.0)[None, :]
-    sin = tl.load(row + ROT_DIM // 2 + i, mask=i_valid, other=0.0)[None, :]
+    cos, sin, i, i_valid = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cache, ROT_DIM,
+                                    BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_q, stride_qo, HEAD_SIZE, cos, sin, i, i_valid,
                   NUM_Q_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HQ, BLOCK_REST)
     slot = tl.load(slot_mapping_ptr + token)

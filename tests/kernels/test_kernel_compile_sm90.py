@@ -1,5 +1,6 @@
-"""The fused rotary + cache write, the split-K W4A16 GEMV and the FP8 activation quantization,
-compiled for the H200's sm_90 in a child process without TRITON_INTERPRET (no GPU needed).
+"""Kernels compiled for the H200's sm_90 in a child process without TRITON_INTERPRET (no GPU
+needed): the fused rotary + cache write, the paged-attention kernels over an fp8 cache, the
+split-K GEMVs (bf16, W4A16) and the FP8 activation quantization.
 
 The interpreter runs kernels as Python, so what only the compiler enforces (constexpr
 globals, dtypes passed to nested jit functions, atomics' memory semantics, e4m3 conversions)
@@ -58,6 +59,23 @@ def _gemv_bf16() -> tuple:
             dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=512))
 
 
+def _paged_attention(kernel: str) -> tuple:
+    # bf16 queries and K/V, an e4m3 cache (the H200's sm_90 converts e4m3 only from sm_89 on)
+    sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+           "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "q_ptr": "*bf16",
+           "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+           "scale_log2": "fp32"}
+    constexprs = {
+        "_reshape_and_cache_kernel": dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
+                                          BLOCK_SIZE=16),
+        "_decode_kernel": dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128,
+                               BLOCK_SIZE=16),
+        "_prefill_kernel": dict(GROUP=4, TOKENS_PER_TILE=32, BLOCK_M=128, BLOCK_N=32,
+                                HEAD_DIM=128, BLOCK_SIZE=16)}[kernel]
+    return "kvfleet_kernels.paged_attention", kernel, sig, constexprs
+
+
 def _fp8_quant(one_pass: bool) -> tuple:
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
@@ -71,6 +89,11 @@ CASES = {
     # the last-arrival reduction: a CTA barrier, then an acq_rel atomic at GPU scope
     "w4a16_gemv": (_gemv(), ["bar.sync", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"]),
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
+    # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
+    "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),
+                              ["cvt.rn.satfinite.e4m3x2"]),
+    "decode_fp8": (_paged_attention("_decode_kernel"), ["cvt.rn.f16x2.e4m3x2"]),
+    "prefill_fp8": (_paged_attention("_prefill_kernel"), ["cvt.rn.f16x2.e4m3x2"]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
 }
