@@ -166,9 +166,7 @@ class ModelRunner:
             layer.kv_cache = (dummy, dummy)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
-            # slot 0 of the dummy cache for every token: valid on both attention paths (the
-            # torch path's index_copy_ takes no -1), the writes collide harmlessly
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
