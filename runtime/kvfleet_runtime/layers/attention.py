@@ -51,13 +51,14 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k_cache, v_cache = self.kv_cache
+        on_triton = use_triton(q)
         if k is None:
-            if not use_triton(q):
+            if not on_triton:
                 raise ValueError("k and v may be None only on the Triton path")
         else:
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if use_triton(q):
+        if on_triton:
             from kvfleet_kernels import paged_attention as pa
             if k is not None:
                 pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
