@@ -86,6 +86,10 @@ def serve_command(spec: LLMServiceSpec) -> list[str]:
     command += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
     if spec.quantization != "none":
         command += ["--quantization", spec.quantization]
+    if engine.kv_cache_dtype != "auto":
+        command += ["--kv-cache-dtype", engine.kv_cache_dtype]
+    if engine.admission_headroom:
+        command += ["--admission-headroom", str(engine.admission_headroom)]
     command += [
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--tensor-parallel-size", str(engine.tensor_parallel_size),

@@ -23,6 +23,7 @@ PLURAL = "llmservices"
 DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
 QUANTIZATIONS = ("none", "gptq", "awq", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MODEL_SCHEMES = ("s3://", "hf://", "pvc://", "/")
 # The same pattern the Kubernetes OpenAPI uses for resource.Quantity strings.
 QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
@@ -65,6 +66,8 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    admission_headroom: int = 0
     extra_args: tuple[str, ...] = ()
 
 
@@ -233,6 +236,9 @@ def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
                                    defaults.enable_prefix_caching),
         tensor_parallel_size=_int(raw, "tensorParallelSize", path,
                                   defaults.tensor_parallel_size, 1, 16),
+        kv_cache_dtype=_choice(_get(raw, "kvCacheDtype", path, str, defaults.kv_cache_dtype),
+                               KV_CACHE_DTYPES, f"{path}.kvCacheDtype"),
+        admission_headroom=_int(raw, "admissionHeadroom", path, defaults.admission_headroom, 0),
         extra_args=tuple(extra),
     )
 

@@ -48,6 +48,7 @@ def test_serve_command_carries_every_engine_flag():
                    engine={"blockSize": 32, "maxNumSeqs": 12, "maxNumBatchedTokens": 4096,
                            "maxModelLen": 2048, "gpuMemoryUtilization": 0.85,
                            "enablePrefixCaching": False, "tensorParallelSize": 2,
+                           "kvCacheDtype": "fp8", "admissionHeadroom": 512,
                            "extraArgs": ["--extra", "1"]},
                    resources={"gpus": 2})
     command = serve_command(spec)
@@ -55,7 +56,8 @@ def test_serve_command_carries_every_engine_flag():
     expected = {"--host": "0.0.0.0", "--port": "8000", "--served-model-name": "llama",
                 "--block-size": "32", "--max-num-seqs": "12", "--max-num-batched-tokens": "4096",
                 "--max-model-len": "2048", "--gpu-memory-utilization": "0.85",
-                "--quantization": "awq", "--tensor-parallel-size": "2", "--shutdown-timeout": "30"}
+                "--quantization": "awq", "--tensor-parallel-size": "2", "--shutdown-timeout": "30",
+                "--kv-cache-dtype": "fp8", "--admission-headroom": "512"}
     assert {name: flag(command, name) for name in expected} == expected
     assert "--no-enable-prefix-caching" in command and "--enable-prefix-caching" not in command
     assert command[-2:] == ["--extra", "1"]
@@ -65,6 +67,7 @@ def test_serve_command_carries_every_engine_flag():
 def test_no_quantization_and_no_max_model_len_add_no_flag():
     command = serve_command(spec_of())
     assert "--quantization" not in command and "--max-model-len" not in command
+    assert "--kv-cache-dtype" not in command and "--admission-headroom" not in command
     assert "--enable-prefix-caching" in command
 
 

@@ -18,7 +18,8 @@ FULL = minimal_llmservice(
     s3={"endpoint": "http://s3:8333", "region": "eu-1", "credentialsSecret": "c", "insecure": True},
     quantization="gptq",
     engine={"blockSize": 32, "maxNumSeqs": 9, "maxNumBatchedTokens": 1024, "maxModelLen": 512,
-            "gpuMemoryUtilization": 0.75, "enablePrefixCaching": False, "tensorParallelSize": 2},
+            "gpuMemoryUtilization": 0.75, "enablePrefixCaching": False, "tensorParallelSize": 2,
+            "kvCacheDtype": "fp8_e4m3", "admissionHeadroom": 256},
     resources={"gpus": 2})
 
 
@@ -36,6 +37,8 @@ def test_serve_command_parses_to_the_spec(body):
     assert args.gpu_memory_utilization == pytest.approx(engine.gpu_memory_utilization)
     assert args.enable_prefix_caching is engine.enable_prefix_caching
     assert args.tensor_parallel_size == engine.tensor_parallel_size
+    assert getattr(args, "kv_cache_dtype", "auto") == engine.kv_cache_dtype
+    assert getattr(args, "admission_headroom", 0) == engine.admission_headroom
     assert getattr(args, "quantization", "none") == spec.quantization
 
 
