@@ -25,12 +25,11 @@ from kvfleet_kernels.paged_attention import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
-from paged_batch import PagedBatch, make_paged_batch
+from paged_batch import ATTENTION_TOLERANCE, PagedBatch, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
-# as in test_kernel_paged_attention.py: the cache's values are the same, so are the error sources
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+TOLERANCE = ATTENTION_TOLERANCE
 # values past the e4m3 range: 464 is the midpoint to 480 (which e4m3fn lacks), 65504 is fp16's max
 OUT_OF_RANGE = [449.0, 464.0, 480.0, 1000.0, 65504.0]
 
