@@ -46,10 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 tables: tuple[torch.Tensor, torch.Tensor] | None = None):
-        # positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]; tables: from prepare(), or None
-        if use_triton(q):
-            from kvfleet_kernels.rotary import rotary_embedding
-            return rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, True)
+        # positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]; tables: from prepare(), or None.
+        # The torch path (the Triton path rotates inside kvfleet_kernels.rotary.rotary_and_cache)
         if tables is None:
             tables = self.prepare(positions, q.dtype)
         return self.apply_tables(q, tables), self.apply_tables(k, tables)

@@ -75,28 +75,23 @@ class DecoderAttention(nn.Module):
         # rope: this step's rotary tables (torch path), made once by DecoderModel
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         qk_size = self.q_size + self.kv_size
+        if rope is not None and not self.qk_norm:
+            # torch path: rotate q and k side by side in one pass, one set of ops for both
+            q, k = self.rotary_emb.apply_tables(qkv[:, :qk_size], rope).split(
+                [self.q_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, qkv[:, qk_size:].contiguous(), meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         if use_triton(qkv):
             # one kernel rotates q and k and writes k and v into the paged cache
             from kvfleet_kernels.rotary import rotary_and_cache
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            if self.qk_norm:
-                q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-                k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
             k_cache, v_cache = self.attn.kv_cache
             q = rotary_and_cache(positions, q, k, v, self.head_dim, self.rotary_emb.cos_sin_cache,
                                  True, k_cache, v_cache, meta.slot_mapping)
             return self.o_proj(self.attn(q, None, None, meta))
-        if rope is not None and not self.qk_norm:
-            # rotate q and k side by side in one pass: one set of ops, not one per tensor
-            q, k = self.rotary_emb.apply_tables(qkv[:, :qk_size], rope).split(
-                [self.q_size, self.kv_size], dim=-1)
-            v = qkv[:, qk_size:]
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            if self.qk_norm:
-                q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-                k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-            q, k = self.rotary_emb(positions, q, k, rope)
+        q, k = self.rotary_emb(positions, q, k, rope)
         return self.o_proj(self.attn(q, k, v.contiguous(), meta))
 
 
