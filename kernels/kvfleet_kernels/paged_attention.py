@@ -179,6 +179,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     )
 
 
+@triton.jit
+def _to_fp16(q):
+    # The query in fp16 for dots against an fp8 cache: e4m3 converts to fp16 in one instruction
+    # per pair (to bf16 it goes through fp16 and fp32). Clamped to fp16's range first; fp16
+    # holds a bf16 query's value within its own, finer rounding.
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
 # Which keys of a K/V tile _attend_tile masks out.
 _MASK_NONE: tl.constexpr = tl.constexpr(0)     # every key of the tile is visible to every row
 _MASK_END: tl.constexpr = tl.constexpr(1)      # keys at or past kv_end are hidden
@@ -245,7 +253,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    DOT_FP16: tl.constexpr):
     # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
@@ -269,6 +278,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
+    if DOT_FP16:
+        q = _to_fp16(q)
     q_pos = num_cached + tok              # [BLOCK_M] position in the context (causal limit)
     # Keys below the tile's first query position are visible to every row: no mask there.
     # Keys from the tile's last query position on are hidden from every valid row: stop there.
@@ -302,7 +313,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    partition_size, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
@@ -327,6 +339,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=g_valid[:, None], other=0.0)
+    if DOT_FP16:
+        q = _to_fp16(q)
     table = block_tables_ptr + seq * stride_bt
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -336,12 +350,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, False)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS)
     if full_end < part_end:     # the context's last, partial tile
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, False)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS)
 
     out = acc / l_i[:, None]
     if num_splits == 1:
@@ -407,21 +421,28 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch shape of an attention kernel: BLOCK_M query rows x BLOCK_N keys per step."""
+    """Launch shape of an attention kernel: BLOCK_M query rows x BLOCK_N keys per step.
+
+    k_by_rows (decode; prefill always does): load K tiles as their stored [N, D] rows and
+    transpose in registers, instead of gathering [D, N]. dot_fp16 (a bf16 query over an fp8
+    cache only): the dots run in fp16 (the query converted once) instead of bf16.
+    """
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    k_by_rows: bool = False
+    dot_fp16: bool = False
 
 
-def decode_config(on_gpu: bool) -> TileConfig:
+def decode_config(on_gpu: bool, fp8_cache: bool = False) -> TileConfig:
     """Decode's rows are the GQA group, padded up to block_m (tl.dot needs >= 16 rows)."""
     if not on_gpu:   # the interpreter: small steps, no pipelining
-        return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, dot_fp16=fp8_cache)
+    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, dot_fp16=fp8_cache)
 
 
-def prefill_config(group: int, block_size: int, on_gpu: bool) -> TileConfig:
+def prefill_config(group: int, block_size: int, on_gpu: bool, fp8_cache: bool = False) -> TileConfig:
     """block_m is at least the GQA group so that one tile holds whole groups.
 
     GPU choices are the fastest of a sweep on an H200 (bf16, Llama-3.1-8B heads, prompts of
@@ -430,10 +451,13 @@ def prefill_config(group: int, block_size: int, on_gpu: bool) -> TileConfig:
     """
     min_rows = triton.next_power_of_2(group)
     if not on_gpu:
-        return TileConfig(block_m=max(32, min_rows), block_n=16, num_warps=4, num_stages=1)
+        return TileConfig(block_m=max(32, min_rows), block_n=16, num_warps=4, num_stages=1,
+                          k_by_rows=True, dot_fp16=fp8_cache)
     if block_size >= 64:
-        return TileConfig(block_m=max(64, min_rows), block_n=64, num_warps=4, num_stages=2)
-    return TileConfig(block_m=max(128, min_rows), block_n=32, num_warps=4, num_stages=3)
+        return TileConfig(block_m=max(64, min_rows), block_n=64, num_warps=4, num_stages=2,
+                          k_by_rows=True, dot_fp16=fp8_cache)
+    return TileConfig(block_m=max(128, min_rows), block_n=32, num_warps=4, num_stages=3,
+                      k_by_rows=True, dot_fp16=fp8_cache)
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
@@ -484,11 +508,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     scale_log2 = scale * _LOG2E
     on_gpu = query.is_cuda
+    fp8_cache = k_cache.dtype == FP8_KV_DTYPE
+    # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
+    bf16_over_fp8 = fp8_cache and query.dtype == torch.bfloat16
 
     if max_query_len == 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        cfg = decode_config(on_gpu)
+        cfg = decode_config(on_gpu, fp8_cache)
         split = decode_split(num_seqs, num_kv_heads, max_seq_len, cfg.block_n, query.device)
         if split.num_splits > 1:
             part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
@@ -502,6 +529,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split.num_splits > 1:
@@ -512,12 +540,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             )
         return out
 
-    cfg = prefill_config(group, block_size, on_gpu)
+    cfg = prefill_config(group, block_size, on_gpu, fp8_cache)
     tokens_per_tile = cfg.block_m // group
     grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, *strides,
         GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

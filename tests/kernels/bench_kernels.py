@@ -1,6 +1,6 @@
 """Time the paged-attention kernels on a GPU at Llama-3.1-8B attention shapes (not a test).
 
-    python tests/kernels/bench_kernels.py [--dtype bf16] [--block-size 16] [--sweep]
+    python tests/kernels/bench_kernels.py [--dtype bf16] [--block-size 16] [--kv-dtype fp8] [--sweep]
 
 Triton and SDPA are timed as CUDA-graph replays (GPU time; eager launch overhead is printed
 apart), the reference eagerly (it syncs on .tolist()).
@@ -10,6 +10,7 @@ V bytes every sequence reads once (2 * sum(seq_len) * Hkv * D * itemsize) over t
 Prefill: Triton prefill kernel vs the reference vs causal SDPA (flash) on fresh prompts, and a
 prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
 --sweep also times each tile configuration of both kernels and prints the fastest.
+--kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def graph_ms(fn: Callable[[], object]) -> float:
     return ms(graph.replay)
 
 
+def batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size: int, seed: int,
+          kv_fp8: bool) -> PagedBatch:
+    b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, device="cuda",
+                         seed=seed, **HEADS)
+    if kv_fp8:
+        b.k_cache = pa.quantize_kv_ref(b.k_cache, pa.FP8_KV_DTYPE)
+        b.v_cache = pa.quantize_kv_ref(b.v_cache, pa.FP8_KV_DTYPE)
+    return b
+
+
 def triton_call(b: PagedBatch) -> Callable[[], torch.Tensor]:
     out = torch.empty_like(b.query)
     return lambda: pa.paged_attention(*b.args(), b.max_seq_len, out=out)
@@ -65,16 +76,17 @@ def triton_call(b: PagedBatch) -> Callable[[], torch.Tensor]:
 def dense_kv(b: PagedBatch, cache: torch.Tensor, seq_len: int) -> torch.Tensor:
     # [B, Hkv, S, D] copy of equal-length contexts, for SDPA
     blocks = -(-seq_len // cache.shape[1])
-    return cache[b.block_tables[:, :blocks].long()].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+    dense = cache[b.block_tables[:, :blocks].long()].flatten(1, 2)[:, :seq_len].transpose(1, 2)
+    return dense.to(b.query.dtype).contiguous()
 
 
-def bench_decode(dtype: torch.dtype, block_size: int) -> None:
-    print(f"\n## decode ({dtype}, block_size {block_size}, 32 q heads / 8 kv heads, D=128)\n")
+def bench_decode(dtype: torch.dtype, block_size: int, kv_fp8: bool) -> None:
+    print(f"\n## decode ({dtype}{', fp8 cache' if kv_fp8 else ''}, block_size {block_size}, "
+          "32 q heads / 8 kv heads, D=128)\n")
     print("| seqs | context | splits | triton ms | TB/s | triton eager ms | ref ms | SDPA (dense) ms | SDPA TB/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for num_seqs, ctx in DECODE_CASES:
-        b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size, dtype=dtype,
-                             device="cuda", seed=num_seqs, **HEADS)
+        b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, num_seqs, kv_fp8)
         b.max_query_len = 1
         kv_bytes = 2 * num_seqs * ctx * HEADS["num_kv_heads"] * HEADS["head_dim"] * b.k_cache.element_size()
         split = pa.decode_split(num_seqs, 8, ctx, pa.decode_config(True).block_n, b.query.device)
@@ -93,13 +105,12 @@ def causal_flops(q_lens: list[int], seq_lens: list[int]) -> float:
     return 4 * HEADS["num_heads"] * HEADS["head_dim"] * pairs
 
 
-def bench_prefill(dtype: torch.dtype, block_size: int) -> None:
-    print(f"\n## prefill ({dtype}, block_size {block_size})\n")
+def bench_prefill(dtype: torch.dtype, block_size: int, kv_fp8: bool) -> None:
+    print(f"\n## prefill ({dtype}{', fp8 cache' if kv_fp8 else ''}, block_size {block_size})\n")
     print("| q_lens | seq_lens | triton ms | TFLOP/s | ref ms | SDPA causal ms | SDPA TFLOP/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for q_lens, seq_lens in PREFILL_CASES:
-        b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, device="cuda",
-                             seed=len(q_lens), **HEADS)
+        b = batch(q_lens, seq_lens, dtype, block_size, len(q_lens), kv_fp8)
         flops = causal_flops(q_lens, seq_lens)
         t_triton = graph_ms(triton_call(b))
         t_ref = ms(partial(pa.paged_attention_ref, *b.args()))
@@ -122,29 +133,30 @@ def _print_best(case: str, results: list[tuple[float, pa.TileConfig]], default: 
     print(f"{case}: default {next(t for t, c in results if c == default):.3f} ms; best {top}")
 
 
-def sweep(dtype: torch.dtype, block_size: int, which: str = "all") -> None:
+def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool = False) -> None:
     """Time every tile configuration; the library keeps using its defaults afterwards."""
     default_decode, default_prefill = pa.decode_config, pa.prefill_config
     default_per_sm = pa._PROGRAMS_PER_SM
-    print(f"\n## sweep ({dtype}, block_size {block_size})")
+    print(f"\n## sweep ({dtype}{', fp8 cache' if kv_fp8 else ''}, block_size {block_size})")
+    # decode: (seqs, context) of batch-1 long contexts up to a full 128/128 (1024 x ~160) and
+    # 1000/1000 (~500-900 x ~1500) batch
+    decode_cases = [(1, 8192), (64, 2048), (256, 4096), (1024, 160), (512, 1500), (880, 1500)]
     try:
-        for num_seqs, ctx in ([(1, 8192), (64, 2048), (256, 4096), (1024, 160), (512, 1500)]
-                              if which in ("all", "decode") else []):
-            b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
-                                 dtype=dtype, device="cuda", seed=1, **HEADS)
+        for num_seqs, ctx in (decode_cases if which in ("all", "decode") else []):
+            b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
             b.max_query_len = 1
             results = []
-            for block_n, warps, stages in itertools.product([16, 32, 64, 128], [2, 4, 8], [1, 2, 3]):
-                cfg = pa.TileConfig(16, block_n, warps, stages)
+            for block_n, warps, stages, by_rows, fp16 in itertools.product(
+                    [32, 64, 128], [2, 4, 8], [2, 3], [False, True], [False, True] if kv_fp8 else [False]):
+                cfg = pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=fp16)
                 pa.decode_config = lambda *_a, cfg=cfg: cfg
                 results.append((graph_ms(triton_call(b)), cfg))
             results.sort(key=lambda r: r[0])
-            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True))
+            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True, kv_fp8))
             pa.decode_config = default_decode
         for num_seqs, ctx in ([(1, 8192), (4, 8192), (16, 4096), (32, 2048)]
                               if which in ("all", "decode") else []):
-            b = make_paged_batch([1] * num_seqs, [ctx] * num_seqs, block_size=block_size,
-                                 dtype=dtype, device="cuda", seed=1, **HEADS)
+            b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
             b.max_query_len = 1
             timed = []
             for per_sm in (2, 4, 8, 16):
@@ -154,18 +166,19 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all") -> None:
             print(f"decode {num_seqs}x{ctx} programs per SM: " + "; ".join(timed))
             pa._PROGRAMS_PER_SM = default_per_sm
         for q_lens in ([[8192], [2048] * 4, [512] * 16] if which in ("all", "prefill") else []):
-            b = make_paged_batch(q_lens, q_lens, block_size=block_size, dtype=dtype, device="cuda",
-                                 seed=2, **HEADS)
+            b = batch(q_lens, q_lens, dtype, block_size, 2, kv_fp8)
             results = []
-            for block_m, block_n, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4]):
-                cfg = pa.TileConfig(block_m, block_n, warps, stages)
+            for block_m, block_n, warps, stages, fp16 in itertools.product(
+                    [64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [False, True] if kv_fp8 else [False]):
+                cfg = pa.TileConfig(block_m, block_n, warps, stages, k_by_rows=True, dot_fp16=fp16)
                 pa.prefill_config = lambda *_a, cfg=cfg: cfg
                 try:
                     results.append((graph_ms(triton_call(b)), cfg))
                 except triton.runtime.errors.OutOfResources:
                     continue
             results.sort(key=lambda r: r[0])
-            _print_best(f"prefill {_short(q_lens)}", results, default_prefill(4, block_size, True))
+            _print_best(f"prefill {_short(q_lens)}", results,
+                        default_prefill(4, block_size, True, kv_fp8))
             pa.prefill_config = default_prefill
     finally:
         pa.decode_config, pa.prefill_config = default_decode, default_prefill
@@ -179,16 +192,18 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
                         help="also time every tile configuration (of one kernel, or all)")
     parser.add_argument("--no-tables", action="store_true", help="only the sweep")
+    parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: e4m3 caches, as --kv-cache-dtype fp8")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     dtype = DTYPES[args.dtype]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if not args.no_tables:
-        bench_decode(dtype, args.block_size)
-        bench_prefill(dtype, args.block_size)
+        bench_decode(dtype, args.block_size, args.kv_dtype == "fp8")
+        bench_prefill(dtype, args.block_size, args.kv_dtype == "fp8")
     if args.sweep:
-        sweep(dtype, args.block_size, args.sweep)
+        sweep(dtype, args.block_size, args.sweep, args.kv_dtype == "fp8")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def _gemv_bf16() -> tuple:
             dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=512))
 
 
-def _paged_attention(kernel: str) -> tuple:
+def _paged_attention(kernel: str, **flags: bool) -> tuple:
     # bf16 queries and K/V, an e4m3 cache (the H200's sm_90 converts e4m3 only from sm_89 on)
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
            "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "q_ptr": "*bf16",
@@ -70,9 +70,9 @@ def _paged_attention(kernel: str) -> tuple:
         "_reshape_and_cache_kernel": dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
                                           BLOCK_SIZE=16),
         "_decode_kernel": dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128,
-                               BLOCK_SIZE=16),
+                               BLOCK_SIZE=16, K_BY_ROWS=False, DOT_FP16=False),
         "_prefill_kernel": dict(GROUP=4, TOKENS_PER_TILE=32, BLOCK_M=128, BLOCK_N=32,
-                                HEAD_DIM=128, BLOCK_SIZE=16)}[kernel]
+                                HEAD_DIM=128, BLOCK_SIZE=16, DOT_FP16=False)}[kernel] | flags
     return "kvfleet_kernels.paged_attention", kernel, sig, constexprs
 
 
@@ -81,6 +81,9 @@ def _fp8_quant(one_pass: bool) -> tuple:
     return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
             dict(BLOCK=4096, ONE_PASS=one_pass))
 
+
+BF16_MMA = ".f32.bf16.bf16"     # tensor-core dots on bf16 operands (mma.sync and wgmma)
+F16_MMA = ".f32.f16.f16"
 
 # case -> (kernel spec, PTX fragments that must appear)
 CASES = {
@@ -92,8 +95,15 @@ CASES = {
     # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
     "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),
                               ["cvt.rn.satfinite.e4m3x2"]),
-    "decode_fp8": (_paged_attention("_decode_kernel"), ["cvt.rn.f16x2.e4m3x2"]),
-    "prefill_fp8": (_paged_attention("_prefill_kernel"), ["cvt.rn.f16x2.e4m3x2"]),
+    # bf16 dots, or fp16 dots (the query converted once), K gathered as [D, N] or loaded by rows
+    "decode_fp8": (_paged_attention("_decode_kernel"), ["cvt.rn.f16x2.e4m3x2", BF16_MMA]),
+    "decode_fp8_fp16_dots": (_paged_attention("_decode_kernel", DOT_FP16=True),
+                             ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    "decode_fp8_k_by_rows": (_paged_attention("_decode_kernel", DOT_FP16=True, K_BY_ROWS=True),
+                             ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    "prefill_fp8": (_paged_attention("_prefill_kernel"), ["cvt.rn.f16x2.e4m3x2", BF16_MMA]),
+    "prefill_fp8_fp16_dots": (_paged_attention("_prefill_kernel", DOT_FP16=True),
+                              ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
 }
