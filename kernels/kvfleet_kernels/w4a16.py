@@ -86,64 +86,210 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
+# fp16x2 dequantization for the GEMV (sm_80+ PTX; Triton's interpreter cannot run it, so the
+# kernel keeps a plain-Triton path of the same structure). A 4-bit word holds rows 0..7 of one
+# column; `lop3` puts nibbles j and j+4 into the mantissas of two fp16 1024s (1024 + q, or
+# 1024 + 16q for the high nibble of a byte) and one fp16x2 fma per pair takes them to
+# (q - z) / 16, exactly. x arrives as the matching pairs (x_j, x_j+4) in fp16; the products of
+# two words (16 rows) are summed in fp16x2, then once in fp32 (x 16 and the scale outside).
+_F16X2_TWO_WORDS = tl.constexpr("""
+{
+.reg .b32 s, t0, t1, t2, t3, acc, k16, k256;
+.reg .b16 lo, hi, h;
+mov.b32 k16, 0x2C002C00;
+mov.b32 k256, 0x1C001C00;
+""" + "".join(f"""
+shr.u32 s, ${w}, 8;
+lop3.b32 t0, ${w}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t1, ${w}, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t0, t0, k16, $11;
+fma.rn.f16x2 t1, t1, k256, $12;
+fma.rn.f16x2 t2, t2, k16, $11;
+fma.rn.f16x2 t3, t3, k256, $12;
+{"mul.rn.f16x2 acc, t0, $3;" if w == 1 else "fma.rn.f16x2 acc, t0, $7, acc;"}
+fma.rn.f16x2 acc, t1, ${4 if w == 1 else 8}, acc;
+fma.rn.f16x2 acc, t2, ${5 if w == 1 else 9}, acc;
+fma.rn.f16x2 acc, t3, ${6 if w == 1 else 10}, acc;
+""" for w in (1, 2)) + """
+mov.b32 {lo, hi}, acc;
+add.rn.f16 h, lo, hi;
+cvt.f32.f16 $0, h;
+}
+""")
+_F16X2_TWO_WORDS_CONSTRAINTS = tl.constexpr("=f" + ",r" * 12)
+_BF16_PAIRS = tl.constexpr("""
+{
+.reg .b32 a0, a1, b0, b1, c0, c1, d0, d1;
+shl.b32 a0, $4, 16; and.b32 a1, $4, 0xFFFF0000;
+shl.b32 b0, $5, 16; and.b32 b1, $5, 0xFFFF0000;
+shl.b32 c0, $6, 16; and.b32 c1, $6, 0xFFFF0000;
+shl.b32 d0, $7, 16; and.b32 d1, $7, 0xFFFF0000;
+cvt.rn.satfinite.f16x2.f32 $0, c0, a0;
+cvt.rn.satfinite.f16x2.f32 $1, c1, a1;
+cvt.rn.satfinite.f16x2.f32 $2, d0, b0;
+cvt.rn.satfinite.f16x2.f32 $3, d1, b1;
+}
+""")
+_F16_PAIRS = tl.constexpr("""
+prmt.b32 $0, $4, $6, 0x5410;
+prmt.b32 $1, $4, $6, 0x7632;
+prmt.b32 $2, $5, $7, 0x5410;
+prmt.b32 $3, $5, $7, 0x7632;
+""")
+
+
+@triton.jit
+def _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb):
+    """fp32 sum over the 16 rows of words wa, wb (one column) of x_k (q_k - z) / 16.
+    x*: the fp16x2 pairs of _f16x2_pairs for each word's rows; nza, nzb: fp16x2 of
+    -(64 + z/16) and -(4 + z/16)."""
+    return tl.inline_asm_elementwise(
+        _F16X2_TWO_WORDS, _F16X2_TWO_WORDS_CONSTRAINTS,
+        [wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2_splat(v):
+    """fp16x2 (v, v) of fp32 v, as an int32."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,f", [v],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2_pairs(a, b, c, d, X_BF16: tl.constexpr):
+    """From the 8 activations of one word's rows as four int32 pairs (x0 x1, x2 x3, x4 x5,
+    x6 x7), the fp16x2 pairs (x0 x4, x1 x5, x2 x6, x3 x7) the lop3 unpacking lines up with.
+    bf16 goes through fp32 and saturates at the fp16 range."""
+    if X_BF16:
+        return tl.inline_asm_elementwise(_BF16_PAIRS, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_F16_PAIRS, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_rows_dot(x_ptr, xrow, xmask, w, z, PER_WORD: tl.constexpr, BITS: tl.constexpr):
+    """Plain Triton: fp32 sum over the PER_WORD rows of words w of x_k (q_k - z)."""
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for j in tl.static_range(PER_WORD):
+        xj = tl.load(x_ptr + xrow * PER_WORD + j, mask=xmask, other=0.0).to(tl.float32)
+        q = _small_int_to_float((w >> (j * BITS)) & ((1 << BITS) - 1))
+        part += xj * (q - z)
+    return part
+
+
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        group_size, split_k,
-                       stride_xm, stride_qk, stride_qn, stride_sg, stride_sn,
-                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                       stride_xm, stride_qk, stride_sg,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                       F16X2: tl.constexpr, EVEN: tl.constexpr):
     """Decode: one program per (row of x, BLOCK_N columns, K slice); no tl.dot.
 
-    Each int32 word is loaded once and unpacked in registers into its PER_WORD rows
-    ([BLOCK_KW, PER_WORD, BLOCK_N]); with one group per tile the zero point comes out of
-    the sum: sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k).
+    A K tile is BLOCK_KW rows of words, one group, loaded as two [BLOCK_KW / 2, BLOCK_N]
+    halves (even and odd word rows; 16 B of a row per thread). Each pair of words (16
+    consecutive rows of K, one column) is dotted with x, (q - z) taken before the product; the
+    pairs' sums over the tile's rows are scaled once per column. F16X2 (4 bits, 16-bit x):
+    dequantize and multiply in fp16x2 PTX (_F16X2_TWO_WORDS, ~13 instructions a word); else
+    in fp32 in plain Triton (the interpreter's path). EVEN: K % BLOCK_K == 0 == N % BLOCK_N,
+    no masks. BLOCK_N = 128 * num_warps gives each thread 4 whole columns of the tile (see
+    pick_config).
 
-    With split_k > 1 the K slices meet inside this one launch (split_k.store_or_reduce): no
-    zero-filled buffer, atomic accumulation or cast kernel around it (at batch 1 those were
-    two extra launches per linear layer). out is contiguous [M, N].
+    qweight, scales and zeros have contiguous columns. With split_k > 1 the K slices meet
+    inside this one launch (split_k.store_or_reduce): no zero-filled buffer, atomic
+    accumulation or cast kernel around it. out is contiguous [M, N].
     """
     PER_WORD: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    shifts = tl.arange(0, PER_WORD) * BITS
+    cols = offs_n[None, :]
+    kw = K // PER_WORD
+    # the 8 activations of a word row (4 bits, 16-bit x) as two int64 loads
+    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + m * (stride_xm // 4)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for tile in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        rows = tile * BLOCK_KW + tl.arange(0, BLOCK_KW)
-        mask_w = rows < K // PER_WORD
-        words = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                        mask=mask_w[:, None] & mask_n[None, :], other=0)       # [KW, BN]
-        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [KW, P, BN]
-        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        x3 = tl.reshape(x, (BLOCK_KW, PER_WORD))
-        dot = tl.sum(tl.sum(x3[:, :, None] * _small_int_to_float(q), axis=1), axis=0)   # [BN]
+        row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]     # even word rows
         group = (tile * BLOCK_K) // group_size
-        s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
-        z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
-        acc += s.to(tl.float32) * (dot - z.to(tl.float32) * tl.sum(x, axis=0))
-    store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, m, M, N, offs_n, mask_n,
-                    pid_n, pid_k, split_k, False)
+        if EVEN:     # K % BLOCK_K == 0 == N % BLOCK_N: no masks
+            wa = tl.load(qw_ptr + row_a * stride_qk + cols)
+            wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
+            s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
+            z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
+        else:
+            ma = row_a < kw
+            mb = row_a + 1 < kw
+            wa = tl.load(qw_ptr + row_a * stride_qk + cols, mask=ma & mask_n[None, :], other=0)
+            wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols, mask=mb & mask_n[None, :],
+                         other=0)
+            s = tl.load(s_ptr + group * stride_sg + cols, mask=mask_n[None, :],
+                        other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group * stride_sg + cols, mask=mask_n[None, :],
+                        other=0.0).to(tl.float32)
+        # s, z: [1, BLOCK_N], loaded in the words' layout when BLOCK_N = 128 * num_warps
+        # (each thread's 4 columns); otherwise Triton shuffles them through shared memory
+        if F16X2:
+            # a masked-off word row (0) must meet x = 0: 0 - z is not
+            if EVEN:
+                xa01 = tl.load(x64 + row_a * 2)
+                xa23 = tl.load(x64 + row_a * 2 + 1)
+                xb01 = tl.load(x64 + row_a * 2 + 2)
+                xb23 = tl.load(x64 + row_a * 2 + 3)
+            else:
+                xa01 = tl.load(x64 + row_a * 2, mask=ma, other=0)
+                xa23 = tl.load(x64 + row_a * 2 + 1, mask=ma, other=0)
+                xb01 = tl.load(x64 + row_a * 2 + 2, mask=mb, other=0)
+                xb23 = tl.load(x64 + row_a * 2 + 3, mask=mb, other=0)
+            xa0, xa1, xa2, xa3 = _f16x2_pairs(xa01.to(tl.int32), (xa01 >> 32).to(tl.int32),
+                                              xa23.to(tl.int32), (xa23 >> 32).to(tl.int32),
+                                              X_BF16)
+            xb0, xb1, xb2, xb3 = _f16x2_pairs(xb01.to(tl.int32), (xb01 >> 32).to(tl.int32),
+                                              xb23.to(tl.int32), (xb23 >> 32).to(tl.int32),
+                                              X_BF16)
+            nza = _f16x2_splat(-64.0 - z * 0.0625)
+            nzb = _f16x2_splat(-4.0 - z * 0.0625)
+            part = _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb)
+            acc += tl.sum(part, axis=0) * tl.reshape(s * 16.0, (BLOCK_N,))
+        else:
+            xrow = x_ptr + m * stride_xm
+            part = (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS)
+                    + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS))
+            acc += tl.sum(part, axis=0) * tl.reshape(s, (BLOCK_N,))
+    store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, m, M, N,
+                    offs_n, mask_n, pid_n, pid_k, split_k, False)
 
 
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
-# GEMV programs (column tiles x K slices) to aim for per SM
-GEMV_PROGRAMS_PER_SM = 2
+# GEMV programs (column tiles x K slices) to aim for per SM: one warp each, nothing staged
+# through shared memory, so these warps are what hides the loads' latency
+GEMV_PROGRAMS_PER_SM = 16
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles of one launch; block_m == 1 selects the GEMV kernel (block_k rows per tile)."""
+    """Tiles of one launch; block_m == 1 selects the GEMV kernel (block_k rows per tile, at
+    least 2 words: 16 for 4 bits). f16x2: the GEMV dequantizes in fp16x2 PTX where it can
+    (4 bits, fp16/bf16 x, compiled for a GPU); else, and in the interpreter, in fp32."""
     block_m: int
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
+    f16x2: bool = True
 
 
 @functools.cache
@@ -156,17 +302,21 @@ def _num_sms(device: torch.device) -> int:
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
     if m <= GEMV_MAX_M:
-        # one group per K tile; about two programs per SM (rows x column tiles x K slices),
-        # in slices of >= 2 K-blocks each. The tiles are the H200 sweep's best (bench_w4a16.py
-        # --sweep, commit 06e9c73: 22-59 us on the 8B shapes where 64-column tiles took 60-306)
-        block_n, block_k = 128, 128
+        # one group per K tile. 128 columns on one warp (BLOCK_N = 128 * num_warps): each
+        # thread owns 4 columns (16-byte loads) and every row of the tile, so the per-column
+        # scales/zeros load in the words' layout and the sum over rows stays in registers. At
+        # block_k 128 the f16x2 loop compiles (sm_90, ptxas 13) to ~20 SASS instructions per
+        # 32-bit word, 80 registers, no spills, no shared memory or barriers; 64 and 128 columns
+        # on 2-4 warps took 25-35 (layout shuffles through shared memory). Slices may be a
+        # single K tile: at batch 1 the programs, not the partials, are what is short.
+        block_n, block_k, warps = 128, 128, 1
         while group_size < k and group_size % block_k:
             block_k //= 2
         tiles = m * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block_k)
-        split_k = max(1, min(k_tiles // 2,
+        split_k = max(1, min(k_tiles,
                              triton.cdiv(GEMV_PROGRAMS_PER_SM * _num_sms(device), tiles)))
-        return GemmConfig(1, block_n, block_k, split_k, 2, 3)
+        return GemmConfig(1, block_n, block_k, split_k, warps, 1)
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:
@@ -202,19 +352,26 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("scales and zeros must share strides")
     cfg = config or pick_config(m, n, k, group_size, x.device)
     per_word = 32 // bits
-    if cfg.block_m == 1 and (cfg.block_k % per_word or (group_size < k and group_size % cfg.block_k)):
-        raise ValueError(f"GEMV block_k {cfg.block_k} must be a multiple of {per_word} "
+    if cfg.block_m == 1 and (cfg.block_k % (2 * per_word)
+                             or (group_size < k and group_size % cfg.block_k)):
+        raise ValueError(f"GEMV block_k {cfg.block_k} must be a multiple of {2 * per_word} "
                          f"dividing group_size {group_size}")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     if cfg.block_m == 1:
-        x = x if x.stride(1) == 1 else x.contiguous()
+        f16x2 = (cfg.f16x2 and bits == 4 and x.dtype in (torch.float16, torch.bfloat16)
+                 and x.is_cuda and not triton.knobs.runtime.interpret)
+        # the kernel reads x's rows as int64 quads (f16x2) and the weights' rows whole
+        if x.stride(1) != 1 or (f16x2 and (x.stride(0) % 4 or x.data_ptr() % 8)):
+            x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 4 else x.clone()
+        if qweight.stride(1) != 1 or scales.stride(1) != 1:
+            qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         _w4a16_gemv_kernel[grid](
             x, qweight, scales, zeros, out, part, count, m, n, k, group_size, cfg.split_k,
-            x.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0),
-            scales.stride(1),
-            BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word,
+            x.stride(0), qweight.stride(0), scales.stride(0),
+            BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
+            EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
     if cfg.split_k == 1:

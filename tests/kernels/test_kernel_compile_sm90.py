@@ -45,11 +45,11 @@ def _rotary_and_cache(cache: str) -> tuple:
     return "kvfleet_kernels.rotary", "_rotary_and_cache_kernel", sig, constexprs
 
 
-def _gemv() -> tuple:
-    sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True) -> tuple:
+    sig = {"x_ptr": x, "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
+           "out_ptr": x, "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.w4a16", "_w4a16_gemv_kernel", sig,
-            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16))
+            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even))
 
 
 def _gemv_bf16() -> tuple:
@@ -91,6 +91,13 @@ CASES = {
     "rotary_and_cache_bf16": (_rotary_and_cache("*bf16"), ["st.global"]),
     # the last-arrival reduction: a CTA barrier, then an acq_rel atomic at GPU scope
     "w4a16_gemv": (_gemv(), ["bar.sync", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"]),
+    # the fp16x2 dequantization: lop3 into fp16 1024s, fp16x2 fmas, bf16 x saturated into fp16
+    # pairs (fp16 x: byte permutes), the pair sums widened to fp32
+    "w4a16_gemv_f16x2_bf16": (_gemv(True), ["lop3.b32", "fma.rn.f16x2", "mul.rn.f16x2",
+                                             "cvt.rn.satfinite.f16x2.f32", "cvt.f32.f16",
+                                             "atom.global.gpu.acq_rel.add"]),
+    "w4a16_gemv_f16x2_fp16_masked": (_gemv(True, "*fp16", even=False),
+                                     ["lop3.b32", "fma.rn.f16x2", "prmt.b32", "cvt.f32.f16"]),
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
     "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),

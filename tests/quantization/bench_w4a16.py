@@ -31,11 +31,15 @@ SHAPES = [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
 # --sweep: candidate tiles (block_m, block_n, block_k, num_warps, num_stages); split-K of
 # decode tiles is tried at 1 and at pick_config's choice
 SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)]
-# the GEMV kernel (block_m 1) for M <= GEMV_MAX_M
-SWEEP_GEMV = [(1, n, k, w, st) for n in (64, 128, 256) for k in (64, 128) for w in (2, 4, 8)
-              for st in (2, 4)]
+# the GEMV kernel (block_m 1) for M <= GEMV_MAX_M, (block_m, block_n, block_k, num_warps,
+# f16x2): block_n = 128 * num_warps keeps the scales in the words' layout (~20 SASS
+# instructions per word); 64 and 128 columns on more warps shuffle through shared memory
+# (25-35); f16x2=False is the plain-Triton fp32 path (~56), for reference
+SWEEP_GEMV = ([(1, 128 * w, k, w, True) for w in (1, 2, 4) for k in (64, 128)]
+              + [(1, n, k, w, True) for n in (64, 128) for k in (64, 128) for w in (2, 4)]
+              + [(1, 128, 128, 1, False), (1, 256, 64, 2, False)])
 # and its split-K at these programs per SM (split_k is a runtime argument: no recompile)
-SWEEP_GEMV_PER_SM = (1, 2, 4, 8, 16)
+SWEEP_GEMV_PER_SM = (1, 2, 4, 8, 16, 32)
 SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                  (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 256, 64, 8, 3),
                  (128, 256, 64, 8, 3)]
@@ -57,30 +61,42 @@ def graph_us(fn, rep: int = 100) -> float:
     return triton.testing.do_bench(graph.replay, warmup=rep // 4, rep=rep) * 1e3 / 10
 
 
-def sweep(x, qweight, scales, zeros, bits, group_size) -> tuple[float, GemmConfig]:
-    """The fastest of the candidate configs for this shape: (us, config)."""
+def sweep(x, qweight, scales, zeros, bits, group_size, args_verbose: bool = False
+          ) -> tuple[float, GemmConfig]:
+    """The fastest of the candidate configs for this shape that match the reference:
+    (us, config); args_verbose prints every config's time."""
     m, k = x.shape
     n = qweight.shape[1]
     auto = pick_config(m, n, k, group_size, x.device)
     best: tuple[float, GemmConfig] | None = None
     candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
                   else SWEEP_LARGE_M)
-    for bm, bn, bk, warps, stages in candidates:
+    ref = w4a16_gemm_ref(x, qweight, scales, zeros, bits, group_size).float()
+    for bm, bn, bk, warps, last in candidates:
         if bm == 1:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             tiles, k_tiles = m * triton.cdiv(n, bn), triton.cdiv(k, bk)
             splits = sorted({max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
                              for per_sm in SWEEP_GEMV_PER_SM})
+            # last: f16x2 (the GEMV has no pipelined loads: one stage)
+            make = partial(GemmConfig, bm, bn, bk, num_warps=warps, num_stages=1, f16x2=last)
         else:
             splits = sorted({1, auto.split_k})
+            make = partial(GemmConfig, bm, bn, bk, num_warps=warps, num_stages=last)
         for split in splits:
-            cfg = GemmConfig(bm, bn, bk, split, warps, stages)
+            cfg = make(split_k=split)
+            fn = partial(w4a16_gemm, x, qweight, scales, zeros, bits, group_size, cfg)
             try:
-                t = graph_us(partial(w4a16_gemm, x, qweight, scales, zeros, bits, group_size, cfg),
-                             rep=20)
+                err = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
+                if not err < 2e-2:     # a fast wrong config must not win
+                    print(f"  WRONG {cfg}: off by {err:.3g} of max")
+                    continue
+                t = graph_us(fn, rep=20)
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip the config
                 print(f"  skip {cfg}: {type(e).__name__}")
                 continue
+            if args_verbose:
+                print(f"    {t:8.1f} us  {cfg}")
             if best is None or t < best[0]:
                 best = (t, cfg)
     assert best is not None
@@ -93,6 +109,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 256])
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
+    parser.add_argument("--verbose", action="store_true", help="with --sweep: every config's time")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -123,7 +140,8 @@ def main() -> None:
                   f"{(k * n * 2 + io) / t_b / 1e6:>7.2f}{t_b / t_q:>8.2f}x  "
                   f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split_k={cfg.split_k}")
             if args.sweep:
-                t_best, best = sweep(x, qweight, scales, zeros, args.bits, args.group_size)
+                t_best, best = sweep(x, qweight, scales, zeros, args.bits, args.group_size,
+                                     args.verbose)
                 print(f"{'  best':<19}{t_best:>10.1f}{(q_bytes + io) / t_best / 1e6:>7.2f}"
                       f"{'':>16}{t_b / t_best:>8.2f}x  {best}")
 

@@ -55,6 +55,26 @@ def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k, n, group_size", [(4096, 6144, 128), (14336, 4096, 128),
+                                              (4096, 1000, 64), (1152, 4096, 32)])
+def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_size, dtype):
+    # batch 1 at pick_config's tiles, the fp16x2 PTX against the plain-Triton fp32 path; a
+    # few activations in the thousands (as the FFN's massive activations) stay finite in fp16
+    qweight, scales, zeros = random_layer(k, n, 4, group_size, seed=k + n)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    x[0, :: k // 4] = torch.tensor([3000.0, -2000.0, 500.0, -4000.0], dtype=dtype)
+    cfg = pick_config(1, n, k, group_size, x.device)
+    assert cfg.f16x2
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, group_size, cfg)
+    fp32 = w4a16_gemm(x, qweight, scales, zeros, 4, group_size,
+                      GemmConfig(**{**cfg.__dict__, "f16x2": False}))
+    tol = ref.abs().max().item() * 5e-3
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+    torch.testing.assert_close(fp32.float(), ref, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_w4a16_split_k_is_exact_up_to_summation_order(split_k):
     qweight, scales, zeros = random_layer(4096, 512, 4, 128, seed=1)
