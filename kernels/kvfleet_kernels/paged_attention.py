@@ -403,7 +403,8 @@ class DecodeSplit:
 # Partitions shorter than this cost more in the reduce step than they win in parallelism.
 _MIN_PARTITION_TOKENS = 256
 # Programs to aim for per SM: enough in flight to keep HBM busy while each one waits on loads.
-_PROGRAMS_PER_SM = 4
+# (H200 sweep: 2 beat 4 by 15-20% at 16 x 4096 and 32 x 2048, and lost 6% at 4 x 8192.)
+_PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; a small stand-in keeps small test shapes on the split path.
 _CPU_SM_COUNT = 8
 
@@ -435,11 +436,22 @@ class TileConfig:
     dot_fp16: bool = False
 
 
-def decode_config(on_gpu: bool, fp8_cache: bool = False) -> TileConfig:
-    """Decode's rows are the GQA group, padded up to block_m (tl.dot needs >= 16 rows)."""
+def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096) -> TileConfig:
+    """Decode's rows are the GQA group, padded up to block_m (tl.dot needs >= 16 rows).
+
+    GPU choices from the H200 sweep (tests/kernels/bench_kernels.py [--kv-dtype fp8] --sweep
+    decode, bf16 queries, Llama-3.1-8B heads, blocks of 16; docs/PERFORMANCE.md): two warps and
+    two stages throughout (1024 x 160 tokens: 0.219 -> 0.180 ms against four warps, three
+    stages); 32-key tiles up to 2048 tokens of context, 64 beyond. An fp8 cache reads half the
+    bytes per key: 128-key tiles with fp16 dots (256 x 4096: 1.056 -> 0.618 ms, 1.7x).
+    """
     if not on_gpu:   # the interpreter: small steps, no pipelining
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, dot_fp16=fp8_cache)
-    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, dot_fp16=fp8_cache)
+    if fp8_cache:
+        return TileConfig(block_m=16, block_n=128 if max_seq_len > 1024 else 64, num_warps=2,
+                          num_stages=2, dot_fp16=True)
+    return TileConfig(block_m=16, block_n=32 if max_seq_len <= 2048 else 64, num_warps=2,
+                      num_stages=2)
 
 
 def prefill_config(group: int, block_size: int, on_gpu: bool, fp8_cache: bool = False) -> TileConfig:
@@ -515,7 +527,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if max_query_len == 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        cfg = decode_config(on_gpu, fp8_cache)
+        cfg = decode_config(on_gpu, fp8_cache, max_seq_len)
         split = decode_split(num_seqs, num_kv_heads, max_seq_len, cfg.block_n, query.device)
         if split.num_splits > 1:
             part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
