@@ -1,14 +1,17 @@
 """Collectives of the tensor-parallel group; each is a no-op (or the identity) at size 1.
 
-`broadcast_step` is how rank 0 hands the step it scheduled (`StepInputs`) to the other ranks:
-the small Python values go through the gloo control group as one pickled object, the tensors
-through the device group (on GPU they never visit the host).
+`broadcast_step` is how rank 0 hands the step it scheduled (`StepInputs`) to the other ranks
+in two collectives: the small Python values (and the tensors' shapes and dtypes) go through the
+gloo control group as one pickled message, every tensor's bytes through the device group packed
+into one buffer (on GPU they never visit the host).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
+import struct
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -140,6 +143,50 @@ class StepInputs:
 class _TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int                      # of its bytes in the packed buffer
+
+
+_ALIGN = 16          # every tensor starts at a multiple of this in the packed buffer
+
+
+def _pack_layout(tensors: list[torch.Tensor]) -> tuple[list[_TensorSpec], int]:
+    """Where each tensor's bytes go in the packed buffer, and the buffer's size."""
+    specs, offset = [], 0
+    for t in tensors:
+        specs.append(_TensorSpec(tuple(t.shape), t.dtype, offset))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return specs, offset
+
+
+def _pack(tensors: list[torch.Tensor], specs: list[_TensorSpec], out: torch.Tensor) -> None:
+    """Copy the tensors' bytes (any dtype, layout or device) into `out` (uint8, as long as the
+    layout's size) at their specs' offsets, in one kernel on GPU; the padding is zeros."""
+    pieces, end = [], 0
+    pads = _Buffers.get_pads(out.device)
+    for t, spec in zip(tensors, specs, strict=True):
+        if spec.offset > end:
+            pieces.append(pads[spec.offset - end])
+        data = t.contiguous().view(-1)
+        if data.device != out.device:
+            data = data.to(out.device)
+        data = data.view(torch.uint8)
+        pieces.append(data)
+        end = spec.offset + data.numel()
+    if out.numel() > end:
+        pieces.append(pads[out.numel() - end])
+    if pieces:
+        torch.cat(pieces, out=out)
+
+
+def _unpack(buf: torch.Tensor, specs: list[_TensorSpec]) -> list[torch.Tensor]:
+    """The tensors `_pack` put in `buf`, as views of it."""
+    out = []
+    for spec in specs:
+        n = spec.dtype.itemsize
+        for d in spec.shape:
+            n *= d
+        out.append(buf[spec.offset:spec.offset + n].view(spec.dtype).view(spec.shape))
+    return out
 
 
 def _flatten(step: StepInputs) -> dict[str, Any]:
@@ -154,30 +201,100 @@ def _unflatten(flat: dict[str, Any]) -> StepInputs:
     return StepInputs(flat["input_ids"], flat["positions"], meta, flat["logits_rows"])
 
 
+# The control message is one broadcast of this many bytes: an 8-byte length, then the pickled
+# skeleton (a decode step of ~1500 sequences fits); a longer pickle sends its rest in a second
+# broadcast. broadcast_object_list would always take two (the size, then the bytes).
+_CONTROL_BYTES = 16 * 1024
+_HEADER = struct.Struct("<q")
+
+
+class _Buffers:
+    """This process's reused buffers: the control message and, per device, the packed tensors."""
+    control: torch.Tensor | None = None
+    packed: dict[torch.device, torch.Tensor] = {}
+    pads: dict[torch.device, list[torch.Tensor]] = {}     # n -> n zero bytes, n < _ALIGN
+
+    @classmethod
+    def get_pads(cls, device: torch.device) -> list[torch.Tensor]:
+        if device not in cls.pads:
+            zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
+            cls.pads[device] = [zeros[:n] for n in range(_ALIGN)]
+        return cls.pads[device]
+
+    @classmethod
+    def get_control(cls) -> torch.Tensor:
+        if cls.control is None:
+            cls.control = torch.zeros(_CONTROL_BYTES, dtype=torch.uint8)
+        return cls.control
+
+    @classmethod
+    def get_packed(cls, device: torch.device, nbytes: int) -> torch.Tensor:
+        buf = cls.packed.get(device)
+        if buf is None or buf.numel() < nbytes:
+            # grown by half again, so slowly growing batches do not reallocate every step
+            size = max(nbytes, 64 * 1024, 0 if buf is None else buf.numel() * 3 // 2)
+            buf = cls.packed[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+
+def _broadcast_control(obj: Any, group: dist.ProcessGroup, is_src: bool) -> Any:
+    """broadcast_object_list for one object, in one broadcast when its pickle is small."""
+    control = _Buffers.get_control()
+    room = _CONTROL_BYTES - _HEADER.size
+    view = memoryview(control.numpy())
+    if is_src:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        _HEADER.pack_into(view, 0, len(data))
+        head = min(len(data), room)
+        view[_HEADER.size:_HEADER.size + head] = data[:head]
+        dist.broadcast(control, src=0, group=group)
+        if len(data) > room:
+            dist.broadcast(torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8),
+                           src=0, group=group)
+        return obj
+    dist.broadcast(control, src=0, group=group)
+    (length,) = _HEADER.unpack_from(view, 0)
+    data = bytes(view[_HEADER.size:_HEADER.size + min(length, room)])
+    if length > room:
+        rest = torch.empty(length - room, dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
+
+
+@torch.inference_mode()
 def broadcast_step(step: StepInputs | None, device: torch.device) -> StepInputs | None:
-    """Rank 0 passes its step (None means stop); every rank returns it, tensors on `device`."""
+    """Rank 0 passes its step (None means stop); every rank returns it, tensors on `device`.
+
+    On the other ranks the tensors are views of one buffer that the next call overwrites (in
+    stream order on GPU: after the work already queued that reads them)."""
     state = get_state()
     if state.size == 1:
         return step
     if state.rank == 0:
-        flat = None if step is None else _flatten(step)
-        skeleton = None if flat is None else {
-            k: _TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
-            for k, v in flat.items()}
-        dist.broadcast_object_list([skeleton], src=0, group=state.cpu_group)
-        for v in (flat or {}).values():
-            if isinstance(v, torch.Tensor):
-                dist.broadcast(v.contiguous(), src=0, group=state.device_group)
+        if step is None:
+            _broadcast_control(None, state.cpu_group, is_src=True)
+            return None
+        flat = _flatten(step)
+        names = [k for k, v in flat.items() if isinstance(v, torch.Tensor)]
+        tensors = [flat[k] for k in names]
+        specs, nbytes = _pack_layout(tensors)
+        skeleton = {**flat, **dict(zip(names, specs, strict=True)), "_nbytes": nbytes}
+        _broadcast_control(skeleton, state.cpu_group, is_src=True)
+        if nbytes:
+            buf = _Buffers.get_packed(device, nbytes)
+            _pack(tensors, specs, buf)
+            dist.broadcast(buf, src=0, group=state.device_group)
         return step
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=state.cpu_group)
-    if box[0] is None:
+    skeleton = _broadcast_control(None, state.cpu_group, is_src=False)
+    if skeleton is None:
         return None
-    flat = {}
-    for k, v in box[0].items():     # same order as rank 0 sent the tensors
-        if isinstance(v, _TensorSpec):
-            v_t = torch.empty(v.shape, dtype=v.dtype, device=device)
-            dist.broadcast(v_t, src=0, group=state.device_group)
-            v = v_t
-        flat[k] = v
-    return _unflatten(flat)
+    nbytes = skeleton.pop("_nbytes")
+    names = [k for k, v in skeleton.items() if isinstance(v, _TensorSpec)]
+    if nbytes:
+        buf = _Buffers.get_packed(device, nbytes)
+        dist.broadcast(buf, src=0, group=state.device_group)
+    else:
+        buf = torch.empty(0, dtype=torch.uint8, device=device)
+    views = _unpack(buf, [skeleton[k] for k in names])
+    return _unflatten({**skeleton, **dict(zip(names, views, strict=True))})
