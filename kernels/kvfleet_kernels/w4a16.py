@@ -273,9 +273,9 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
-# GEMV programs (column tiles x K slices) to aim for per SM: one warp each, nothing staged
-# through shared memory, so these warps are what hides the loads' latency
-GEMV_PROGRAMS_PER_SM = 16
+# GEMV programs (column tiles x K slices) to aim for per SM: nothing is staged through shared
+# memory, so these programs' warps are what hides the loads' latency
+GEMV_PROGRAMS_PER_SM = 8
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,10 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
         # 32-bit word, 80 registers, no spills, no shared memory or barriers; 64 and 128 columns
         # on 2-4 warps took 25-35 (layout shuffles through shared memory). Slices may be a
         # single K tile: at batch 1 the programs, not the partials, are what is short.
-        block_n, block_k, warps = 128, 128, 1
+        # The H200 sweep (bench_w4a16.py --m 1 --sweep, commit ab8e752) then preferred two
+        # warps on 128 columns, 64-row K tiles at K = 4096 and 128 at K = 14336, at 4-16
+        # programs per SM (the best configs ran 9-27% faster than one warp, 128 rows, 16/SM).
+        block_n, block_k, warps = 128, (64 if k <= 4096 else 128), 2
         while group_size < k and group_size % block_k:
             block_k //= 2
         tiles = m * triton.cdiv(n, block_n)
