@@ -74,6 +74,13 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         _state.one_shot = OneShotAllReduce.create(device)
 
 
+def forget_tensor_parallel() -> None:
+    """Become rank 0 of 1 again without leaving the group (its teardown hung): collectives
+    are no longer issued through it; torch still counts it as initialised."""
+    global _state
+    _state = ParallelState()
+
+
 def destroy_tensor_parallel() -> None:
     """Leave the group (if any) and become rank 0 of 1 again."""
     global _state

@@ -29,6 +29,7 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.distributed.communication import broadcast_step
 from kvfleet_runtime.distributed.parallel_state import (
     destroy_tensor_parallel,
+    forget_tensor_parallel,
     get_state,
     init_tensor_parallel,
 )
@@ -41,6 +42,7 @@ READY_TIMEOUT_S = 600.0        # loading a shard and profiling memory
 POLL_S = 0.2                   # how often the supervisor looks at the workers
 FAIL_WAIT_S = 1.0              # after a failed step, how long to wait for a worker to exit
 STOP_GRACE_S = 5.0             # a stopped worker gets this long before it is killed
+TEARDOWN_TIMEOUT_S = 10.0      # rank 0's NCCL teardown at shutdown waits at most this
 
 
 class WorkerDiedError(RuntimeError):
@@ -95,9 +97,12 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connect
     conn.send(WorkerReady(rank))
     while runner.execute_remote():
         pass
-    # released: abort the NCCL group rather than wait in a graceful teardown for rank 0's
-    # (which aborts too); see WorkerGroup.shutdown
-    abort_device_group(device)
+    if device.type == "cuda":
+        # Released. No NCCL teardown: on the H200 both destroy_process_group and an abort hung
+        # on every rank once collectives had been captured in CUDA graphs (pytorch#115388).
+        # Nothing is left to communicate; exiting frees the communicator with the process.
+        conn.close()
+        os._exit(0)
     destroy_tensor_parallel()
 
 
@@ -247,14 +252,30 @@ class WorkerGroup:
                 released = True
             except RuntimeError as e:      # a worker died just now
                 log.warning("could not release the tensor-parallel workers: %s", e)
-        # NCCL's graceful teardown (destroy_process_group) waits for every rank's: a worker
-        # still leaving, or one killed, or a collective in flight with a dead peer would hang
-        # it (it did, on the H200, after the last step of a TP run). Nothing is left to
-        # communicate, so every rank aborts its NCCL group instead (workers too, on exit).
-        self._abort_device_group()
+        # The workers leave first (a released one exits without NCCL teardown; one that is
+        # not released is killed), then this rank tears its group down, bounded: on the H200
+        # NCCL's teardown (destroy_process_group, and an abort too) hung on every rank once
+        # collectives had been captured in CUDA graphs (pytorch#115388).
         self._kill_all(grace_s=STOP_GRACE_S if released else 0.0)
-        destroy_tensor_parallel()
+        self._leave_group()
         self.dead = self.dead or "the engine was shut down"
+
+    def _leave_group(self) -> None:
+        def teardown() -> None:
+            self._abort_device_group()
+            destroy_tensor_parallel()
+        if self._device.type != "cuda":
+            teardown()
+            return
+        thread = threading.Thread(target=teardown, name="kvfleet-tp-teardown", daemon=True)
+        thread.start()
+        thread.join(TEARDOWN_TIMEOUT_S)
+        if thread.is_alive():
+            log.warning("the NCCL group's teardown did not finish in %.0f s (pytorch#115388: "
+                        "collectives captured in CUDA graphs); it is left to the process's exit, "
+                        "and this process cannot start another tensor-parallel engine",
+                        TEARDOWN_TIMEOUT_S)
+            forget_tensor_parallel()
 
     def _kill_all(self, grace_s: float = 0.0) -> None:
         for proc in self.procs:
