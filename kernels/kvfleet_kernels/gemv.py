@@ -3,13 +3,14 @@
 out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w in nn.Linear's [N, K] layout (K contiguous).
 Each program streams a [BLOCK_N, BLOCK_K] tile of w per step over its K slice, multiplies by x
 in fp32 and keeps a [BLOCK_N, BLOCK_K] accumulator it reduces once at the end; the K slices
-meet through split_k.store_or_reduce. Opt-in (`KVFLEET_TRITON_GEMV=1` in the engine's linear
-layers) until it beats cuBLAS on the GPU: at batch 1 cuBLAS moves the 8B model's weights at
-~3.8 TB/s with split-K GEMVs plus reduce kernels (docs/PERFORMANCE.md).
+meet through split_k.store_or_reduce. The engine's linear layers use it at batch 1 for every
+shape with `KVFLEET_TRITON_GEMV=1`, with `KVFLEET_TRITON_GEMV=tuned` only for the (device,
+shape) pairs in TUNED, where an H200 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,26 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     tiles = m * triton.cdiv(n, block_n)
     split = split_for(tiles, triton.cdiv(k, block_k), PROGRAMS_PER_SM, device)
     return GemvConfig(block_n, block_k, split, 4, 3)
+
+
+# (device name, N, K) -> the tiles that beat cuBLAS there. `python tests/kernels/bench_gemv.py
+# --sweep` on an H200 (commit 3c340b9), Llama-3.1-8B's batch-1 projections, us per call from
+# CUDA graphs, best Triton tiles vs cuBLAS: o_proj 4096x4096 8.1 vs 11.8; qkv 17.3 vs 17.0,
+# gate_up 60.8 vs 58.0, down 33.3 vs 32.4, lm_head 243.7 vs 238.7 (those stay on cuBLAS).
+TUNED: dict[tuple[str, int, int], GemvConfig] = {
+    ("NVIDIA H200", 4096, 4096): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=4,
+                                            num_stages=4),
+}
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
+    """The measured-faster tiles for an [N, K] weight on this device, or None (use cuBLAS)."""
+    return TUNED.get((_device_name(device), n, k))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvfleet_kernels import split_k as split_k_module
-from kvfleet_kernels.gemv import GemvConfig, gemv, gemv_ref
+from kvfleet_kernels.gemv import TUNED, GemvConfig, gemv, gemv_ref
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 40, 96), (1, 64, 512), (2, 33, 200)])
@@ -48,4 +48,19 @@ def test_gpu_gemv_at_llama_8b_shapes(n, k):
     ref = gemv_ref(x, w)
     # fp32 sums of bf16 products, one bf16 rounding at the end (as the reference)
     torch.testing.assert_close(gemv(x, w).float(), ref.float(), rtol=1.6e-2,
+                               atol=1e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", sorted(TUNED), ids=lambda key: f"{key[0]}-{key[1]}x{key[2]}")
+def test_gpu_gemv_at_its_tuned_tiles(key):
+    # KVFLEET_TRITON_GEMV=tuned runs these tiles in the engine: each against the reference
+    name, n, k = key
+    if torch.cuda.get_device_name() != name:
+        pytest.skip(f"tuned for {name}")
+    g = torch.Generator().manual_seed(n ^ k)
+    x = torch.randn(1, k, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(device="cuda", dtype=torch.bfloat16)
+    ref = gemv_ref(x, w)
+    torch.testing.assert_close(gemv(x, w, None, TUNED[key]).float(), ref.float(), rtol=1.6e-2,
                                atol=1e-2 * ref.float().abs().max().item())

@@ -1,5 +1,6 @@
 """KVFLEET_TRITON_GEMV: a batch-1 Linear (bias included) goes through kvfleet_kernels.gemv where
-the Triton path runs (here: Triton's interpreter), and gives F.linear's result."""
+the Triton path runs (here: Triton's interpreter), and gives F.linear's result; with
+KVFLEET_TRITON_GEMV=tuned only the (device, shape) pairs of gemv.TUNED do, with their tiles."""
 
 from __future__ import annotations
 
@@ -33,3 +34,26 @@ def test_batch_one_linear_with_bias_through_the_gemv(triton_gemv, monkeypatch, r
     x = torch.randn(rows, 64, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     assert len(calls) == (rows == 1)
+
+
+@pytest.mark.parametrize("mode, tuned", [("tuned", False), ("tuned", True), ("", True)])
+def test_tuned_mode_takes_the_gemv_for_tuned_shapes_only(monkeypatch, mode, tuned):
+    from kvfleet_kernels import gemv as gemv_module
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_TUNED_GEMV", mode == "tuned")
+    set_backend("triton")
+    try:
+        cfg = gemv_module.GemvConfig(block_n=8, block_k=32, split_k=2, num_warps=4, num_stages=1)
+        if tuned:    # this machine's name and the layer's [N, K]
+            monkeypatch.setitem(gemv_module.TUNED, ("cpu", 48, 64), cfg)
+        calls = []
+        real = gemv_module.gemv
+        monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+        layer = Linear(64, [32, 16], bias=False, dtype=torch.float32, prefix="o_proj")
+        g = torch.Generator().manual_seed(5)
+        layer.weight.data.copy_(torch.randn(48, 64, generator=g))
+        x = torch.randn(1, 64, generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+        assert calls == ([cfg] if tuned and mode == "tuned" else [])
+    finally:
+        set_backend("auto")

@@ -28,8 +28,12 @@ from kvfleet_runtime.distributed.communication import all_reduce
 from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
 from kvfleet_runtime.layers.backend import use_triton
 
-# batch-1 projections through kvfleet_kernels.gemv instead of cuBLAS (KVFLEET_TRITON_GEMV=1)
-_TRITON_GEMV = os.environ.get("KVFLEET_TRITON_GEMV") == "1"
+# batch-1 projections through kvfleet_kernels.gemv instead of cuBLAS: KVFLEET_TRITON_GEMV=1 every
+# shape, =tuned the (device, shape) pairs of kvfleet_kernels.gemv.TUNED (measured faster there;
+# not the default until its GPU test and an end-to-end batch-1 row have run), unset: none
+_GEMV_MODE = os.environ.get("KVFLEET_TRITON_GEMV", "")
+_TRITON_GEMV = _GEMV_MODE == "1"
+_TUNED_GEMV = _GEMV_MODE == "tuned"
 
 
 class LinearMethod:
@@ -51,9 +55,11 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
             return packed_linear(x, layer.weight, bias)
-        if _TRITON_GEMV and x.dim() == 2 and x.shape[0] == 1 and use_triton(x):
-            from kvfleet_kernels.gemv import gemv  # opt-in until it beats cuBLAS (gemv.py)
-            return gemv(x, layer.weight, bias)
+        if (_TRITON_GEMV or _TUNED_GEMV) and x.dim() == 2 and x.shape[0] == 1 and use_triton(x):
+            from kvfleet_kernels.gemv import gemv, tuned_config
+            config = tuned_config(*layer.weight.shape, x.device)
+            if config is not None or _TRITON_GEMV:
+                return gemv(x, layer.weight, bias, config)
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
