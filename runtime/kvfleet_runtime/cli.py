@@ -36,13 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except ValueError as e:
         # bad input (a model path, an engine setting): one line, not a traceback
         if os.environ.get("KVFLEET_DEBUG"):
             raise
         print(f"kvfleet {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if "torch" in sys.modules:      # a tensor-parallel engine may have left its group behind
+        from kvfleet_runtime.distributed.parallel_state import finish_process
+        code = finish_process(code)
+    return code
 
 
 if __name__ == "__main__":

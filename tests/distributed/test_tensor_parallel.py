@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import gc
+import json
 import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,34 +134,26 @@ def test_heads_not_divisible_by_ranks_is_a_clear_error_and_leaves_no_worker(tp_m
 
 
 @pytest.mark.gpu
-# thread method: a rank stuck in an NCCL wait never returns to Python, where a signal is seen;
-# the thread dumps every stack and ends the session instead of hanging it
-@pytest.mark.timeout(100, method="thread")
+@pytest.mark.timeout(200)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("case", ["llama3-gqa", "llama3-one-kv-head", "qwen2"])
-def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir, monkeypatch):
-    # if this hangs again (it did on the H200 in two sessions), the worker's stacks come too
-    monkeypatch.setenv("KVFLEET_WORKER_STACKS_AFTER_S", "80")
-    # fp32: bf16 sums in a different order across ranks may flip a near-tie argmax; no fixed
-    # pool: each rank profiles its memory and the pool is the minimum
-    args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=48,
-                gpu_memory_utilization=0.3)
-    path = tp_model_dir(case)
-    prompts = _prompts()
-    single = LLM(model=path, **args)
-    ref = _greedy(single, prompts)
-    # the one-GPU engine's KV cache and graphs go before rank 0 sizes its own on the same GPU
-    del single
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = LLM(model=path, tensor_parallel_size=2, **args)
-    try:
-        assert _greedy(llm, prompts) == ref
-        assert llm.engine.runner.graph_runner.graphs      # decode steps replayed graphs
-        # the small all-reduces went through symmetric memory (one-shot), inside the graphs too
-        from kvfleet_runtime.distributed.parallel_state import get_state
-        assert get_state().one_shot is not None
-        assert llm.engine.runner.kv_cache.device == torch.device("cuda", 0)
-    finally:
-        llm.engine.shutdown()
-    assert not _live_workers()
+def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
+    # in a process of its own (tp_gpu_child.py): a hung NCCL teardown stays there. If a rank
+    # hangs anyway, its stacks are dumped every 80 s and the child is killed at the timeout.
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "KVFLEET_WORKER_STACKS_AFTER_S": "80",
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(here / "tp_gpu_child.py"), tp_model_dir(case)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tp"] == result["ref"]
+    assert result["graphs"]                      # decode steps replayed graphs
+    # the small all-reduces went through symmetric memory (one-shot), inside the graphs too
+    assert result["one_shot"], done.stderr[-4000:]
+    assert result["kv_device"] == "cuda:0"
+    # bounded: a teardown that hangs (pytorch#115388) is left behind after 10 s
+    assert result["shutdown_s"] < 30
+    if result["teardown_abandoned"]:
+        warnings.warn(f"{case}: rank 0's NCCL teardown hung and was left to the process's exit",
+                      stacklevel=1)

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     engine.shutdown()
-    return 0
+    from kvfleet_runtime.distributed.parallel_state import finish_process
+    return finish_process(0)
 
 
 if __name__ == "__main__":

@@ -74,11 +74,31 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         _state.one_shot = OneShotAllReduce.create(device)
 
 
+_abandoned = False      # a group's teardown hung and was left behind (forget_tensor_parallel)
+
+
 def forget_tensor_parallel() -> None:
     """Become rank 0 of 1 again without leaving the group (its teardown hung): collectives
     are no longer issued through it; torch still counts it as initialised."""
-    global _state
+    global _state, _abandoned
     _state = ParallelState()
+    _abandoned = True
+
+
+def teardown_abandoned() -> bool:
+    return _abandoned
+
+
+def finish_process(code: int) -> int:
+    """`code`, or, where a group's teardown was left behind, end the process now with it: the
+    interpreter's exit would run the same NCCL teardown (the group's destructor) and hang."""
+    if _abandoned:
+        import sys
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def destroy_tensor_parallel() -> None:
