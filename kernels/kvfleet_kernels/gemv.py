@@ -20,19 +20,23 @@ import triton.language as tl
 from kvfleet_kernels.split_k import split_for, store_or_reduce, workspace
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) in fp32, cast to x's dtype."""
-    out = x.float() @ weight.float().t()
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] * scale [N, 1])^T (+ bias) in fp32, cast to x's dtype."""
+    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    out = x.float() @ w.t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
                  stride_xm, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program = (row of x, BLOCK_N outputs, K slice).
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
+    # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -46,7 +50,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, spl
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    store_or_reduce(tl.sum(acc, axis=1), out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n,
+    total = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        total *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    store_or_reduce(total, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n,
                     mask_n, pid_n, pid_k, split_k, HAS_BIAS)
 
 
@@ -91,14 +98,18 @@ def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """Triton twin of gemv_ref: x [M, K] (M small), weight [N, K] -> [M, N] in x's dtype."""
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of gemv_ref: x [M, K] (M small), weight [N, K] -> [M, N] in x's dtype.
+    `scale` [N] (fp32): weight holds fp8 values of per-row scales (W8A16: x stays unquantized)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"x is [{m}, {k}] but weight is {tuple(weight.shape)}: expected [N, {k}]")
     if weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
         raise ValueError("weight (and bias) need a contiguous last dimension")
+    if scale is not None and (scale.shape != (n,) or scale.stride(0) != 1):
+        raise ValueError(f"scale must be a contiguous [{n}] (one per weight row); got "
+                         f"{tuple(scale.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or pick_config(m, n, k, x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -106,8 +117,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     grid = (m, triton.cdiv(n, cfg.block_n), cfg.split_k)
     part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
-    _gemv_kernel[grid](x, weight, bias if bias is not None else out, out, part, count,
+    _gemv_kernel[grid](x, weight, scale if scale is not None else out,
+                       bias if bias is not None else out, out, part, count,
                        m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
-                       HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                       HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

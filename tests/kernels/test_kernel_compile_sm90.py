@@ -52,11 +52,11 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True) -> tuple:
             dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even))
 
 
-def _gemv_bf16() -> tuple:
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
-           "part_ptr": "*fp32", "count_ptr": "*i32"}
+def _gemv_bf16(weight: str = "*bf16") -> tuple:
+    sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
-            dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=512))
+            dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -99,6 +99,8 @@ CASES = {
     "w4a16_gemv_f16x2_fp16_masked": (_gemv(True, "*fp16", even=False),
                                      ["lop3.b32", "fma.rn.f16x2", "prmt.b32", "cvt.f32.f16"]),
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
+    # fp8 weights (W8A16 at batch 1): e4m3 read through the paired half-precision convert
+    "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),
     # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
     "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),
                               ["cvt.rn.satfinite.e4m3x2"]),

@@ -24,6 +24,22 @@ def test_gemv_matches_reference(m, n, k, split_k, bias, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_weight_with_row_scales_matches_reference(split_k, bias):
+    # W8A16: e4m3 weights (values the format holds exactly) times per-row fp32 scales
+    g = torch.Generator().manual_seed(split_k + 2 * bias)
+    n, k = 40, 160
+    w8 = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = torch.randn(1, k, generator=g, dtype=torch.float32).to(torch.float16)
+    b = torch.randn(n, generator=g).to(torch.float16) if bias else None
+    out = gemv(x, w8, b, GemvConfig(8, 32, split_k, 4, 1), scale=scale)
+    torch.testing.assert_close(out.float(), gemv_ref(x, w8, b, scale).float(), rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="one per weight row"):
+        gemv(x, w8, b, scale=scale[:-1])
+
+
 def test_split_k_counters_are_back_at_zero_and_the_workspace_is_reused():
     x, w = torch.randn(1, 256), torch.randn(48, 256)
     cfg = GemvConfig(16, 32, 5, 4, 1)

@@ -122,6 +122,17 @@ def test_fp8_quantize_on_load_uses_scaled_mm():
     assert (layer(x) - ref).norm() / ref.norm() < 0.05
 
 
+def test_fp8_weight_gemv_at_batch_one_matches_dequantized_weight():
+    # KVFLEET_TRITON_GEMV=1's batch-1 path for FP8 weights (W8A16, no activation rounding)
+    from kvfleet_kernels.gemv import gemv, gemv_ref
+    w8, scale = quantize_fp8_rowwise(torch.randn(4096, 4096, device="cuda") * 0.02)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = gemv_ref(x, w8, None, scale.reshape(-1))
+    out = gemv(x, w8, None, scale=scale.reshape(-1).contiguous())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2,
+                               atol=ref.float().abs().max().item() * 1e-2)
+
+
 def test_gptq_layer_on_gpu_is_smaller_than_fp16():
     w = torch.randn(4096, 4096) * 0.02
     iq = quantize_int(w, 4, 128, sym=True, act_order=False, min_zero=1)

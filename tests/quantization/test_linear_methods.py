@@ -147,6 +147,39 @@ def test_fp8_checkpoint_scales_of_fused_shards(per_channel):
     assert error.norm() / (x @ w.t()).norm() < 0.05
 
 
+@pytest.mark.parametrize("rows", [1, 3])      # batch 1 takes the W8A16 GEMV, 3 rows do not
+def test_fp8_batch_one_gemv_hook(monkeypatch, rows):
+    # KVFLEET_TRITON_GEMV=1 with FP8 weights kept (what a Hopper GPU does; forced here, the
+    # kernel in the interpreter): batch 1 multiplies by the e4m3 weight and its row scales
+    # without quantizing the activation; more rows would go to the FP8 GEMM (not on a CPU)
+    from kvfleet_kernels import gemv as gemv_module
+    from kvfleet_runtime.layers import linear
+    from kvfleet_runtime.layers.backend import set_backend
+    from kvfleet_runtime.layers.quantization import fp8 as fp8_method
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_TRITON_GEMV", True)
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fp8_method, "fp8_linear", lambda *a: calls.append("fp8_linear") or a[0])
+    quantized = [quantize_fp8(w, True) for w in shard_weights(2)]
+    layer = build(FP8Config(serialized=True))
+    load(layer, [{"weight": w8, "weight_scale": s} for w8, s in quantized])
+    layer.uses_fp8 = True
+    set_backend("triton")
+    try:
+        x = torch.randn(rows, K)
+        out = layer(x)
+    finally:
+        set_backend("auto")
+    if rows == 1:
+        w = layer.weight.float() * layer.weight_scale[:, None]
+        torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
+        assert calls == [1]
+    else:
+        assert calls == ["fp8_linear"]
+
+
 def test_fp8_quantize_on_load_matches_per_channel_rounding():
     weights = shard_weights(2)
     layer = build(FP8Config(serialized=False))

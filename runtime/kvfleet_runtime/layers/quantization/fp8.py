@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from kvfleet_kernels.fp8 import FP8, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from torch import nn
 
+from kvfleet_runtime.layers import linear
+from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
 from kvfleet_runtime.layers.quantization.base import (
     QuantConfig,
@@ -93,6 +95,10 @@ class FP8LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.uses_fp8:
+            if linear._TRITON_GEMV and x.dim() == 2 and x.shape[0] == 1 and use_triton(x):
+                # batch 1 (KVFLEET_TRITON_GEMV=1): W8A16 GEMV, the activation left unquantized
+                from kvfleet_kernels.gemv import gemv
+                return gemv(x, layer.weight, bias, scale=layer.weight_scale)
             return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, layer.weight, bias)
 
