@@ -13,6 +13,8 @@ Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
   tp1000-max the same with the engine's own --max-num-seqs (then the KV cache, not the
              admission limit, bounds how many run: the scheduler preempts when blocks run out)
   profile-max  `--profile` of a decode batch of the engine's own --max-num-seqs x 128 in
+  profile-1000 `--profile` of a decode batch at 1000/1000's contexts: as many 1000-token
+             prompts as the KV cache holds at 2000 tokens each (at most --max-num-seqs)
 Between rows the prefix cache is reset; the admission limit (the scheduler's max_num_seqs)
 is lowered to 256 where a row says so, on the same engine.
 """
@@ -31,7 +33,8 @@ from kvfleet_runtime.benchmarks.cli import (
 )
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
-ROWS = ("bs1", "ttft", "profile", "profile-max", "tp128", "tp128-max", "tp1000", "tp1000-max")
+ROWS = ("bs1", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
+        "tp1000-max")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = (((1, 2048), (min(256, own_max), 128)) if "profile" in rows else ())
     if "profile-max" in rows:
         shapes += ((own_max, 128),)
+    if "profile-1000" in rows:
+        fits = engine.kv.block_pool.num_blocks * engine.config.block_size // 2000
+        shapes += ((max(1, min(own_max, fits)), 1000),)
     if shapes:
         for batch, input_len in shapes:
             engine.scheduler.max_num_seqs = own_max
