@@ -44,6 +44,12 @@ class OneShotAllReduce:
     `create` returns None (NCCL for everything) where symmetric memory is unavailable, where
     KVFLEET_TP_ONE_SHOT_MAX_BYTES=0, or where its self-check against NCCL fails on any rank;
     every rank takes the same decision.
+
+    KVFLEET_TP_TWO_SHOT_MAX_BYTES (default 0: off) also sends tensors above the one-shot limit
+    and up to this size through the same buffer with `two_shot_all_reduce_out` (reduce-scatter
+    + all-gather over NVLink). Set to a decode graph's largest all-reduce (max batch x hidden
+    x 2 bytes, e.g. 8 MiB for an 8B model at 1024), no NCCL collective is captured in the CUDA
+    graphs, whose NCCL teardown hangs at shutdown (pytorch#115388). Not measured yet.
     """
 
     # the dtypes torch's one_shot_all_reduce serves (on the H200 with torch 2.11 fp16 raised
@@ -51,12 +57,17 @@ class OneShotAllReduce:
     # all-reduces stay on NCCL
     DTYPES = (torch.bfloat16, torch.float32)
 
-    def __init__(self, device: torch.device, max_bytes: int) -> None:
+    # a two-shot tensor's elements: a multiple of this (the ranks' halves stay 16-byte aligned)
+    TWO_SHOT_MULTIPLE = 64
+
+    def __init__(self, device: torch.device, max_bytes: int, two_shot_max_bytes: int = 0) -> None:
         import torch.distributed._symmetric_memory as symm_mem
         state = get_state()
         self.group_name = state.device_group.group_name
         self.max_bytes = max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.two_shot_max_bytes = max(two_shot_max_bytes, 0)
+        self.buffer = symm_mem.empty(max(max_bytes, self.two_shot_max_bytes), dtype=torch.uint8,
+                                     device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
 
     @classmethod
@@ -68,9 +79,10 @@ class OneShotAllReduce:
             return None
         # agree after each step that can fail on its own, so no rank enters a collective
         # (the self-check) that another rank skips
+        two_shot_max = int(os.environ.get("KVFLEET_TP_TWO_SHOT_MAX_BYTES", "0"))
         one_shot, reason = None, "failed on another rank"
         try:
-            one_shot = cls(device, max_bytes)
+            one_shot = cls(device, max_bytes, two_shot_max)
         except Exception as e:    # no P2P access, a torch without symm_mem, ...
             reason = f"unavailable: {type(e).__name__}: {e}"
         if min_over_ranks(int(one_shot is not None)):
@@ -80,7 +92,8 @@ class OneShotAllReduce:
                 reason = f"self-check raised {type(e).__name__}: {e}"
             if min_over_ranks(int(reason is None)):
                 log.info("tensor-parallel all-reduce: one-shot symmetric memory up to %d KiB, "
-                         "NCCL above", max_bytes // 1024)
+                         "two-shot up to %d KiB, NCCL above", max_bytes // 1024,
+                         one_shot.two_shot_max_bytes // 1024)
                 return one_shot
             reason = reason or "self-check failed on another rank"
         log.info("tensor-parallel all-reduce: NCCL for every size (one-shot %s)", reason)
@@ -91,26 +104,47 @@ class OneShotAllReduce:
         state = get_state()
         gen = torch.Generator(device="cpu").manual_seed(1234 + state.rank)
         for dtype in self.DTYPES:
-            numel = min(8192, self.max_bytes // dtype.itemsize)
-            x = torch.randn(numel, generator=gen).to(device=device, dtype=dtype)
-            ours = self(x.clone())
-            nccl = x.clone()
-            dist.all_reduce(nccl, group=state.device_group)
-            if not torch.allclose(ours.float(), nccl.float(), rtol=1e-2, atol=1e-2):
-                return f"self-check: {dtype} sums differ from NCCL's"
+            sizes = [min(8192, self.max_bytes // dtype.itemsize)]
+            if self.two_shot_max_bytes > self.max_bytes:    # the two-shot path's largest
+                n = self.two_shot_max_bytes // dtype.itemsize
+                sizes.append(n - n % self.TWO_SHOT_MULTIPLE)
+            for numel in sizes:
+                x = torch.randn(numel, generator=gen).to(device=device, dtype=dtype)
+                if not self.fits(x):
+                    return f"self-check: {numel} {dtype} elements do not fit"
+                ours = self(x.clone())
+                nccl = x.clone()
+                dist.all_reduce(nccl, group=state.device_group)
+                if not torch.allclose(ours.float(), nccl.float(), rtol=1e-2, atol=1e-2):
+                    return f"self-check: {numel} {dtype} sums differ from NCCL's"
         torch.cuda.synchronize(device)
         return None
 
+    def _path(self, x: torch.Tensor) -> str | None:
+        """"one", "two" (shot) or None (NCCL) for `x`."""
+        if not (x.is_cuda and x.dtype in self.DTYPES and x.is_contiguous()):
+            return None
+        nbytes = x.numel() * x.element_size()
+        if nbytes <= self.max_bytes:
+            return "one"
+        if nbytes <= self.two_shot_max_bytes and x.numel() % self.TWO_SHOT_MULTIPLE == 0:
+            return "two"
+        return None
+
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.numel() * x.element_size() <= self.max_bytes
-                and x.dtype in self.DTYPES and x.is_contiguous())
+        return self._path(x) is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         n = x.numel()
         buffer = self.buffer.view(x.dtype)[:n]
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x.view(-1), "sum", self.group_name,
-                                                         out.view(-1))
+        if self._path(x) == "one":
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x.view(-1), "sum",
+                                                             self.group_name, out.view(-1))
+        else:
+            buffer.copy_(x.view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_out(buffer, "sum", self.group_name,
+                                                       out.view(-1))
         return out
 
 
