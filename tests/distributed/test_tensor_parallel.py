@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -154,6 +153,6 @@ def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
     assert result["kv_device"] == "cuda:0"
     # bounded: a teardown that hangs (pytorch#115388) is left behind after 10 s
     assert result["shutdown_s"] < 30
-    if result["teardown_abandoned"]:
-        warnings.warn(f"{case}: rank 0's NCCL teardown hung and was left to the process's exit",
-                      stacklevel=1)
+    # every all-reduce of these tiny graphs fits the one-shot path, so no NCCL collective was
+    # captured: if the teardown still hangs, pytorch#115388 is not (all of) the cause
+    assert not result["teardown_abandoned"], "rank 0's NCCL teardown hung with no NCCL in graphs"
