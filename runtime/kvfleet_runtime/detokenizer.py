@@ -72,16 +72,31 @@ class IncrementalDetokenizer:
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.update called after the sequence finished")
         searched_up_to = len(self._text)
+        vocab_size, stream = self._vocab_size, self._stream
         for token_id in new_token_ids:
             # ids beyond the tokenizer (random-weight models have larger vocabularies) are blank
-            if not self._known(token_id):
+            if not 0 <= token_id < vocab_size:
                 continue
-            if self._stream is not None:
-                self._text += self._stream.step(self._backend, token_id) or ""
+            if stream is not None:
+                text = stream.step(self._backend, token_id)
+                if text:
+                    self._text += text
             else:
                 self._ids.append(token_id)
                 self._text += self._decode_new_suffix()
-        return self._find_stop(searched_up_to)
+        # runs for every sequence every step: no stop strings, nothing to search
+        return self._find_stop(searched_up_to) if self._stop else None
+
+    def update_one(self, token_id: int) -> str | None:
+        """update([token_id]), with a shortcut for the common case (a fast tokenizer, no stop
+        strings): this runs for every running sequence every step."""
+        if self._stream is not None and not self._stop and not self._finished:
+            if 0 <= token_id < self._vocab_size:
+                text = self._stream.step(self._backend, token_id)
+                if text:
+                    self._text += text
+            return None
+        return self.update((token_id,))
 
     def finish(self) -> None:
         """Generation ended for another reason (EOS, length, abort): release the held-back text."""

@@ -21,8 +21,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED_STATUSES
+
+
+# a tuple: `in` compares by identity first (a set would call Enum's Python-level __hash__)
+FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                     RequestStatus.FINISHED_ABORTED)
 
 
 class Request:
@@ -53,6 +57,8 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.detokenizer = None              # set by the engine
+        # sampling reads this request's generated tokens (penalties, min_tokens)
+        self.needs_history = params.needs_penalties or bool(params.min_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +76,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED_STATUSES
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

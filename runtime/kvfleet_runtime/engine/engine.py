@@ -18,6 +18,7 @@ from kvfleet_runtime.layers.backend import set_backend
 from kvfleet_runtime.layers.sampler import SampledToken
 from kvfleet_runtime.loader import load_model
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.request import Request, RequestStatus
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -216,21 +217,23 @@ class LLMEngine:
             raise self.workers.fail(e) from e
         now = time.monotonic()
         touched: dict[str, None] = {}
+        sampled, final_only, append = result.sampled, self.final_only, self._append
         for s in sched.scheduled:
             r = s.request
-            tok = result.sampled.get(r.request_id)
+            tok = sampled.get(r.request_id)
             if tok is None:
                 continue
             r.num_pending -= 1
-            if r.is_finished:       # stopped or aborted while this step ran: drop its token
+            if r.status in _FINISHED:   # stopped or aborted while this step ran: drop its token
                 continue
-            self._append(r, tok, now)
-            touched[r.group_id] = None
+            # a final-only group has an output only once its last request finishes
+            if append(r, tok, now) or r.group_id not in final_only:
+                touched[r.group_id] = None
         return self._outputs(touched), result
 
     def _block_ids(self, sched: SchedulerOutput) -> dict[str, list[int]]:
-        return {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
-                for s in sched.scheduled}
+        get = self.kv.get_block_ids
+        return {rid: get(rid) for rid in [s.request.request_id for s in sched.scheduled]}
 
     def _account(self, result: ModelRunnerOutput, t0: float) -> None:
         totals = self.step_totals
@@ -242,33 +245,50 @@ class LLMEngine:
     def _update(self, sched: SchedulerOutput, result) -> list[str]:
         now = time.monotonic()
         touched: dict[str, None] = {}
+        sampled, prompt_logprobs = result.sampled, result.prompt_logprobs
+        final_only, append = self.final_only, self._append
         for s in sched.scheduled:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
-            for tok in result.prompt_logprobs.get(r.request_id, ()):
-                r.prompt_logprobs.append(self._position_logprobs(r, tok))
-            tok = result.sampled.get(r.request_id)
+            if prompt_logprobs:
+                for tok in prompt_logprobs.get(r.request_id, ()):
+                    r.prompt_logprobs.append(self._position_logprobs(r, tok))
+            tok = sampled.get(r.request_id)
             if tok is None:
                 continue
-            self._append(r, tok, now)
-            touched[r.group_id] = None
+            # a final-only group has an output only once its last request finishes
+            if append(r, tok, now) or r.group_id not in final_only:
+                touched[r.group_id] = None
         return list(touched)
 
-    def _append(self, r: Request, tok: SampledToken, now: float) -> None:
-        r.append_token(tok.token_id)
+    def _append(self, r: Request, tok: SampledToken, now: float) -> bool:
+        """Appends a sampled token (detokenize, stop checks); True when it finished `r`.
+        Runs for every running request every step: the common case reads few attributes."""
+        token_id = tok.token_id
+        r.output_token_ids.append(token_id)
+        r.all_token_ids.append(token_id)
         if r.logprobs is not None:    # decoding the top-k costs: only when asked for
             r.add_logprobs(self._position_logprobs(r, tok), tok.logprob)
-        if r.metrics.first_token_time is None:
-            r.metrics.first_token_time = now
-        r.metrics.last_token_time = now
-        r.metrics.num_generation_tokens += 1
-        stop_str = r.detokenizer.update([tok.token_id])
-        status = self._check_stop(r, tok.token_id, stop_str)
-        if status is not None:
-            if not isinstance(r.stop_reason, str):
-                r.detokenizer.finish()
-            r.metrics.finished_time = now
-            self.scheduler.finish(r, status)
+        metrics = r.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += 1
+        stop_str = r.detokenizer.update_one(token_id)
+        p = r.params
+        if (stop_str is None and token_id not in p._eos_token_ids
+                and token_id not in p.stop_token_ids
+                and len(r.output_token_ids) < p.max_tokens
+                and len(r.all_token_ids) < self.config.max_model_len):
+            return False          # nothing _check_stop could stop it for
+        status = self._check_stop(r, token_id, stop_str)
+        if status is None:
+            return False
+        if not isinstance(r.stop_reason, str):
+            r.detokenizer.finish()
+        metrics.finished_time = now
+        self.scheduler.finish(r, status)
+        return True
 
     def _check_stop(self, r: Request, token_id: int, stop_str: str | None) -> RequestStatus | None:
         p = r.params

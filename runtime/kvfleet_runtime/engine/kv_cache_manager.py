@@ -63,13 +63,16 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        if blocks is not None and not computed and num_required <= len(blocks):
-            # the common decode step: the last block still has room
-            if self.enable_caching:
-                self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        bs = self.block_size
+        num_computed = request.num_computed_tokens + len(computed) * bs
+        num_tokens = num_computed + num_new_tokens
+        if blocks is not None and not computed and -(-num_tokens // bs) <= len(blocks):
+            # the common decode step: the last block still has room (and, mostly, no block
+            # filled up since the last call: checked here, before a call, for every request)
+            if self.enable_caching and num_tokens // bs > self.num_cached_blocks.get(rid, 0):
+                self._cache_full_blocks(request, blocks, num_tokens)
             return []
+        num_required = cdiv(num_tokens, bs)
         if blocks is None:
             blocks = self.req_to_blocks[rid] = []
             self.req_to_block_ids[rid] = []

@@ -207,57 +207,86 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
                  prev: PendingStep | None = None):
+        # one Python pass over the rows for what only they hold (their token ids, their block
+        # ids), numpy for everything per token (positions, slots): at 1024 rows this runs
+        # in the shadow of the device's step, and must stay well inside it
+        scheduled = sched.scheduled
+        n = len(scheduled)
+        reqs = [s.request for s in scheduled]
+        nums = [s.num_new_tokens for s in scheduled]
+        starts = [r.num_computed_tokens for r in reqs]
+        tables = [block_ids[r.request_id] for r in reqs]
         input_ids: list[int] = []
         from_prev: list[int] = []            # rows of input_ids still being sampled ...
         prev_rows: list[int] = []            # ... and their rows in prev.token_ids
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []          # flat-batch rows whose logits we need
-        layout = LogitsLayout()              # which of those rows serve what
+        if prev is not None and all(num == 1 for num in nums) and all(
+                start == len(r.all_token_ids) for r, start in zip(reqs, starts, strict=True)):
+            # async decode: every row's input is the token the previous step is sampling
+            input_ids = [0] * n
+            from_prev = list(range(n))
+            prev_rows = [prev.rows[r.request_id] for r in reqs]
+        else:
+            append, extend = input_ids.append, input_ids.extend
+            for r, start, num in zip(reqs, starts, nums, strict=True):
+                tokens = r.all_token_ids
+                end = start + num
+                if end <= len(tokens):
+                    if num == 1:
+                        append(tokens[start])
+                    else:
+                        extend(tokens[start:end])
+                else:       # async scheduling: the previous step is sampling this token
+                    extend(tokens[start:])
+                    from_prev.append(len(input_ids))
+                    prev_rows.append(prev.rows[r.request_id])
+                    append(0)
         bs = self.block_size
-        for s in sched.scheduled:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            ids = block_ids[r.request_id]
-            known = min(end, r.num_tokens)
-            input_ids.extend(r.all_token_ids[start:known])
-            if end > known:     # async scheduling: the previous step is sampling this token
-                from_prev.append(len(input_ids))
-                prev_rows.append(prev.rows[r.request_id])
-                input_ids.append(0)
-            positions.extend(range(start, end))
-            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            tables.append(ids)
-            base = query_start[-1]
-            query_start.append(base + s.num_new_tokens)
-            if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
-                count = min(end, r.num_prompt_tokens - 1) - start
-                layout.prompt.append((r, len(logits_rows), count))
-                logits_rows.extend(range(base, base + count))
-            if s.samples:
-                layout.sample.append(len(logits_rows))
-                logits_rows.append(base + s.num_new_tokens - 1)
+        num_new = np.array(nums, dtype=np.int64)
+        seq_lens = np.array(starts, dtype=np.int64) + num_new
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        if int(query_start[-1]) == n:       # decode: one token per row
+            positions = seq_lens - 1
+            rows = np.arange(n)
+        else:
+            rows = np.repeat(np.arange(n), num_new)
+            positions = np.arange(int(query_start[-1]), dtype=np.int64) + (seq_lens - query_start[1:])[rows]
         table = _padded_table(tables)
+        slots = table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens_cpu = seq_lens.tolist()
+        query_start_cpu = query_start.tolist()
+        logits_rows: list[int]               # flat-batch rows whose logits we need
+        layout = LogitsLayout()              # which of those rows serve what
+        if all(r.prompt_logprobs is None for r in reqs):
+            logits_rows = [query_start_cpu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
+            layout.sample = list(range(len(logits_rows)))
+        else:
+            logits_rows = []
+            for i, (s, r, start) in enumerate(zip(scheduled, reqs, starts, strict=True)):
+                base, end = query_start_cpu[i], seq_lens_cpu[i]
+                if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+                    count = min(end, r.num_prompt_tokens - 1) - start
+                    layout.prompt.append((r, len(logits_rows), count))
+                    logits_rows.extend(range(base, base + count))
+                if s.samples:
+                    layout.sample.append(len(logits_rows))
+                    logits_rows.append(base + s.num_new_tokens - 1)
         dev = self.device
 
         def tensor(data, dtype):
             return host_to_device(data, dtype, dev)
 
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),
+            slot_mapping=numpy_to_device(slots, dev),
             block_tables=numpy_to_device(table, dev),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(query_start, torch.int32),
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start)
+            seq_lens=numpy_to_device(seq_lens.astype(np.int32), dev),
+            query_start_loc=numpy_to_device(query_start.astype(np.int32), dev),
+            max_query_len=max(nums), max_seq_len=max(seq_lens_cpu),
+            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_cpu)
         ids = tensor(input_ids, torch.long)
         if from_prev:
             ids[tensor(from_prev, torch.long)] = prev.token_ids[tensor(prev_rows, torch.long)]
-        step = StepInputs(ids, tensor(positions, torch.long), meta, logits_rows)
+        step = StepInputs(ids, numpy_to_device(positions, dev), meta, logits_rows)
         return step, layout
 
     @torch.inference_mode()
@@ -295,7 +324,7 @@ class ModelRunner:
                              prev: PendingStep | None) -> None:
         """Penalties and min_tokens count every generated token: give the sampler the ones
         `prev` is still sampling (read on the device) and how many each row has."""
-        needs = any(p.needs_penalties or p.min_tokens for p in batch.params)
+        needs = any(s.request.needs_history for s in sampling)
         rows = [(i, prev.rows[s.request.request_id]) for i, s in enumerate(sampling)
                 if s.request.num_pending] if needs and prev is not None else []
         if not rows:

@@ -19,16 +19,21 @@ from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.request import Request, RequestStatus
 
 
-@dataclass
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
+    """One request's share of a step. `samples`: whether the step reaches the request's last
+    token, so a new token is sampled; fixed when scheduled (the engine reads it several times
+    a step, for every row, and the request's counters move once the step is launched)."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so a new token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + r.num_pending
+    __slots__ = ("request", "num_new_tokens", "samples")
+
+    def __init__(self, request: Request, num_new_tokens: int) -> None:
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.samples = (request.num_computed_tokens + num_new_tokens
+                        == len(request.all_token_ids) + request.num_pending)
+
+    def __repr__(self) -> str:
+        return f"ScheduledRequest({self.request!r}, num_new_tokens={self.num_new_tokens})"
 
 
 @dataclass
@@ -68,20 +73,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        running = self.running
+        scheduled = out.scheduled
+        allocate = self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            # a token still being sampled on the device (async scheduling) is this step's input
-            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens,
-                          budget)
-            if num_new <= 0 or request.finishes_with_pending:
-                i += 1          # its last token is on its way: nothing left to compute
-                continue
-            if not self._allocate_or_preempt(request, num_new, out):
-                break   # the request preempted itself: nothing below it runs either
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+        # this loop runs for every running request every step: attributes read directly
+        while i < len(running) and budget > 0:
+            request = running[i]
             i += 1
+            pending = request.num_pending
+            # a token still being sampled on the device (async scheduling) is this step's input
+            num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or (pending and len(request.output_token_ids) + pending
+                                >= request.params.max_tokens):
+                continue        # its last token is on its way: nothing left to compute
+            if allocate(request, num_new) is None and not self._allocate_or_preempt(
+                    request, num_new, out):   # (a failed allocation changes nothing)
+                break   # the request preempted itself: nothing below it runs either
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
