@@ -14,6 +14,10 @@ import torch
 # round the probabilities to the cache dtype before the P @ V product (as every flash kernel does).
 ATTENTION_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# what the interpreter runs (its bf16 is broken); bf16 is checked on the GPU
+CPU_DTYPES = [torch.float32, torch.float16]
+
 
 @dataclass
 class PagedBatch:

@@ -25,11 +25,9 @@ from kvfleet_kernels.paged_attention import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
-from paged_batch import ATTENTION_TOLERANCE, PagedBatch, make_paged_batch
+from paged_batch import ATTENTION_TOLERANCE as TOLERANCE
+from paged_batch import CPU_DTYPES, DEVICE, PagedBatch, make_paged_batch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CPU_DTYPES = [torch.float32, torch.float16]
-TOLERANCE = ATTENTION_TOLERANCE
 # values past the e4m3 range: 464 is the midpoint to 480 (which e4m3fn lacks), 65504 is fp16's max
 OUT_OF_RANGE = [449.0, 464.0, 480.0, 1000.0, 65504.0]
 

@@ -17,11 +17,8 @@ from kvfleet_kernels.paged_attention import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
-from paged_batch import ATTENTION_TOLERANCE, PagedBatch, make_paged_batch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CPU_DTYPES = [torch.float32, torch.float16]
-TOLERANCE = ATTENTION_TOLERANCE
+from paged_batch import ATTENTION_TOLERANCE as TOLERANCE
+from paged_batch import CPU_DTYPES, DEVICE, PagedBatch, make_paged_batch
 
 
 def _check(batch: PagedBatch, *, decode_only: bool = False) -> None:

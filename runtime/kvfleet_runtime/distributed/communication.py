@@ -138,7 +138,7 @@ class OneShotAllReduce:
         out = torch.empty_like(x)
         n = x.numel()
         buffer = self.buffer.view(x.dtype)[:n]
-        if self._path(x) == "one":
+        if n * x.element_size() <= self.max_bytes:       # fits() chose one-shot
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x.view(-1), "sum",
                                                              self.group_name, out.view(-1))
         else:

@@ -36,6 +36,11 @@ _TRITON_GEMV = _GEMV_MODE == "1"
 _TUNED_GEMV = _GEMV_MODE == "tuned"
 
 
+def batch_one_gemv(x: torch.Tensor) -> bool:
+    """x is a batch-1 input on the Triton path, where kvfleet_kernels.gemv can serve it."""
+    return x.dim() == 2 and x.shape[0] == 1 and use_triton(x)
+
+
 class LinearMethod:
     """Unquantized weights: [out_features, in_features] in the compute dtype.
 
@@ -55,7 +60,7 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
             return packed_linear(x, layer.weight, bias)
-        if (_TRITON_GEMV or _TUNED_GEMV) and x.dim() == 2 and x.shape[0] == 1 and use_triton(x):
+        if (_TRITON_GEMV or _TUNED_GEMV) and batch_one_gemv(x):
             from kvfleet_kernels.gemv import gemv, tuned_config
             config = tuned_config(*layer.weight.shape, x.device)
             if config is not None or _TRITON_GEMV:

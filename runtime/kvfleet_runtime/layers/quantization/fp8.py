@@ -21,7 +21,6 @@ from kvfleet_kernels.fp8 import FP8, fp8_linear, fp8_supported, quantize_fp8_row
 from torch import nn
 
 from kvfleet_runtime.layers import linear
-from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
 from kvfleet_runtime.layers.quantization.base import (
     QuantConfig,
@@ -95,7 +94,7 @@ class FP8LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.uses_fp8:
-            if linear._TRITON_GEMV and x.dim() == 2 and x.shape[0] == 1 and use_triton(x):
+            if linear._TRITON_GEMV and linear.batch_one_gemv(x):
                 # batch 1 (KVFLEET_TRITON_GEMV=1): W8A16 GEMV, the activation left unquantized
                 from kvfleet_kernels.gemv import gemv
                 return gemv(x, layer.weight, bias, scale=layer.weight_scale)
