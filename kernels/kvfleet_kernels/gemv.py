@@ -3,9 +3,10 @@
 out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w in nn.Linear's [N, K] layout (K contiguous).
 Each program streams a [BLOCK_N, BLOCK_K] tile of w per step over its K slice, multiplies by x
 in fp32 and keeps a [BLOCK_N, BLOCK_K] accumulator it reduces once at the end; the K slices
-meet through split_k.store_or_reduce. The engine's linear layers use it at batch 1 for every
-shape with `KVFLEET_TRITON_GEMV=1`, with `KVFLEET_TRITON_GEMV=tuned` only for the (device,
-shape) pairs in TUNED, where an H200 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md).
+meet through split_k.store_or_reduce. The engine's linear layers use it at batch 1 for FP8
+weights by default (W8A16, `scale=`), and for bf16/fp16 weights for every shape with
+`KVFLEET_TRITON_GEMV=1`, with `KVFLEET_TRITON_GEMV=tuned` only for the (device, shape) pairs in
+TUNED, where an H200 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -147,17 +147,19 @@ def test_fp8_checkpoint_scales_of_fused_shards(per_channel):
     assert error.norm() / (x @ w.t()).norm() < 0.05
 
 
-@pytest.mark.parametrize("rows", [1, 3])      # batch 1 takes the W8A16 GEMV, 3 rows do not
-def test_fp8_batch_one_gemv_hook(monkeypatch, rows):
-    # KVFLEET_TRITON_GEMV=1 with FP8 weights kept (what a Hopper GPU does; forced here, the
-    # kernel in the interpreter): batch 1 multiplies by the e4m3 weight and its row scales
-    # without quantizing the activation; more rows would go to the FP8 GEMM (not on a CPU)
+@pytest.mark.parametrize("rows,mode", [(1, ""), (3, ""), (1, "0")])
+def test_fp8_batch_one_gemv_hook(monkeypatch, rows, mode):
+    # FP8 weights kept (what a Hopper GPU does; forced here, the kernel in the interpreter):
+    # by default batch 1 multiplies by the e4m3 weight and its row scales without quantizing
+    # the activation; more rows, or KVFLEET_TRITON_GEMV=0, go to the FP8 GEMM (not on a CPU)
     from kvfleet_kernels import gemv as gemv_module
     from kvfleet_runtime.layers import linear
     from kvfleet_runtime.layers.backend import set_backend
     from kvfleet_runtime.layers.quantization import fp8 as fp8_method
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(linear, "_TRITON_GEMV", True)
+    # the modes as linear.py reads KVFLEET_TRITON_GEMV at import
+    for name, value in zip(("_TRITON_GEMV", "_TUNED_GEMV", "_FP8_GEMV"), linear.gemv_modes(mode)):
+        monkeypatch.setattr(linear, name, value)
     calls = []
     real = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -172,12 +174,22 @@ def test_fp8_batch_one_gemv_hook(monkeypatch, rows):
         out = layer(x)
     finally:
         set_backend("auto")
-    if rows == 1:
+    if rows == 1 and mode != "0":
         w = layer.weight.float() * layer.weight_scale[:, None]
         torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
         assert calls == [1]
     else:
         assert calls == ["fp8_linear"]
+
+
+def test_triton_gemv_modes():
+    from kvfleet_runtime.layers.linear import gemv_modes
+    assert gemv_modes("") == (False, False, True)        # default: FP8 weights only
+    assert gemv_modes("0") == (False, False, False)
+    assert gemv_modes("1") == (True, False, True)
+    assert gemv_modes("tuned") == (False, True, True)
+    with pytest.raises(ValueError, match="KVFLEET_TRITON_GEMV must be"):
+        gemv_modes("yes")
 
 
 def test_fp8_quantize_on_load_matches_per_channel_rounding():

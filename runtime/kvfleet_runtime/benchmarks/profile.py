@@ -6,6 +6,7 @@ prints this for its prefill step and its decode steps separately.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -19,24 +20,27 @@ class StepProfile:
     num_steps: int
     wall_ms: float            # per step
     kernel_ms: float          # per step: summed device time of all kernels (one stream)
-    top: list[tuple[str, float]]   # (kernel, ms per step), largest first
+    top: list[tuple[str, float, float]]   # (kernel, ms per step, launches per step), largest first
 
     def render(self) -> str:
         busy = self.kernel_ms / self.wall_ms if self.wall_ms else 0.0
         lines = [f"{self.label}: {self.num_steps} step(s), {self.wall_ms:.2f} ms/step wall, "
                  f"{self.kernel_ms:.2f} ms/step in GPU kernels ({busy:.0%} busy), "
                  f"{self.wall_ms - self.kernel_ms:.2f} ms/step host work + launch gaps"]
-        lines += [f"    {ms:8.3f} ms  {name[:90]}" for name, ms in self.top]
+        lines += [f"    {ms:8.3f} ms  {calls:6.1f}x  {name[:90]}" for name, ms, calls in self.top]
         return "\n".join(lines)
 
 
 def profile_steps(step, num_steps: int, label: str, device: torch.device,
-                  top: int = 8, until=None) -> StepProfile:
+                  top: int | None = None, until=None) -> StepProfile:
     """Profile `num_steps` calls of `step()` (each one engine step), or fewer once `until()`.
 
     Only device-side kernel events are summed: a CPU op's own "device time" repeats the
-    time of the kernels it launched.
+    time of the kernels it launched. `top` (default: $KVFLEET_PROFILE_TOP, else 8) kernels
+    are listed, each with its launches per step.
     """
+    if top is None:
+        top = int(os.environ.get("KVFLEET_PROFILE_TOP", "8"))
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -58,4 +62,5 @@ def profile_steps(step, num_steps: int, label: str, device: torch.device,
     n = max(done, 1)
     return StepProfile(label=label, num_steps=done, wall_ms=1e3 * wall / n,
                        kernel_ms=kernel_us / 1e3 / n,
-                       top=[(e.key, e.self_device_time_total / 1e3 / n) for e in ranked])
+                       top=[(e.key, e.self_device_time_total / 1e3 / n, e.count / n)
+                            for e in ranked])

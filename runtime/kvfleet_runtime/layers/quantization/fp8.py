@@ -94,8 +94,8 @@ class FP8LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.uses_fp8:
-            if linear._TRITON_GEMV and linear.batch_one_gemv(x):
-                # batch 1 (KVFLEET_TRITON_GEMV=1): W8A16 GEMV, the activation left unquantized
+            if linear._FP8_GEMV and linear.batch_one_gemv(x):
+                # batch 1: W8A16 GEMV, the activation left unquantized (KVFLEET_TRITON_GEMV=0: off)
                 from kvfleet_kernels.gemv import gemv
                 return gemv(x, layer.weight, bias, scale=layer.weight_scale)
             return fp8_linear(x, layer.weight, layer.weight_scale, bias)
