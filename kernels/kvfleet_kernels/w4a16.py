@@ -14,6 +14,7 @@ Decode (M small) splits K across programs so that one row of output still fills 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -185,21 +186,96 @@ def _word_rows_dot(x_ptr, xrow, xmask, w, z, PER_WORD: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
+def _gemv_load_tile(qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, stride_sg,
+                    cols, mask_n, BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr,
+                    F16X2: tl.constexpr, EVEN: tl.constexpr):
+    """One K tile's loads: its even and odd word rows (wa, wb), its group's scales and zeros
+    (fp32, [1, BLOCK_N]) and, for F16X2, x's rows as int64 quads (else zeros: the fp32 path
+    loads x where it multiplies). tile must exist (tile * BLOCK_KW < kw)."""
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]     # even word rows
+    group = (tile * BLOCK_KW * PER_WORD) // group_size
+    if EVEN:     # K % BLOCK_K == 0 == N % BLOCK_N: no masks
+        wa = tl.load(qw_ptr + row_a * stride_qk + cols)
+        wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
+        s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
+        z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
+    else:
+        ma = row_a < kw
+        mb = row_a + 1 < kw
+        wa = tl.load(qw_ptr + row_a * stride_qk + cols, mask=ma & mask_n[None, :], other=0)
+        wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols, mask=mb & mask_n[None, :],
+                     other=0)
+        s = tl.load(s_ptr + group * stride_sg + cols, mask=mask_n[None, :],
+                    other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + group * stride_sg + cols, mask=mask_n[None, :],
+                    other=0.0).to(tl.float32)
+    # s, z: [1, BLOCK_N], loaded in the words' layout when BLOCK_N = 128 * num_warps
+    # (each thread's 4 columns); otherwise Triton shuffles them through shared memory
+    if F16X2:
+        # a masked-off word row (0) must meet x = 0: 0 - z is not
+        if EVEN:
+            xa01 = tl.load(x64 + row_a * 2)
+            xa23 = tl.load(x64 + row_a * 2 + 1)
+            xb01 = tl.load(x64 + row_a * 2 + 2)
+            xb23 = tl.load(x64 + row_a * 2 + 3)
+        else:
+            xa01 = tl.load(x64 + row_a * 2, mask=ma, other=0)
+            xa23 = tl.load(x64 + row_a * 2 + 1, mask=ma, other=0)
+            xb01 = tl.load(x64 + row_a * 2 + 2, mask=mb, other=0)
+            xb23 = tl.load(x64 + row_a * 2 + 3, mask=mb, other=0)
+    else:
+        xa01 = tl.zeros((HALF_KW, 1), dtype=tl.int64)
+        xa23 = xa01
+        xb01 = xa01
+        xb23 = xa01
+    return wa, wb, s, z, xa01, xa23, xb01, xb23
+
+
+@triton.jit
+def _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m, stride_xm, kw,
+                   BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                   F16X2: tl.constexpr, X_BF16: tl.constexpr):
+    """The fp32 [BLOCK_N] contribution of one K tile loaded by _gemv_load_tile. Each pair of
+    words (16 consecutive rows of K, one column) is dotted with x, (q - z) taken before the
+    product; the pairs' sums over the tile's rows are scaled once per column."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    if F16X2:
+        xa0, xa1, xa2, xa3 = _f16x2_pairs(xa01.to(tl.int32), (xa01 >> 32).to(tl.int32),
+                                          xa23.to(tl.int32), (xa23 >> 32).to(tl.int32),
+                                          X_BF16)
+        xb0, xb1, xb2, xb3 = _f16x2_pairs(xb01.to(tl.int32), (xb01 >> 32).to(tl.int32),
+                                          xb23.to(tl.int32), (xb23 >> 32).to(tl.int32),
+                                          X_BF16)
+        nza = _f16x2_splat(-64.0 - z * 0.0625)
+        nzb = _f16x2_splat(-4.0 - z * 0.0625)
+        part = _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb)
+        return tl.sum(part, axis=0) * tl.reshape(s * 16.0, (BLOCK_N,))
+    else:
+        row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]
+        xrow = x_ptr + m * stride_xm
+        part = (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS)
+                + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS))
+        return tl.sum(part, axis=0) * tl.reshape(s, (BLOCK_N,))
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                        group_size, split_k,
                        stride_xm, stride_qk, stride_sg,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                       F16X2: tl.constexpr, EVEN: tl.constexpr):
+                       F16X2: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr):
     """Decode: one program per (row of x, BLOCK_N columns, K slice); no tl.dot.
 
     A K tile is BLOCK_KW rows of words, one group, loaded as two [BLOCK_KW / 2, BLOCK_N]
-    halves (even and odd word rows; 16 B of a row per thread). Each pair of words (16
-    consecutive rows of K, one column) is dotted with x, (q - z) taken before the product; the
-    pairs' sums over the tile's rows are scaled once per column. F16X2 (4 bits, 16-bit x):
+    halves (even and odd word rows; 16 B of a row per thread). F16X2 (4 bits, 16-bit x):
     dequantize and multiply in fp16x2 PTX (_F16X2_TWO_WORDS, ~13 instructions a word); else
     in fp32 in plain Triton (the interpreter's path). EVEN: K % BLOCK_K == 0 == N % BLOCK_N,
     no masks. BLOCK_N = 128 * num_warps gives each thread 4 whole columns of the tile (see
-    pick_config).
+    pick_config). PREFETCH: a program's next tile is loaded before its current one is
+    multiplied (two tiles in flight per thread: a slice's loads no longer wait, tile after
+    tile, for the previous tile's arithmetic); else one tile at a time.
 
     qweight, scales and zeros have contiguous columns. With split_k > 1 the K slices meet
     inside this one launch (split_k.store_or_reduce): no zero-filled buffer, atomic
@@ -207,7 +283,6 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
     """
     PER_WORD: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
-    HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -216,56 +291,34 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
     mask_n = offs_n < N
     cols = offs_n[None, :]
     kw = K // PER_WORD
+    n_tiles = tl.cdiv(K, BLOCK_K)
     # the 8 activations of a word row (4 bits, 16-bit x) as two int64 loads
     x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + m * (stride_xm // 4)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for tile in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]     # even word rows
-        group = (tile * BLOCK_K) // group_size
-        if EVEN:     # K % BLOCK_K == 0 == N % BLOCK_N: no masks
-            wa = tl.load(qw_ptr + row_a * stride_qk + cols)
-            wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
-            s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
-            z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
-        else:
-            ma = row_a < kw
-            mb = row_a + 1 < kw
-            wa = tl.load(qw_ptr + row_a * stride_qk + cols, mask=ma & mask_n[None, :], other=0)
-            wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols, mask=mb & mask_n[None, :],
-                         other=0)
-            s = tl.load(s_ptr + group * stride_sg + cols, mask=mask_n[None, :],
-                        other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + group * stride_sg + cols, mask=mask_n[None, :],
-                        other=0.0).to(tl.float32)
-        # s, z: [1, BLOCK_N], loaded in the words' layout when BLOCK_N = 128 * num_warps
-        # (each thread's 4 columns); otherwise Triton shuffles them through shared memory
-        if F16X2:
-            # a masked-off word row (0) must meet x = 0: 0 - z is not
-            if EVEN:
-                xa01 = tl.load(x64 + row_a * 2)
-                xa23 = tl.load(x64 + row_a * 2 + 1)
-                xb01 = tl.load(x64 + row_a * 2 + 2)
-                xb23 = tl.load(x64 + row_a * 2 + 3)
-            else:
-                xa01 = tl.load(x64 + row_a * 2, mask=ma, other=0)
-                xa23 = tl.load(x64 + row_a * 2 + 1, mask=ma, other=0)
-                xb01 = tl.load(x64 + row_a * 2 + 2, mask=mb, other=0)
-                xb23 = tl.load(x64 + row_a * 2 + 3, mask=mb, other=0)
-            xa0, xa1, xa2, xa3 = _f16x2_pairs(xa01.to(tl.int32), (xa01 >> 32).to(tl.int32),
-                                              xa23.to(tl.int32), (xa23 >> 32).to(tl.int32),
-                                              X_BF16)
-            xb0, xb1, xb2, xb3 = _f16x2_pairs(xb01.to(tl.int32), (xb01 >> 32).to(tl.int32),
-                                              xb23.to(tl.int32), (xb23 >> 32).to(tl.int32),
-                                              X_BF16)
-            nza = _f16x2_splat(-64.0 - z * 0.0625)
-            nzb = _f16x2_splat(-4.0 - z * 0.0625)
-            part = _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb)
-            acc += tl.sum(part, axis=0) * tl.reshape(s * 16.0, (BLOCK_N,))
-        else:
-            xrow = x_ptr + m * stride_xm
-            part = (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS)
-                    + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS))
-            acc += tl.sum(part, axis=0) * tl.reshape(s, (BLOCK_N,))
+    if PREFETCH:
+        if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
+            wa, wb, s, z, xa01, xa23, xb01, xb23 = _gemv_load_tile(
+                qw_ptr, s_ptr, z_ptr, x64, pid_k, kw, group_size, stride_qk, stride_sg, cols,
+                mask_n, BLOCK_KW, PER_WORD, F16X2, EVEN)
+            # every tile but the slice's last: load the next, then multiply this one
+            for tile in range(pid_k, n_tiles - split_k, split_k):
+                na, nb, ns, nz, nxa01, nxa23, nxb01, nxb23 = _gemv_load_tile(
+                    qw_ptr, s_ptr, z_ptr, x64, tile + split_k, kw, group_size, stride_qk,
+                    stride_sg, cols, mask_n, BLOCK_KW, PER_WORD, F16X2, EVEN)
+                acc += _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m,
+                                      stride_xm, kw, BITS, BLOCK_N, BLOCK_KW, F16X2, X_BF16)
+                wa, wb, s, z = na, nb, ns, nz
+                xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
+            last = pid_k + ((n_tiles - 1 - pid_k) // split_k) * split_k
+            acc += _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, last, x_ptr, m,
+                                  stride_xm, kw, BITS, BLOCK_N, BLOCK_KW, F16X2, X_BF16)
+    else:
+        for tile in range(pid_k, n_tiles, split_k):
+            wa, wb, s, z, xa01, xa23, xb01, xb23 = _gemv_load_tile(
+                qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, stride_sg, cols,
+                mask_n, BLOCK_KW, PER_WORD, F16X2, EVEN)
+            acc += _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m,
+                                  stride_xm, kw, BITS, BLOCK_N, BLOCK_KW, F16X2, X_BF16)
     store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, m, M, N,
                     offs_n, mask_n, pid_n, pid_k, split_k, False)
 
@@ -282,7 +335,8 @@ GEMV_PROGRAMS_PER_SM = 8
 class GemmConfig:
     """Tiles of one launch; block_m == 1 selects the GEMV kernel (block_k rows per tile, at
     least 2 words: 16 for 4 bits). f16x2: the GEMV dequantizes in fp16x2 PTX where it can
-    (4 bits, fp16/bf16 x, compiled for a GPU); else, and in the interpreter, in fp32."""
+    (4 bits, fp16/bf16 x, compiled for a GPU); else, and in the interpreter, in fp32.
+    prefetch: the GEMV loads a slice's next K tile before multiplying the current one."""
     block_m: int
     block_n: int
     block_k: int
@@ -290,6 +344,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     f16x2: bool = True
+    prefetch: bool = False
 
 
 @functools.cache
@@ -297,6 +352,21 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
+
+
+@functools.cache
+def gemv_overrides(value: str) -> dict[str, int]:
+    """KVFLEET_W4A16_GEMV (e.g. "prefetch=1,per_sm=4,warps=2,block_k=64"): the batch-1 GEMV's
+    tiles for experiments on a GPU, over pick_config's defaults."""
+    keys = ("prefetch", "per_sm", "warps", "block_n", "block_k")
+    out: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, _, number = item.partition("=")
+        if key not in keys or not number.isdigit():
+            raise ValueError(f"KVFLEET_W4A16_GEMV: expected comma-separated key=integer with keys "
+                             f"{', '.join(keys)}; got {item!r}")
+        out[key] = int(number)
+    return out
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
@@ -312,14 +382,18 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
         # The H200 sweep (bench_w4a16.py --m 1 --sweep, commit ab8e752) then preferred two
         # warps on 128 columns, 64-row K tiles at K = 4096 and 128 at K = 14336, at 4-16
         # programs per SM (the best configs ran 9-27% faster than one warp, 128 rows, 16/SM).
-        block_n, block_k, warps = 128, (64 if k <= 4096 else 128), 2
+        over = gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
+        block_n = over.get("block_n", 128)
+        block_k = over.get("block_k", 64 if k <= 4096 else 128)
+        warps = over.get("warps", 2)
         while group_size < k and group_size % block_k:
             block_k //= 2
         tiles = m * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block_k)
-        split_k = max(1, min(k_tiles,
-                             triton.cdiv(GEMV_PROGRAMS_PER_SM * _num_sms(device), tiles)))
-        return GemmConfig(1, block_n, block_k, split_k, warps, 1)
+        per_sm = over.get("per_sm", GEMV_PROGRAMS_PER_SM)
+        split_k = max(1, min(k_tiles, triton.cdiv(per_sm * _num_sms(device), tiles)))
+        return GemmConfig(1, block_n, block_k, split_k, warps, 1,
+                          prefetch=bool(over.get("prefetch", 0)))
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:
@@ -374,7 +448,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             x, qweight, scales, zeros, out, part, count, m, n, k, group_size, cfg.split_k,
             x.stride(0), qweight.stride(0), scales.stride(0),
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
-            EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0,
+            EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0, PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
     if cfg.split_k == 1:

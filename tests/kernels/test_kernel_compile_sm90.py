@@ -45,11 +45,12 @@ def _rotary_and_cache(cache: str) -> tuple:
     return "kvfleet_kernels.rotary", "_rotary_and_cache_kernel", sig, constexprs
 
 
-def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True) -> tuple:
+def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bool = False
+          ) -> tuple:
     sig = {"x_ptr": x, "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
            "out_ptr": x, "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.w4a16", "_w4a16_gemv_kernel", sig,
-            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even))
+            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even, PREFETCH=prefetch))
 
 
 def _gemv_bf16(weight: str = "*bf16") -> tuple:
@@ -98,6 +99,11 @@ CASES = {
                                              "atom.global.gpu.acq_rel.add"]),
     "w4a16_gemv_f16x2_fp16_masked": (_gemv(True, "*fp16", even=False),
                                      ["lop3.b32", "fma.rn.f16x2", "prmt.b32", "cvt.f32.f16"]),
+    # the next tile's loads issued ahead of this one's arithmetic, masked and not
+    "w4a16_gemv_f16x2_prefetch": (_gemv(True, prefetch=True),
+                                  ["lop3.b32", "fma.rn.f16x2", "atom.global.gpu.acq_rel.add"]),
+    "w4a16_gemv_f16x2_prefetch_masked": (_gemv(True, "*fp16", even=False, prefetch=True),
+                                         ["lop3.b32", "fma.rn.f16x2", "prmt.b32"]),
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     # fp8 weights (W8A16 at batch 1): e4m3 read through the paired half-precision convert
     "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),

@@ -30,12 +30,13 @@ def _layer(k: int, n: int, bits: int, group_size: int, seed: int):
                                                     (8, 64, 256, 80), (4, 256, 256, 40)])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_kernel_matches_reference(m, bits, group_size, k, n, split_k, dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_kernel_matches_reference(m, bits, group_size, k, n, split_k, dtype, prefetch):
     qweight, scales, zeros = _layer(k, n, bits, group_size, seed=m * 7 + n)
     x = torch.randn(m, k, dtype=dtype)
     auto = pick_config(1, n, k, group_size, x.device)
     assert auto.block_m == 1, "batch-1 decode must pick the GEMV kernel"
-    cfg = GemmConfig(1, 32, min(auto.block_k, 64), split_k, 4, 1)
+    cfg = GemmConfig(1, 32, min(auto.block_k, 64), split_k, 4, 1, prefetch=prefetch)
     out = w4a16_gemm(x, qweight, scales, zeros, bits, group_size, cfg)
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, bits, group_size)
     assert out.dtype == dtype and out.shape == (m, n)
@@ -64,10 +65,11 @@ def test_gemv_block_k_must_divide_the_group():
 
 
 @pytest.mark.parametrize("split_k", [2, 5, 9])    # 9 > the 8 K tiles: one slice has none
-def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_k):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_k, prefetch):
     from kvfleet_kernels import split_k as split_k_module
     qweight, scales, zeros = _layer(256, 64, 4, 32, seed=split_k)
-    cfg = GemmConfig(1, 32, 32, split_k, 4, 1)
+    cfg = GemmConfig(1, 32, 32, split_k, 4, 1, prefetch=prefetch)
     for seed in (1, 2):      # the second launch reuses the workspace the first one left
         x = torch.randn(1, 256, generator=torch.Generator().manual_seed(seed))
         ref = w4a16_gemm_ref(x, qweight, scales, zeros, 4, 32)
@@ -75,3 +77,19 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
         torch.testing.assert_close(out, ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
         _, counters = split_k_module._WORKSPACES[(x.device, 1, 64, split_k, 2)]
         assert counters.tolist() == [0, 0]
+
+
+def test_gemv_tiles_from_the_environment(monkeypatch):
+    # KVFLEET_W4A16_GEMV overrides pick_config's batch-1 tiles (GPU experiments); the
+    # kernel at those tiles (prefetch, one warp, split over all 8 K tiles) still matches
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "prefetch=1,per_sm=64,warps=1,block_n=64,block_k=32")
+    cfg = pick_config(1, 64, 256, 32, torch.device("cpu"))
+    assert cfg == GemmConfig(1, 64, 32, 8, 1, 1, prefetch=True)    # 8 K tiles < 64 per SM
+    qweight, scales, zeros = _layer(256, 64, 4, 32, seed=3)
+    x = torch.randn(1, 256, dtype=torch.float16)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 32)
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, 32)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "prefetch=yes")
+    with pytest.raises(ValueError, match="KVFLEET_W4A16_GEMV: expected comma-separated"):
+        pick_config(1, 64, 256, 32, torch.device("cpu"))

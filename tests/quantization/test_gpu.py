@@ -70,9 +70,13 @@ def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_si
     out = w4a16_gemm(x, qweight, scales, zeros, 4, group_size, cfg)
     fp32 = w4a16_gemm(x, qweight, scales, zeros, 4, group_size,
                       GemmConfig(**{**cfg.__dict__, "f16x2": False}))
+    # the prefetching loop: same tiles, same sums (the compiler may fuse differently)
+    prefetched = w4a16_gemm(x, qweight, scales, zeros, 4, group_size,
+                            GemmConfig(**{**cfg.__dict__, "prefetch": not cfg.prefetch}))
     tol = ref.abs().max().item() * 5e-3
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
     torch.testing.assert_close(fp32.float(), ref, rtol=0, atol=tol)
+    torch.testing.assert_close(prefetched.float(), ref, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("split_k", [1, 3, 8])
