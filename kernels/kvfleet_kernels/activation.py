@@ -1,10 +1,22 @@
-"""The gated MLP activation SiLU(gate) * up: torch reference and Triton twin."""
+"""The gated MLP activation SiLU(gate) * up: torch reference and Triton twin.
+
+`silu_and_mul_fp8` writes the same output quantized per token to e4m3 (the input of an FP8
+down_proj): bit for bit silu_and_mul followed by quantize_fp8_rowwise_triton, one kernel.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kvfleet_kernels.fp8 import (
+    FP8,
+    fp8_quantize,
+    fp8_scale,
+    one_pass_block,
+    quantize_fp8_per_token_ref,
+)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -13,29 +25,90 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, 2I] -> (e4m3 [T, I], fp32 scales [T, 1]): silu_and_mul_ref's output quantized per
+    token as quantize_fp8_per_token_ref does."""
+    return quantize_fp8_per_token_ref(silu_and_mul_ref(x))
+
+
+@triton.jit
+def _silu_mul(x_row, i, mask, INTER: tl.constexpr):
+    # columns i of one row's SiLU(gate) * up, in fp32, rounded to x's dtype
+    gate = tl.load(x_row + i, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + INTER + i, mask=mask, other=0.0).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(x_row.dtype.element_ty)
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
-    gate = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + INTER + i, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + i, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + i, _silu_mul(x_ptr + row * stride_x, i, mask, INTER),
+             mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton twin of `silu_and_mul_ref`."""
-    num_tokens, width = x.shape
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.constexpr,
+                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    # One program per row, as fp8.py's _quantize_rowwise_kernel: a row longer than its one-pass
+    # limit is computed twice (amax, then the values), instead of written and read back.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = offs < INTER
+        y = _silu_mul(x_row, offs, mask, INTER).to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(y), 0))
+        tl.store(q_row + offs, fp8_quantize(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, INTER, BLOCK):
+            mask = start + offs < INTER
+            y = _silu_mul(x_row, start + offs, mask, INTER).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = fp8_scale(tl.max(amax, 0))
+        for start in range(0, INTER, BLOCK):
+            mask = start + offs < INTER
+            y = _silu_mul(x_row, start + offs, mask, INTER).to(tl.float32)
+            tl.store(q_row + start + offs, fp8_quantize(y, scale).to(q_ptr.dtype.element_ty),
+                     mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def _check(x: torch.Tensor) -> int:
+    width = x.shape[1]
     if width % 2:
         raise ValueError(f"x must be [T, 2 * intermediate_size]; got last dimension {width} (odd)")
     if x.stride(-1) != 1:
         raise ValueError(f"x must have a contiguous last dimension; got strides {tuple(x.stride())}")
-    inter = width // 2
+    return width // 2
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `silu_and_mul_ref`."""
+    inter = _check(x)
+    num_tokens = x.shape[0]
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block)
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `silu_and_mul_fp8_ref`, bit-identical to silu_and_mul followed by
+    quantize_fp8_rowwise_triton: (e4m3 [T, I], fp32 scales [T, 1])."""
+    inter = _check(x)
+    num_tokens = x.shape[0]
+    q = torch.empty(num_tokens, inter, dtype=FP8, device=x.device)
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        one_pass, block, num_warps = one_pass_block(inter)
+        _silu_and_mul_fp8_kernel[(num_tokens,)](x, q, scale, x.stride(0), q.stride(0),
+                                                INTER=inter, BLOCK=block, ONE_PASS=one_pass,
+                                                num_warps=num_warps)
+    return q, scale

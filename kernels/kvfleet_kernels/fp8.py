@@ -5,7 +5,10 @@ capability >= 8.9 (Ada, Hopper); fp8_linear_ref computes the same quantized prod
 and is what it is tested against. The activations' per-token quantization before each GEMM is
 one Triton kernel on the GPU (`quantize_fp8_rowwise_triton`, bit-identical to its torch twin
 `quantize_fp8_per_token_ref`, which takes ~7 kernels and fp32 temporaries of the whole
-activation).
+activation). The producers of three of a decoder layer's four GEMM inputs (RMSNorm, SiLU-and-mul)
+can write them quantized themselves (`rms_norm_fp8`, `silu_and_mul_fp8`, through `fp8_scale` and
+`fp8_quantize` below, bit-identical to this kernel on their output); fp8_linear then takes the
+pair (x_scale) and skips the kernel.
 """
 
 from __future__ import annotations
@@ -38,10 +41,22 @@ _ONE_PASS_MAX = 16384      # a row this long stays in registers (8 warps: 64 val
 
 
 @triton.jit
+def fp8_scale(amax):
+    # the per-token scale of a row whose largest |value| is amax: max(amax, 1e-12) * fp32(1/448)
+    return tl.maximum(amax, MIN_SCALE) * INV_FP8_E4M3_MAX
+
+
+@triton.jit
+def fp8_quantize(x, scale):
+    # x / scale is IEEE round-to-nearest (div_rn), as torch's tensor division is; saturated to
+    # e4m3's range (the caller's cast to e4m3 rounds to nearest)
+    return tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+
+
+@triton.jit
 def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
                              BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per row: amax, scale = max(amax, 1e-12) * fp32(1/448), q = clamp(x / scale)
-    # in e4m3. x / scale is IEEE round-to-nearest (div_rn), as torch's tensor division is.
+    # One program per row: amax, scale, q = x / scale in e4m3 (fp8_scale, fp8_quantize)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -57,17 +72,23 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax = tl.max(amax, 0)
-    scale = tl.maximum(amax, MIN_SCALE) * INV_FP8_E4M3_MAX
+    scale = fp8_scale(amax)
     if ONE_PASS:
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, fp8_quantize(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         for start in range(0, C, BLOCK):
             mask = start + offs < C
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-            tl.store(q_row + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_row + start + offs, fp8_quantize(x, scale).to(q_ptr.dtype.element_ty),
+                     mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+def one_pass_block(cols: int) -> tuple[bool, int, int]:
+    """(one pass, BLOCK, num_warps) of a per-row quantization over rows of `cols` values."""
+    one_pass = cols <= _ONE_PASS_MAX
+    block = triton.next_power_of_2(cols) if one_pass else 4096
+    return one_pass, block, 8 if block >= 8192 else 4
 
 
 def quantize_fp8_per_token_ref(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +110,9 @@ def quantize_fp8_rowwise_triton(t: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     q = torch.empty((rows, cols), dtype=FP8, device=t.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=t.device)
     if rows:
-        one_pass = cols <= _ONE_PASS_MAX
-        block = triton.next_power_of_2(cols) if one_pass else 4096
+        one_pass, block, num_warps = one_pass_block(cols)
         _quantize_rowwise_kernel[(rows,)](t, q, scale, cols, t.stride(0), q.stride(0),
-                                          BLOCK=block, ONE_PASS=one_pass,
-                                          num_warps=8 if block >= 8192 else 4)
+                                          BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps)
     return q, scale
 
 
@@ -108,12 +127,22 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """As fp8_linear_ref, on the GPU's FP8 tensor cores (K and N multiples of 16)."""
-    xq, x_scale = quantize_fp8_rowwise_triton(x if x.stride(-1) == 1 else x.contiguous())
+               bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As fp8_linear_ref, on the GPU's FP8 tensor cores (K and N multiples of 16).
+
+    With x_scale, x is the activation already quantized per token (e4m3 [M, K] and fp32 [M, 1]
+    scales, as quantize_fp8_rowwise_triton, rms_norm_fp8 and silu_and_mul_fp8 return them) and
+    out_dtype is the output's dtype (the unquantized activation's)."""
+    if x_scale is None:
+        out_dtype = x.dtype
+        x, x_scale = quantize_fp8_rowwise_triton(x if x.stride(-1) == 1 else x.contiguous())
+    elif out_dtype is None or x.dtype != FP8:
+        raise ValueError(f"fp8_linear with x_scale takes x in {FP8} and an out_dtype; got x in "
+                         f"{x.dtype}, out_dtype {out_dtype}")
     # row-wise scaling in _scaled_mm produces bf16 only; weight.t() is the column-major operand
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale,
+    out = torch._scaled_mm(x, weight.t(), scale_a=x_scale,
                            scale_b=weight_scale.float().reshape(1, -1), out_dtype=torch.bfloat16)
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype)
+    return out.to(out_dtype)

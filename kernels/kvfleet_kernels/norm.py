@@ -3,6 +3,10 @@
 Rounding follows HF LlamaRMSNorm: the sum x + residual is rounded to x.dtype (it is the next
 block's residual), the normalisation runs in fp32, the normalised value is rounded to x.dtype
 BEFORE it is multiplied by the weight, and that product is rounded to x.dtype once more.
+
+`rms_norm_fp8` writes that rounded output quantized per token to e4m3 instead (the input of an
+FP8 GEMM): bit for bit rms_norm followed by quantize_fp8_rowwise_triton, one kernel fewer and no
+bf16 activation written and read back.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvfleet_kernels.fp8 import FP8, fp8_quantize, fp8_scale, quantize_fp8_per_token_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -24,11 +30,23 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
+def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(e4m3 [T, D], fp32 scales [T, 1], x + residual or None): rms_norm_ref's output quantized
+    per token as quantize_fp8_per_token_ref does."""
+    out, summed = rms_norm_ref(x, weight, eps, residual) if residual is not None else (
+        rms_norm_ref(x, weight, eps), None)
+    return *quantize_fp8_per_token_ref(out), summed
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_ptr, eps,
                      stride_x, stride_r, stride_o, stride_s,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    # One program per row: the whole row fits one tile (D <= 16k).
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     FP8_OUT: tl.constexpr):
+    # One program per row: the whole row fits one tile (D <= 16k). FP8_OUT: out_ptr takes the
+    # output quantized per token (fp8_scale, fp8_quantize of fp8.py), scale_ptr its scale.
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -41,13 +59,21 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
     normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + d, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed * w).to(x_ptr.dtype.element_ty)
+    if FP8_OUT:
+        # the rounded output, as rms_norm writes it and the quantization kernel reads it back
+        y = out.to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(y), 0))
+        tl.store(out_ptr + row * stride_o + d, fp8_quantize(y, scale).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + d, out, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `rms_norm_ref`."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(out in x.dtype or e4m3, its per-token scales if fp8_out, x + residual if residual)."""
     num_tokens, dim = x.shape
     if weight.shape != (dim,):
         raise ValueError(f"weight must have shape ({dim},) to match x [T, {dim}]; got {tuple(weight.shape)}")
@@ -56,14 +82,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension; got strides {tuple(t.stride())}")
-    out = torch.empty_like(x)
-    summed = torch.empty_like(x) if residual is not None else out
+    out = torch.empty_like(x, dtype=FP8 if fp8_out else x.dtype)
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else None
+    summed = torch.empty_like(x) if residual is not None else None
     if num_tokens:
         residual_arg = residual if residual is not None else x
+        summed_arg = summed if summed is not None else out
         _rms_norm_kernel[(num_tokens,)](
-            x, residual_arg, weight, out, summed, eps,
-            x.stride(0), residual_arg.stride(0), out.stride(0), summed.stride(0),
+            x, residual_arg, weight, out, summed_arg, scale if fp8_out else out, eps,
+            x.stride(0), residual_arg.stride(0), out.stride(0), summed_arg.stride(0),
             D=dim, BLOCK_D=triton.next_power_of_2(dim), HAS_RESIDUAL=residual is not None,
-            num_warps=8 if dim >= 4096 else 4,
+            FP8_OUT=fp8_out, num_warps=8 if dim >= 4096 else 4,
         )
+    return out, scale, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `rms_norm_ref`."""
+    out, _, summed = _launch(x, weight, eps, residual, fp8_out=False)
     return out if residual is None else (out, summed)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Triton twin of `rms_norm_fp8_ref`, bit-identical to rms_norm followed by
+    quantize_fp8_rowwise_triton: (e4m3 [T, D], fp32 scales [T, 1], x + residual or None)."""
+    return _launch(x, weight, eps, residual, fp8_out=True)

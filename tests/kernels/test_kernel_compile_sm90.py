@@ -1,6 +1,7 @@
 """Kernels compiled for the H200's sm_90 in a child process without TRITON_INTERPRET (no GPU
 needed): the fused rotary + cache write, the paged-attention kernels over an fp8 cache, the
-split-K GEMVs (bf16, W4A16) and the FP8 activation quantization.
+split-K GEMVs (bf16, W4A16), the FP8 activation quantization, alone and fused into RMSNorm and
+SiLU-and-mul.
 
 The interpreter runs kernels as Python, so what only the compiler enforces (constexpr
 globals, dtypes passed to nested jit functions, atomics' memory semantics, e4m3 conversions)
@@ -83,6 +84,20 @@ def _fp8_quant(one_pass: bool) -> tuple:
             dict(BLOCK=4096, ONE_PASS=one_pass))
 
 
+def _rms_norm_fp8() -> tuple:
+    sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
+           "out_ptr": "*fp8e4nv", "sum_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}
+    return ("kvfleet_kernels.norm", "_rms_norm_kernel", sig,
+            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=True))
+
+
+def _silu_and_mul_fp8(one_pass: bool) -> tuple:
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    return ("kvfleet_kernels.activation", "_silu_and_mul_fp8_kernel", sig,
+            dict(INTER=14336, BLOCK=16384, ONE_PASS=True) if one_pass else
+            dict(INTER=29568, BLOCK=4096, ONE_PASS=False))
+
+
 BF16_MMA = ".f32.bf16.bf16"     # tensor-core dots on bf16 operands (mma.sync and wgmma)
 F16_MMA = ".f32.f16.f16"
 
@@ -121,6 +136,13 @@ CASES = {
                               ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,
+    # of the output rounded to bf16 first (what the unfused kernel writes)
+    "rms_norm_fp8": (_rms_norm_fp8(), ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    "silu_and_mul_fp8_one_pass": (_silu_and_mul_fp8(True),
+                                  ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    "silu_and_mul_fp8_two_pass": (_silu_and_mul_fp8(False),
+                                  ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
 }
 
 
