@@ -326,9 +326,13 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
-# GEMV programs (column tiles x K slices) to aim for per SM: nothing is staged through shared
-# memory, so these programs' warps are what hides the loads' latency
-GEMV_PROGRAMS_PER_SM = 8
+# The GEMV's K split: at least this many warps per SM (nothing is staged through shared
+# memory, so the warps' own loads are what hides the latency), and slices of at most this many
+# K tiles (a slice is a chain of tiles; with prefetch each waits on the one before). The L2-cold
+# H200 sweep of commit 7b36514 (bench_w4a16.py --m 1 --sweep) put every 8B shape's best at
+# 8 warps per SM or 2-4 tiles a slice, whichever split more.
+GEMV_WARPS_PER_SM = 8
+GEMV_TILES_PER_SLICE = 4
 
 
 @dataclass(frozen=True)
@@ -356,9 +360,9 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.cache
 def gemv_overrides(value: str) -> dict[str, int]:
-    """KVFLEET_W4A16_GEMV (e.g. "prefetch=1,per_sm=4,warps=2,block_k=64"): the batch-1 GEMV's
-    tiles for experiments on a GPU, over pick_config's defaults."""
-    keys = ("prefetch", "per_sm", "warps", "block_n", "block_k")
+    """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
+    GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
+    keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -372,28 +376,28 @@ def gemv_overrides(value: str) -> dict[str, int]:
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
     if m <= GEMV_MAX_M:
-        # one group per K tile. 128 columns on one warp (BLOCK_N = 128 * num_warps): each
-        # thread owns 4 columns (16-byte loads) and every row of the tile, so the per-column
-        # scales/zeros load in the words' layout and the sum over rows stays in registers. At
-        # block_k 128 the f16x2 loop compiles (sm_90, ptxas 13) to ~20 SASS instructions per
-        # 32-bit word, 80 registers, no spills, no shared memory or barriers; 64 and 128 columns
-        # on 2-4 warps took 25-35 (layout shuffles through shared memory). Slices may be a
-        # single K tile: at batch 1 the programs, not the partials, are what is short.
-        # The H200 sweep (bench_w4a16.py --m 1 --sweep, commit ab8e752) then preferred two
-        # warps on 128 columns, 64-row K tiles at K = 4096 and 128 at K = 14336, at 4-16
-        # programs per SM (the best configs ran 9-27% faster than one warp, 128 rows, 16/SM).
+        # one group per K tile. BLOCK_N = 128 * num_warps: each thread owns 4 columns (16-byte
+        # loads) and every row of the tile, so the per-column scales/zeros load in the words'
+        # layout and the sum over rows stays in registers (sm_90, ptxas 13: ~20 SASS
+        # instructions per 32-bit word, no spills, no shared memory or barriers in the loop).
+        # The L2-cold H200 sweep (commit 7b36514; weight copies 3x L2 timed in turn, as the
+        # engine's 32 layers pass through L2) chose prefetch (next K tile loaded before this
+        # one is multiplied: -15-25% on every shape), 64-row K tiles (128 rows at K = 14336
+        # was no faster) and 1, 2 or 4 warps alike: per layer 78 -> 61 us (qkv 12.7 -> 9.9,
+        # o 10.9 -> 9.1, gate_up 34.5 -> 24.8, down 19.9 -> 16.4), 1.4-2.5 TB/s.
         over = gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
-        block_n = over.get("block_n", 128)
-        block_k = over.get("block_k", 64 if k <= 4096 else 128)
         warps = over.get("warps", 2)
+        block_n = over.get("block_n", 128 * warps)
+        block_k = over.get("block_k", 64)
         while group_size < k and group_size % block_k:
             block_k //= 2
         tiles = m * triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block_k)
-        per_sm = over.get("per_sm", GEMV_PROGRAMS_PER_SM)
-        split_k = max(1, min(k_tiles, triton.cdiv(per_sm * _num_sms(device), tiles)))
-        return GemmConfig(1, block_n, block_k, split_k, warps, 1,
-                          prefetch=bool(over.get("prefetch", 0)))
+        split_k = max(triton.cdiv(over.get("warps_per_sm", GEMV_WARPS_PER_SM) * _num_sms(device),
+                                  tiles * warps),
+                      k_tiles // over.get("tiles_per_slice", GEMV_TILES_PER_SLICE))
+        return GemmConfig(1, block_n, block_k, max(1, min(k_tiles, split_k)), warps, 1,
+                          prefetch=bool(over.get("prefetch", 1)))
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:

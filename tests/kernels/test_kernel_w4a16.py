@@ -46,12 +46,12 @@ def test_gemv_kernel_matches_reference(m, bits, group_size, k, n, split_k, dtype
 
 @pytest.mark.parametrize("k, n, group_size", [(512, 256, 128), (384, 200, 64)])
 def test_gemv_kernel_at_the_picked_config(k, n, group_size):
-    # pick_config's own tiles (128 columns on two warps); 200
+    # pick_config's own tiles (256 columns on two warps, prefetching); 200
     # columns and 384 rows leave a partial column tile (the masked path)
     qweight, scales, zeros = _layer(k, n, 4, group_size, seed=k + n)
     x = torch.randn(1, k, dtype=torch.float16)
     cfg = pick_config(1, n, k, group_size, x.device)
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (1, 128, 2)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.prefetch) == (1, 256, 2, True)
     out = w4a16_gemm(x, qweight, scales, zeros, 4, group_size, cfg)
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
     torch.testing.assert_close(out.float(), ref.float(), rtol=0,
@@ -82,9 +82,13 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
 def test_gemv_tiles_from_the_environment(monkeypatch):
     # KVFLEET_W4A16_GEMV overrides pick_config's batch-1 tiles (GPU experiments); the
     # kernel at those tiles (prefetch, one warp, split over all 8 K tiles) still matches
-    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "prefetch=1,per_sm=64,warps=1,block_n=64,block_k=32")
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV",
+                       "prefetch=1,warps_per_sm=64,warps=1,block_n=64,block_k=32")
     cfg = pick_config(1, 64, 256, 32, torch.device("cpu"))
     assert cfg == GemmConfig(1, 64, 32, 8, 1, 1, prefetch=True)    # 8 K tiles < 64 per SM
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "prefetch=0,tiles_per_slice=1,warps_per_sm=1")
+    assert pick_config(1, 512, 1024, 128, torch.device("cpu")) == GemmConfig(
+        1, 256, 64, 16, 2, 1, prefetch=False)                    # a slice per K tile
     qweight, scales, zeros = _layer(256, 64, 4, 32, seed=3)
     x = torch.randn(1, 256, dtype=torch.float16)
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 32)
