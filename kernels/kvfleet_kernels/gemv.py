@@ -12,6 +12,9 @@ TUNED, where an H200 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md).
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -32,25 +35,47 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 @triton.jit
+def _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, tile, K, stride_xm, stride_wn,
+               BLOCK_K: tl.constexpr):
+    """x's K tile (fp32) and w's [BLOCK_N, BLOCK_K] tile (as stored)."""
+    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
                  stride_xm, stride_wn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
+    # PREFETCH: the slice's next tile is loaded before the current one is multiplied.
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    n_tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for tile in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+    if PREFETCH:
+        if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
+            x, w = _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, pid_k, K, stride_xm, stride_wn,
+                              BLOCK_K)
+            for tile in range(pid_k, n_tiles - split_k, split_k):
+                xn, wn = _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, tile + split_k, K,
+                                    stride_xm, stride_wn, BLOCK_K)
+                acc += w.to(tl.float32) * x[None, :]
+                x, w = xn, wn
+            acc += w.to(tl.float32) * x[None, :]
+    else:
+        for tile in range(pid_k, n_tiles, split_k):
+            x, w = _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, tile, K, stride_xm, stride_wn,
+                              BLOCK_K)
+            acc += w.to(tl.float32) * x[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_SCALE:
         total *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -65,6 +90,7 @@ class GemvConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False
 
 
 # GEMV programs (output tiles x K slices) to aim for per SM
@@ -93,9 +119,26 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+@functools.cache
+def tuned_table(path: str) -> dict[tuple[str, int, int], GemvConfig]:
+    """TUNED, plus the entries of a JSON file that `bench_gemv.py --sweep --write-tuned PATH`
+    wrote (KVFLEET_GEMV_TUNED=PATH): [{"device", "n", "k", "config": {GemvConfig fields}}]."""
+    table = dict(TUNED)
+    if path:
+        try:
+            entries = json.loads(pathlib.Path(path).read_text())
+            for e in entries:
+                table[(e["device"], int(e["n"]), int(e["k"]))] = GemvConfig(**e["config"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"KVFLEET_GEMV_TUNED={path}: not a list of "
+                             f'{{"device", "n", "k", "config"}} entries ({e})') from e
+    return table
+
+
 def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
     """The measured-faster tiles for an [N, K] weight on this device, or None (use cuBLAS)."""
-    return TUNED.get((_device_name(device), n, k))
+    table = tuned_table(os.environ.get("KVFLEET_GEMV_TUNED", ""))
+    return table.get((_device_name(device), n, k))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -122,6 +165,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                        bias if bias is not None else out, out, part, count,
                        m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
                        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -1,13 +1,18 @@
 """Time the batch-1 Triton GEMV against torch (cuBLAS) on Llama-3.1-8B's projection shapes.
 
-Run on a GPU: python tests/kernels/bench_gemv.py [--sweep]
-Both are replayed from CUDA graphs (as the engine's decode runs them); TB/s = weight bytes / time.
+Run on a GPU: python tests/kernels/bench_gemv.py [--sweep] [--write-tuned PATH]
+Both are replayed from CUDA graphs (as the engine's decode runs them) over weight copies 3x the
+L2 cache in turn (each call's weight comes from HBM, as in the engine); TB/s = weight bytes /
+time. The shapes are one layer's at TP=1 and at TP=2 (each rank's half). --write-tuned writes
+the sweep's winners that beat cuBLAS by 3% or more as JSON for KVFLEET_GEMV_TUNED (with
+KVFLEET_TRITON_GEMV=tuned the engine then runs those shapes at those tiles).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 from functools import partial
@@ -18,44 +23,71 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "quantization"))
-from bench_w4a16 import graph_us  # noqa: E402
+from bench_w4a16 import copies_for, graph_us  # noqa: E402
 from kvfleet_kernels import gemv as gv  # noqa: E402
 
+# (name, N, K): one Llama-3.1-8B layer and lm_head, then a TP=2 rank's share of the layer
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
-          ("down_proj", 4096, 14336), ("lm_head", 128256, 4096)]
+          ("down_proj", 4096, 14336), ("lm_head", 128256, 4096),
+          ("tp2 qkv_proj", 3072, 4096), ("tp2 o_proj", 4096, 2048),
+          ("tp2 gate_up", 14336, 4096), ("tp2 down_proj", 4096, 7168)]
+# --sweep: (block_n, block_k, num_warps, num_stages, prefetch) x programs per SM
+SWEEP = ([(bn, bk, w, st, False) for bn in (8, 16, 32) for bk in (256, 512, 1024)
+          for w in (4, 8) for st in (2, 4)]
+         + [(bn, bk, w, 1, True) for bn in (8, 16, 32) for bk in (256, 512, 1024)
+            for w in (4, 8)])
+SWEEP_PER_SM = (2, 4, 8, 16)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--write-tuned", metavar="PATH",
+                        help="with --sweep: the winners (>= 3%% faster than cuBLAS) as JSON")
     args = parser.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print(f"{'shape':<14}{'triton us':>10}{'TB/s':>7}{'cuBLAS us':>11}{'TB/s':>7}  config")
+    device_name = torch.cuda.get_device_name(dev)
+    print(f"{device_name}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"{'shape':<15}{'triton us':>10}{'TB/s':>7}{'cuBLAS us':>11}{'TB/s':>7}  config")
+    tuned = []
     for name, n, k in SHAPES:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         nbytes = n * k * 2
-        t_c = graph_us(partial(F.linear, x, w))
-        t_t = graph_us(partial(gv.gemv, x, w))
-        print(f"{name:<14}{t_t:>10.1f}{nbytes / t_t / 1e6:>7.2f}{t_c:>11.1f}{nbytes / t_c / 1e6:>7.2f}"
-              f"  {gv.pick_config(1, n, k, dev)}")
-        if args.sweep:
-            best = None
-            for bn, bk, warps, stages, per_sm in itertools.product(
-                    (8, 16, 32), (256, 512, 1024), (4, 8), (2, 4), (2, 4, 8)):
-                tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
-                split = max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
-                cfg = gv.GemvConfig(bn, bk, split, warps, stages)
-                try:
-                    t = graph_us(partial(gv.gemv, x, w, None, cfg), rep=20)
-                except Exception as e:  # noqa: BLE001 - out of resources: skip the config
-                    print(f"  skip {cfg}: {type(e).__name__}")
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+              for _ in range(copies_for(nbytes, dev))]
+        ref = gv.gemv_ref(x, ws[0]).float()
+        t_c = graph_us([partial(F.linear, x, w) for w in ws])
+        t_t = graph_us([partial(gv.gemv, x, w) for w in ws])
+        print(f"{name:<15}{t_t:>10.1f}{nbytes / t_t / 1e6:>7.2f}{t_c:>11.1f}"
+              f"{nbytes / t_c / 1e6:>7.2f}  {gv.pick_config(1, n, k, dev)}", flush=True)
+        if not args.sweep:
+            continue
+        best = None
+        for (bn, bk, warps, stages, prefetch), per_sm in itertools.product(SWEEP, SWEEP_PER_SM):
+            tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
+            split = max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
+            cfg = gv.GemvConfig(bn, bk, split, warps, stages, prefetch)
+            try:
+                err = (gv.gemv(x, ws[0], None, cfg).float() - ref).abs().max().item()
+                if not err <= 2e-2 * ref.abs().max().item():    # a fast wrong config must not win
+                    print(f"  WRONG {cfg}: off by {err:.3g}")
                     continue
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            print(f"{'  best':<14}{best[0]:>10.1f}{nbytes / best[0] / 1e6:>7.2f}{'':>18}  {best[1]}")
+                t = graph_us([partial(gv.gemv, x, w, None, cfg) for w in ws], rep=20)
+            except Exception as e:  # noqa: BLE001 - out of resources: skip the config
+                print(f"  skip {cfg}: {type(e).__name__}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        print(f"{'  best':<15}{best[0]:>10.1f}{nbytes / best[0] / 1e6:>7.2f}"
+              f"{t_c / best[0]:>17.2f}x  {best[1]}", flush=True)
+        if best[0] <= t_c / 1.03:
+            tuned.append({"device": device_name, "n": n, "k": k, "triton_us": round(best[0], 2),
+                          "cublas_us": round(t_c, 2), "config": best[1].__dict__})
+    if args.write_tuned:
+        with open(args.write_tuned, "w") as f:
+            json.dump(tuned, f, indent=1)
+        print(f"{len(tuned)} shape(s) faster than cuBLAS -> {args.write_tuned}")
 
 
 if __name__ == "__main__":

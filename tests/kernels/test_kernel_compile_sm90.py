@@ -54,11 +54,12 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bo
             dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even, PREFETCH=prefetch))
 
 
-def _gemv_bf16(weight: str = "*bf16") -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
            "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
-            dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512))
+            dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512,
+                 PREFETCH=prefetch))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -122,6 +123,8 @@ CASES = {
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     # fp8 weights (W8A16 at batch 1): e4m3 read through the paired half-precision convert
     "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),
+    "gemv_bf16_prefetch": (_gemv_bf16(prefetch=True), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
+    "gemv_fp8_weight_prefetch": (_gemv_bf16("*fp8e4nv", prefetch=True), ["cvt.rn.f16x2.e4m3x2"]),
     # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
     "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),
                               ["cvt.rn.satfinite.e4m3x2"]),

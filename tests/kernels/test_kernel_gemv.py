@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from kvfleet_kernels import gemv as gemv_module
 from kvfleet_kernels import split_k as split_k_module
 from kvfleet_kernels.gemv import TUNED, GemvConfig, gemv, gemv_ref
 
@@ -12,21 +15,23 @@ from kvfleet_kernels.gemv import TUNED, GemvConfig, gemv, gemv_ref
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_matches_reference(m, n, k, split_k, bias, dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_matches_reference(m, n, k, split_k, bias, dtype, prefetch):
     g = torch.Generator().manual_seed(n * k + split_k)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    out = gemv(x, w, b, GemvConfig(16, 32, split_k, 4, 1))
+    out = gemv(x, w, b, GemvConfig(16, 32, split_k, 4, 1, prefetch=prefetch))
     ref = gemv_ref(x, w, b)
     assert out.dtype == dtype and out.shape == (m, n)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("split_k", [1, 3, 7])    # 7 > the 5 K tiles: a slice has none
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp8_weight_with_row_scales_matches_reference(split_k, bias):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fp8_weight_with_row_scales_matches_reference(split_k, bias, prefetch):
     # W8A16: e4m3 weights (values the format holds exactly) times per-row fp32 scales
     g = torch.Generator().manual_seed(split_k + 2 * bias)
     n, k = 40, 160
@@ -34,7 +39,7 @@ def test_fp8_weight_with_row_scales_matches_reference(split_k, bias):
     scale = torch.rand(n, generator=g) * 0.01 + 1e-3
     x = torch.randn(1, k, generator=g, dtype=torch.float32).to(torch.float16)
     b = torch.randn(n, generator=g).to(torch.float16) if bias else None
-    out = gemv(x, w8, b, GemvConfig(8, 32, split_k, 4, 1), scale=scale)
+    out = gemv(x, w8, b, GemvConfig(8, 32, split_k, 4, 1, prefetch=prefetch), scale=scale)
     torch.testing.assert_close(out.float(), gemv_ref(x, w8, b, scale).float(), rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="one per weight row"):
         gemv(x, w8, b, scale=scale[:-1])
@@ -57,13 +62,16 @@ def test_mismatched_shapes_are_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
                                   (128256, 4096)])
-def test_gpu_gemv_at_llama_8b_shapes(n, k):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_gemv_at_llama_8b_shapes(n, k, prefetch):
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=g).to(device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * 0.02).to(device="cuda", dtype=torch.bfloat16)
     ref = gemv_ref(x, w)
+    cfg = gemv_module.pick_config(1, n, k, x.device)
+    cfg = gemv_module.GemvConfig(**{**cfg.__dict__, "prefetch": prefetch})
     # fp32 sums of bf16 products, one bf16 rounding at the end (as the reference)
-    torch.testing.assert_close(gemv(x, w).float(), ref.float(), rtol=1.6e-2,
+    torch.testing.assert_close(gemv(x, w, None, cfg).float(), ref.float(), rtol=1.6e-2,
                                atol=1e-2 * ref.float().abs().max().item())
 
 
@@ -80,3 +88,23 @@ def test_gpu_gemv_at_its_tuned_tiles(key):
     ref = gemv_ref(x, w)
     torch.testing.assert_close(gemv(x, w, None, TUNED[key]).float(), ref.float(), rtol=1.6e-2,
                                atol=1e-2 * ref.float().abs().max().item())
+
+
+def test_tuned_tiles_from_a_sweep_file(tmp_path, monkeypatch):
+    # KVFLEET_GEMV_TUNED: the winners bench_gemv.py --sweep --write-tuned wrote, over TUNED
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps([{"device": "cpu", "n": 48, "k": 256, "triton_us": 1.0,
+                                 "config": {"block_n": 16, "block_k": 64, "split_k": 2,
+                                            "num_warps": 4, "num_stages": 1, "prefetch": True}}]))
+    monkeypatch.setenv("KVFLEET_GEMV_TUNED", str(path))
+    cpu = torch.device("cpu")
+    cfg = gemv_module.tuned_config(48, 256, cpu)
+    assert cfg == GemvConfig(16, 64, 2, 4, 1, prefetch=True)
+    assert gemv_module.tuned_config(48, 128, cpu) is None
+    x, w = torch.randn(1, 256), torch.randn(48, 256)
+    torch.testing.assert_close(gemv(x, w, None, cfg), gemv_ref(x, w), rtol=1e-5, atol=1e-4)
+    path2 = tmp_path / "bad.json"
+    path2.write_text(json.dumps([{"device": "cpu", "n": 48}]))
+    monkeypatch.setenv("KVFLEET_GEMV_TUNED", str(path2))
+    with pytest.raises(ValueError, match="KVFLEET_GEMV_TUNED=.*bad.json"):
+        gemv_module.tuned_config(48, 256, cpu)
