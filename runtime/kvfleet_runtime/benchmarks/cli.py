@@ -225,7 +225,11 @@ def _profile_latency(engine, prompts, params):
         return not sched.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
                                          for r in sched.running)
     prefill = profile_steps(engine.step, 1 << 30, "prefill", device, until=prompts_done)
+    first = len(sched.running)
     decode = profile_steps(engine.step, max(min(params.max_tokens - 1, 32), 1), "decode", device)
+    # requests prefilled early decode during the later prefill steps and may finish inside
+    # these: the batch the decode steps saw, first and last
+    decode.batch = (first, len(sched.running))
     while engine.has_unfinished_requests():
         engine.step()
     return prefill, decode

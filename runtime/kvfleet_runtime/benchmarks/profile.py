@@ -21,10 +21,12 @@ class StepProfile:
     wall_ms: float            # per step
     kernel_ms: float          # per step: summed device time of all kernels (one stream)
     top: list[tuple[str, float, float]]   # (kernel, ms per step, launches per step), largest first
+    batch: tuple[int, int] | None = None  # running requests at the first and the last step
 
     def render(self) -> str:
         busy = self.kernel_ms / self.wall_ms if self.wall_ms else 0.0
-        lines = [f"{self.label}: {self.num_steps} step(s), {self.wall_ms:.2f} ms/step wall, "
+        batch = f" at batch {self.batch[0]}->{self.batch[1]}" if self.batch else ""
+        lines = [f"{self.label}: {self.num_steps} step(s){batch}, {self.wall_ms:.2f} ms/step wall, "
                  f"{self.kernel_ms:.2f} ms/step in GPU kernels ({busy:.0%} busy), "
                  f"{self.wall_ms - self.kernel_ms:.2f} ms/step host work + launch gaps"]
         lines += [f"    {ms:8.3f} ms  {calls:6.1f}x  {name[:90]}" for name, ms, calls in self.top]

@@ -6,7 +6,8 @@
 Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
   bs1        latency, batch 1, 128 in / 256 out
   ttft       latency, batch 1, 2048 in / 2 out, 5 iterations (TTFT on an idle engine)
-  profile    `--profile` of batch 1 x 2048 in and batch 256 x 128 in (33 out each)
+  profile    `--profile` of batch 1 x 2048 in and batch 256 x 128 in (32 decode steps profiled
+             after the last prompt is in, with every request still running)
   tp128      throughput 128 in / 128 out, at most 256 running sequences
   tp128-max  the same with the engine's own --max-num-seqs (e.g. 1024, as vLLM on an H200)
   tp1000     throughput 1000 in / 1000 out, at most 256 running sequences
@@ -102,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         for batch, input_len in shapes:
             engine.scheduler.max_num_seqs = own_max
             prompts = random_prompts(batch, input_len, seed=99)
-            _, params = measure_latency(engine, prompts, 33, 0, 1)
+            # 32 decode steps after the last prompt is in, every request still running: those
+            # prefilled first decode one token per later prefill step
+            prefill_steps = -(-batch * input_len // engine.config.max_num_batched_tokens)
+            _, params = measure_latency(engine, prompts, 33 + prefill_steps, 0, 1)
             for prof in _profile_latency(engine, prompts, params):
                 print(f"[profile batch {batch} x {input_len}] " + prof.render(), flush=True)
                 results.append({"row": f"{args.label}profile-bs{batch}-{prof.label}",
                                 "wall_ms": prof.wall_ms, "kernel_ms": prof.kernel_ms,
-                                "top": prof.top})
+                                "batch": prof.batch, "top": prof.top})
     if "tp128" in rows:
         throughput("tp128", args.num_prompts, 128, min(256, own_max))
     if "tp128-max" in rows and own_max > 256:
