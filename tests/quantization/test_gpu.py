@@ -148,3 +148,37 @@ def test_gptq_layer_on_gpu_is_smaller_than_fp16():
     layer.linear_method.process_weights_after_loading(layer)
     size = sum(p.numel() * p.element_size() for p in layer.parameters())
     assert size < 4096 * 4096 * 2 * 0.3      # 4.25 bits of 16
+
+
+@pytest.mark.parametrize("rows", [1, 7, 512])
+def test_fp8_layers_fed_by_fused_norm_and_activation_match_unfused(rows):
+    # 8B shapes in bf16: qkv_proj fed by RMSNorm (residual add), down_proj by SiLU-and-mul; an
+    # FP8Activation from the fused kernels gives the unfused output bit for bit, and batch 1
+    # hands the W8A16 GEMV the bf16 activation
+    from kvfleet_runtime.layers.activation import SiluAndMul
+    from kvfleet_runtime.layers.norm import RMSNorm
+    from kvfleet_runtime.layers.quantization.fp8 import FP8Activation, feeds_fp8
+    with torch.device("cuda"):
+        norm, act = RMSNorm(4096, 1e-5, torch.bfloat16), SiluAndMul()
+        qkv, down = (Linear(k, n, dtype=torch.bfloat16, prefix=name,
+                            linear_method=FP8Config(serialized=False).get_linear_method(name))
+                     for k, n, name in ((4096, 6144, "qkv_proj"), (14336, 4096, "down_proj")))
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(4096, device="cuda"))
+    for layer, producer in ((qkv, norm), (down, act)):
+        layer.weight_loader(layer.weight, torch.randn(layer.output_size, layer.input_size,
+                                                      device="cuda") * 0.02)
+        feeds_fp8(producer, layer)
+        layer.linear_method.process_weights_after_loading(layer)
+        assert layer.uses_fp8 and producer.fp8_out
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    normed, summed = norm(x, residual)
+    activated = act(gate_up)
+    assert isinstance(normed, FP8Activation) == isinstance(activated, FP8Activation) == (rows > 1)
+    fused = qkv(normed), down(activated)
+    norm.fp8_out = act.fp8_out = False
+    unfused_normed, unfused_summed = norm(x, residual)
+    assert torch.equal(summed, unfused_summed)
+    assert torch.equal(fused[0], qkv(unfused_normed))
+    assert torch.equal(fused[1], down(act(gate_up)))

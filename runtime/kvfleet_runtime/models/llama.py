@@ -5,6 +5,8 @@ Attention layer, and the batch is a flat run of tokens ([T, ...]).
 Under tensor parallelism each rank builds its shard: its share of the query heads and KV heads
 (KV heads replicated when there are fewer than ranks), column-parallel qkv and gate_up,
 row-parallel o and down, a vocab-parallel embedding and lm_head.
+With FP8 weights the norms and the activation hand qkv, gate_up and down their input quantized
+(feeds_fp8); o_proj's input, the attention output, is quantized by the GEMM itself.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.linear import Linear, cpu_packed_weight, packed_linear
 from kvfleet_runtime.layers.norm import RMSNorm
+from kvfleet_runtime.layers.quantization.fp8 import feeds_fp8
 from kvfleet_runtime.layers.rotary import RotaryEmbedding
 from kvfleet_runtime.models.config import ModelConfig
 
@@ -106,6 +109,7 @@ class DecoderMLP(nn.Module):
                                 linear_method=_method(quant_config, f"{prefix}.down_proj"),
                                 prefix=f"{prefix}.down_proj", parallel="row")
         self.act_fn = SiluAndMul()
+        feeds_fp8(self.act_fn, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -120,6 +124,8 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        feeds_fp8(self.input_layernorm, self.self_attn.qkv_proj)
+        feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(self, positions, x, residual, meta, rope=None):
         if residual is None:

@@ -8,12 +8,19 @@ checkpoint tensor as it arrives, per output row, before the loader keeps this ra
 a row-parallel rank then gets the scales of whole rows, the same as with one rank.
 Activations are scaled per token at run time (activation_scheme "dynamic"). Without an
 FP8-capable GPU the weight is dequantized on load into the model's dtype.
+
+A layer's input may arrive already quantized: an `FP8Activation` from the RMSNorm or SiluAndMul
+in front of it (one kernel writes the e4m3 activation and its scales instead of a bf16 one the
+GEMM quantizes again). The model links producer and consumer (`feeds_fp8`); the consumer's
+process_weights_after_loading turns the producer's `fp8_out` on where the FP8 GEMM runs, and
+the producer quantizes only the inputs that go to it (`takes_fp8_activation`: not batch 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,7 @@ from kvfleet_kernels.fp8 import FP8, fp8_linear, fp8_supported, quantize_fp8_row
 from torch import nn
 
 from kvfleet_runtime.layers import linear
+from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
 from kvfleet_runtime.layers.quantization.base import (
     QuantConfig,
@@ -28,6 +36,32 @@ from kvfleet_runtime.layers.quantization.base import (
     read_choice,
     read_not_convert,
 )
+
+
+class FP8Activation(NamedTuple):
+    """A GEMM input quantized per token, as fp8_linear would quantize it itself."""
+    q: torch.Tensor          # [T, K] e4m3
+    scale: torch.Tensor      # [T, 1] fp32
+    dtype: torch.dtype       # the unquantized activation's: the GEMM's output dtype
+
+
+def batch_one_fp8_gemv(x: torch.Tensor) -> bool:
+    """FP8 weights meet x in the W8A16 GEMV (batch 1), which takes x unquantized."""
+    return linear._FP8_GEMV and linear.batch_one_gemv(x)
+
+
+def takes_fp8_activation(x: torch.Tensor) -> bool:
+    """An FP8 GEMM fed rows like x's (same count, device) quantizes them first, so a producer
+    linked by feeds_fp8 may hand them over quantized (in its Triton kernel)."""
+    return use_triton(x) and not batch_one_fp8_gemv(x)
+
+
+def feeds_fp8(producer: nn.Module, consumer: Linear) -> None:
+    """producer (whose `fp8_out` flag says it returns an FP8Activation where
+    takes_fp8_activation) computes consumer's input: the flag is set once consumer's weights
+    are processed, if they run on the FP8 GEMM (uses_fp8)."""
+    # a tuple, not an attribute holding the module: that would make it consumer's submodule
+    consumer.fp8_input_producers = (*getattr(consumer, "fp8_input_producers", ()), producer)
 
 
 def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
@@ -83,6 +117,8 @@ class FP8LinearMethod(LinearMethod):
         delattr(layer, "weight")
         n, k = weight.shape
         layer.uses_fp8 = fp8_supported(weight.device) and n % 16 == 0 and k % 16 == 0
+        for producer in getattr(layer, "fp8_input_producers", ()):
+            producer.fp8_out = layer.uses_fp8
         if layer.uses_fp8:
             layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
             layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
@@ -92,9 +128,13 @@ class FP8LinearMethod(LinearMethod):
         dequantized = (weight.float() * scale[:, None]).to(layer.params_dtype)
         layer.register_parameter("weight", nn.Parameter(dequantized, requires_grad=False))
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor | FP8Activation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, FP8Activation):      # only a producer with fp8_out, so uses_fp8
+            return fp8_linear(x.q, layer.weight, layer.weight_scale, bias, x_scale=x.scale,
+                              out_dtype=x.dtype)
         if layer.uses_fp8:
-            if linear._FP8_GEMV and linear.batch_one_gemv(x):
+            if batch_one_fp8_gemv(x):
                 # batch 1: W8A16 GEMV, the activation left unquantized (KVFLEET_TRITON_GEMV=0: off)
                 from kvfleet_kernels.gemv import gemv
                 return gemv(x, layer.weight, bias, scale=layer.weight_scale)
