@@ -120,25 +120,26 @@ def _device_name(device: torch.device) -> str:
 
 
 @functools.cache
-def tuned_table(path: str) -> dict[tuple[str, int, int], GemvConfig]:
-    """TUNED, plus the entries of a JSON file that `bench_gemv.py --sweep --write-tuned PATH`
-    wrote (KVFLEET_GEMV_TUNED=PATH): [{"device", "n", "k", "config": {GemvConfig fields}}]."""
-    table = dict(TUNED)
-    if path:
-        try:
-            entries = json.loads(pathlib.Path(path).read_text())
-            for e in entries:
-                table[(e["device"], int(e["n"]), int(e["k"]))] = GemvConfig(**e["config"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"KVFLEET_GEMV_TUNED={path}: not a list of "
-                             f'{{"device", "n", "k", "config"}} entries ({e})') from e
+def tuned_file(path: str) -> dict[tuple[str, int, int], GemvConfig]:
+    """The entries of a JSON file that `bench_gemv.py --sweep --write-tuned PATH` wrote
+    (KVFLEET_GEMV_TUNED=PATH): [{"device", "n", "k", "config": {GemvConfig fields}}]."""
+    table = {}
+    try:
+        for e in json.loads(pathlib.Path(path).read_text()):
+            table[(e["device"], int(e["n"]), int(e["k"]))] = GemvConfig(**e["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"KVFLEET_GEMV_TUNED={path}: not a list of "
+                         f'{{"device", "n", "k", "config"}} entries ({e})') from e
     return table
 
 
 def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
-    """The measured-faster tiles for an [N, K] weight on this device, or None (use cuBLAS)."""
-    table = tuned_table(os.environ.get("KVFLEET_GEMV_TUNED", ""))
-    return table.get((_device_name(device), n, k))
+    """The measured-faster tiles for an [N, K] weight on this device (KVFLEET_GEMV_TUNED's
+    file first, then TUNED), or None (use cuBLAS)."""
+    key = (_device_name(device), n, k)
+    path = os.environ.get("KVFLEET_GEMV_TUNED", "")
+    found = tuned_file(path).get(key) if path else None
+    return found if found is not None else TUNED.get(key)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
