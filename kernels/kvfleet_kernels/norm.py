@@ -5,7 +5,8 @@ block's residual), the normalisation runs in fp32, the normalised value is round
 BEFORE it is multiplied by the weight, and that product is rounded to x.dtype once more.
 
 `rms_norm_fp8` writes that rounded output quantized per token to e4m3 instead (the input of an
-FP8 GEMM): bit for bit rms_norm followed by quantize_fp8_rowwise_triton, one kernel fewer and no
+FP8 GEMM): rms_norm followed by quantize_fp8_rowwise_triton (bit for bit in the interpreter;
+on the GPU a rare value one e4m3 step off, docs/KERNELS.md), one kernel fewer and no
 bf16 activation written and read back.
 """
 
@@ -108,6 +109,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Triton twin of `rms_norm_fp8_ref`, bit-identical to rms_norm followed by
+    """Triton twin of `rms_norm_fp8_ref`, the same as rms_norm followed by
     quantize_fp8_rowwise_triton: (e4m3 [T, D], fp32 scales [T, 1], x + residual or None)."""
     return _launch(x, weight, eps, residual, fp8_out=True)

@@ -153,7 +153,8 @@ def test_gptq_layer_on_gpu_is_smaller_than_fp16():
 @pytest.mark.parametrize("rows", [1, 7, 512])
 def test_fp8_layers_fed_by_fused_norm_and_activation_match_unfused(rows):
     # 8B shapes in bf16: qkv_proj fed by RMSNorm (residual add), down_proj by SiLU-and-mul; an
-    # FP8Activation from the fused kernels gives the unfused output bit for bit, and batch 1
+    # FP8Activation from the fused kernels gives the unfused output (but where a rare activation
+    # lands one e4m3 step away, test_kernel_fp8_fused.py's GPU_MAX_DIFFERING), and batch 1
     # hands the W8A16 GEMV the bf16 activation
     from kvfleet_runtime.layers.activation import SiluAndMul
     from kvfleet_runtime.layers.norm import RMSNorm
@@ -180,5 +181,10 @@ def test_fp8_layers_fed_by_fused_norm_and_activation_match_unfused(rows):
     norm.fp8_out = act.fp8_out = False
     unfused_normed, unfused_summed = norm(x, residual)
     assert torch.equal(summed, unfused_summed)
-    assert torch.equal(fused[0], qkv(unfused_normed))
-    assert torch.equal(fused[1], down(act(gate_up)))
+    for out, ref in ((fused[0], qkv(unfused_normed)), (fused[1], down(act(gate_up)))):
+        # one activation of a row a step (1/16 of itself) apart moves that row's outputs by
+        # ~|w| |x_k| / 16: far below a bf16 ulp of the row's largest output
+        differ = (out != ref).any(dim=1)
+        assert differ.float().mean().item() <= 0.05, int(differ.sum())
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2,
+                                   atol=ref.float().abs().max().item() * 2e-3)
