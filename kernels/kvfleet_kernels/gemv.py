@@ -4,9 +4,9 @@ out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w in nn.Linear's [N, K] layout 
 Each program streams a [BLOCK_N, BLOCK_K] tile of w per step over its K slice, multiplies by x
 in fp32 and keeps a [BLOCK_N, BLOCK_K] accumulator it reduces once at the end; the K slices
 meet through split_k.store_or_reduce. The engine's linear layers use it at batch 1 for FP8
-weights by default (W8A16, `scale=`), and for bf16/fp16 weights for every shape with
-`KVFLEET_TRITON_GEMV=1`, with `KVFLEET_TRITON_GEMV=tuned` only for the (device, shape) pairs in
-TUNED, where an H200 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md).
+weights (W8A16, `scale=`) and for the bf16/fp16 (device, shape) pairs in TUNED, where an H200
+sweep measured it faster than cuBLAS (docs/PERFORMANCE.md); `KVFLEET_TRITON_GEMV=1` sends every
+batch-1 shape here, `=0` none.
 """
 
 from __future__ import annotations
@@ -104,13 +104,22 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     return GemvConfig(block_n, block_k, split, 4, 3)
 
 
-# (device name, N, K) -> the tiles that beat cuBLAS there. `python tests/kernels/bench_gemv.py
-# --sweep` on an H200 (commit 3c340b9), Llama-3.1-8B's batch-1 projections, us per call from
-# CUDA graphs, best Triton tiles vs cuBLAS: o_proj 4096x4096 8.1 vs 11.8; qkv 17.3 vs 17.0,
-# gate_up 60.8 vs 58.0, down 33.3 vs 32.4, lm_head 243.7 vs 238.7 (those stay on cuBLAS).
+# (device name, N, K) -> the tiles that beat cuBLAS there, used at batch 1 by default
+# (KVFLEET_TRITON_GEMV unset or =tuned). `python tests/kernels/bench_gemv.py --sweep` on an H200
+# (tree 24ddd95; weight copies 3x L2 timed in turn from CUDA graphs, as decode meets them),
+# Llama-3.1-8B's batch-1 projections, us per call, best tiles vs cuBLAS, kept where >= 3%
+# faster: qkv 15.2 vs 16.8, o_proj 11.7 vs 14.1, down 30.4 vs 32.3, and a TP=2 rank's qkv 9.0 vs
+# 12.3, o_proj 7.3 vs 8.0, down 16.9 vs 20.7 (gate_up and lm_head: 1-2%, left on cuBLAS). All
+# prefetch the next K tile, one K slice. End to end: batch 1 203.1 -> 209.9 tok/s, TP=2 batch 1
+# 263.5 -> 282.9 (docs/PERFORMANCE.md).
+_H200 = "NVIDIA H200"
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
-    ("NVIDIA H200", 4096, 4096): GemvConfig(block_n=8, block_k=1024, split_k=1, num_warps=4,
-                                            num_stages=4),
+    (_H200, 6144, 4096): GemvConfig(16, 512, 1, 4, 1, prefetch=True),
+    (_H200, 4096, 4096): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H200, 4096, 14336): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H200, 3072, 4096): GemvConfig(8, 1024, 1, 4, 1, prefetch=True),
+    (_H200, 4096, 2048): GemvConfig(8, 512, 1, 4, 1, prefetch=True),
+    (_H200, 4096, 7168): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
 }
 
 

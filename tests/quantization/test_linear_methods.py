@@ -158,7 +158,8 @@ def test_fp8_batch_one_gemv_hook(monkeypatch, rows, mode):
     from kvfleet_runtime.layers.quantization import fp8 as fp8_method
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # the modes as linear.py reads KVFLEET_TRITON_GEMV at import
-    for name, value in zip(("_TRITON_GEMV", "_TUNED_GEMV", "_FP8_GEMV"), linear.gemv_modes(mode)):
+    names = ("_TRITON_GEMV", "_TUNED_GEMV", "_FP8_GEMV")
+    for name, value in zip(names, linear.gemv_modes(mode), strict=True):
         monkeypatch.setattr(linear, name, value)
     calls = []
     real = gemv_module.gemv
@@ -184,7 +185,7 @@ def test_fp8_batch_one_gemv_hook(monkeypatch, rows, mode):
 
 def test_triton_gemv_modes():
     from kvfleet_runtime.layers.linear import gemv_modes
-    assert gemv_modes("") == (False, False, True)        # default: FP8 weights only
+    assert gemv_modes("") == (False, True, True)         # default: FP8 and gemv.TUNED shapes
     assert gemv_modes("0") == (False, False, False)
     assert gemv_modes("1") == (True, False, True)
     assert gemv_modes("tuned") == (False, True, True)

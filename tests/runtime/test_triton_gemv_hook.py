@@ -1,6 +1,6 @@
 """KVFLEET_TRITON_GEMV: a batch-1 Linear (bias included) goes through kvfleet_kernels.gemv where
-the Triton path runs (here: Triton's interpreter), and gives F.linear's result; with
-KVFLEET_TRITON_GEMV=tuned only the (device, shape) pairs of gemv.TUNED do, with their tiles."""
+the Triton path runs (here: Triton's interpreter), and gives F.linear's result; by default
+(unset, or =tuned) only the (device, shape) pairs of gemv.TUNED do, with their tiles."""
 
 from __future__ import annotations
 
@@ -36,11 +36,13 @@ def test_batch_one_linear_with_bias_through_the_gemv(triton_gemv, monkeypatch, r
     assert len(calls) == (rows == 1)
 
 
-@pytest.mark.parametrize("mode, tuned", [("tuned", False), ("tuned", True), ("", True)])
+@pytest.mark.parametrize("mode, tuned", [("tuned", False), ("tuned", True), ("", False), ("", True),
+                                         ("0", True)])
 def test_tuned_mode_takes_the_gemv_for_tuned_shapes_only(monkeypatch, mode, tuned):
+    # the default (unset) is =tuned; =0 keeps even a tuned shape on cuBLAS
     from kvfleet_kernels import gemv as gemv_module
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(linear, "_TUNED_GEMV", mode == "tuned")
+    monkeypatch.setattr(linear, "_TUNED_GEMV", linear.gemv_modes(mode)[1])
     set_backend("triton")
     try:
         cfg = gemv_module.GemvConfig(block_n=8, block_k=32, split_k=2, num_warps=4, num_stages=1)
@@ -54,6 +56,6 @@ def test_tuned_mode_takes_the_gemv_for_tuned_shapes_only(monkeypatch, mode, tune
         layer.weight.data.copy_(torch.randn(48, 64, generator=g))
         x = torch.randn(1, 64, generator=g)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
-        assert calls == ([cfg] if tuned and mode == "tuned" else [])
+        assert calls == ([cfg] if tuned and mode != "0" else [])
     finally:
         set_backend("auto")

@@ -28,16 +28,18 @@ from kvfleet_runtime.distributed.communication import all_reduce
 from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
 from kvfleet_runtime.layers.backend import use_triton
 
+
 # batch-1 projections through kvfleet_kernels.gemv instead of cuBLAS / _scaled_mm.
-# KVFLEET_TRITON_GEMV unset (default): FP8 weights only (W8A16: 269.8 vs 186.7 tok/s through
-# _scaled_mm at batch 1 on the H200, docs/PERFORMANCE.md); bf16 stays on cuBLAS, which the
-# bf16 GEMV only ties. =tuned: also the bf16 (device, shape) pairs of kvfleet_kernels.gemv.TUNED
-# (measured faster there in isolation; end to end within noise). =1: every shape. =0: none.
+# KVFLEET_TRITON_GEMV unset (default) or =tuned: FP8 weights (W8A16: 269.8 vs 186.7 tok/s through
+# _scaled_mm at batch 1 on the H200) and the bf16 (device, shape) pairs of
+# kvfleet_kernels.gemv.TUNED (measured faster than cuBLAS there: batch 1 203.1 -> 209.9 tok/s,
+# TP=2 263.5 -> 282.9; docs/PERFORMANCE.md); other bf16 shapes stay on cuBLAS. =1: every shape.
+# =0: none (cuBLAS and _scaled_mm only).
 def gemv_modes(value: str) -> tuple[bool, bool, bool]:
     """(every bf16 shape, TUNED bf16 shapes, FP8 weights) for a KVFLEET_TRITON_GEMV value."""
     if value not in ("", "0", "1", "tuned"):
         raise ValueError(f"KVFLEET_TRITON_GEMV must be unset, 0, 1 or tuned; got {value!r}")
-    return value == "1", value == "tuned", value != "0"
+    return value == "1", value in ("", "tuned"), value != "0"
 
 
 _TRITON_GEMV, _TUNED_GEMV, _FP8_GEMV = gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
