@@ -57,3 +57,11 @@ def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str,
     except SystemExit as e:         # argparse's own refusals
         code = e.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # x.gguf does not exist: refused first, so the model is never looked at
+    monkeypatch.setenv("KVFLEET_GC_THRESHOLD", "lots")
+    assert main(["serve", "x.gguf", "--device", "cpu"]) == 2
+    assert "KVFLEET_GC_THRESHOLD must be 'python' or three integers" in capsys.readouterr().err

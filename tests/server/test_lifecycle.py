@@ -29,6 +29,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama: Path) -> None
         assert usage["completion_tokens"] == 480
         assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
         assert server.process.wait(30) == 0, server.log()
+        # after start-up the server raised its collector's thresholds (engine.gc_tuning)
+        assert "garbage collector thresholds (20000, 50, 50)" in server.log()
     finally:
         server.stop(signal.SIGKILL)
         server.log_path.unlink(missing_ok=True)

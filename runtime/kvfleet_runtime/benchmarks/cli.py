@@ -13,6 +13,7 @@ import random
 import sys
 import time
 
+from kvfleet_runtime.engine.gc_tuning import tune_gc
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
 
@@ -125,6 +126,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         if backend == "kvfleet":
             from kvfleet_runtime.llm import LLM
             llm = LLM.from_config(config)
+            tune_gc()       # as kvfleet serve does after start-up
             elapsed = _kvfleet_throughput(llm, prompts, args.output_len)
             totals = llm.engine.step_totals
             extra = {"dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
@@ -163,6 +165,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 def run_latency(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.engine import LLMEngine
     engine = LLMEngine(engine_config_from_args(args))
+    tune_gc()       # as kvfleet serve does after start-up
     prompts = random_prompts(args.batch_size, args.input_len)
     res, params = measure_latency(engine, prompts, args.output_len, args.num_iters_warmup,
                                   args.num_iters)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import hashlib
 import json
 import random
@@ -116,13 +117,28 @@ def _instrument(engine, fine: bool) -> dict[str, float]:
 
 
 def run_once(model: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int,
-             max_num_batched_tokens: int, async_scheduling: bool, fine: bool) -> dict:
+             max_num_batched_tokens: int, async_scheduling: bool, fine: bool,
+             tuned_gc: bool = False) -> dict:
+    saved = gc.get_threshold()
+    try:
+        return _run_once(model, num_prompts, input_len, output_len, max_num_seqs,
+                         max_num_batched_tokens, async_scheduling, fine, tuned_gc)
+    finally:
+        gc.set_threshold(*saved)
+
+
+def _run_once(model: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int,
+              max_num_batched_tokens: int, async_scheduling: bool, fine: bool,
+              tuned_gc: bool) -> dict:
+    from kvfleet_runtime.engine.gc_tuning import tune_gc
     from kvfleet_runtime.llm import LLM
     from kvfleet_runtime.sampling_params import SamplingParams
     llm = LLM(model=model, device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, max_model_len=input_len + output_len,
               async_scheduling=async_scheduling, enable_prefix_caching=True)
     engine = llm.engine
+    if tuned_gc:      # what `kvfleet serve` and the benchmarks do after start-up
+        tune_gc()
     totals = _instrument(engine, fine)
     rng = random.Random(0)
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
@@ -139,7 +155,8 @@ def run_once(model: str, num_prompts: int, input_len: int, output_len: int, max_
     steps = int(st["steps"])
     device_s = totals["forward"] + totals["sample"]
     result = {
-        "mode": "async" if async_scheduling else "sync", "steps": steps,
+        "mode": ("async" if async_scheduling else "sync") + ("+tuned-gc" if tuned_gc else ""),
+        "steps": steps,
         "wall_s": round(wall, 2),
         "host_ms_per_step": round(1e3 * (st["step_s"] - device_s) / steps, 3),
         # the engine's own figure: on a CPU async's forward_s is only the (zero) wait, so
@@ -171,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is reported")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the extra run per mode that times each phase")
+    p.add_argument("--tune-gc", choices=("no", "yes", "both"), default="no",
+                   help="run with the garbage-collector thresholds of engine.gc_tuning (as "
+                        "kvfleet serve and the benchmarks set them), without, or both")
     args = p.parse_args(argv)
-    modes = {"sync": [False], "async": [True], "both": [False, True]}[args.mode]
+    modes = [(a, g) for a in {"sync": [False], "async": [True], "both": [False, True]}[args.mode]
+             for g in {"no": [False], "yes": [True], "both": [False, True]}[args.tune_gc]]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -181,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             model = tmp
         common = (model, args.num_prompts, args.input_len, args.output_len, args.max_num_seqs,
                   args.max_num_batched_tokens)
-        for async_scheduling in modes:
-            runs = [run_once(*common, async_scheduling, fine=False) for _ in range(args.repeats)]
+        for async_scheduling, tuned_gc in modes:
+            runs = [run_once(*common, async_scheduling, fine=False, tuned_gc=tuned_gc)
+                    for _ in range(args.repeats)]
             for r in runs:
                 print(json.dumps(r), flush=True)
             summary = {"mode": runs[0]["mode"], "summary": f"median of {len(runs)}",
@@ -190,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                        "device_ms_per_step": statistics.median(r["device_ms_per_step"] for r in runs)}
             print(json.dumps(summary), flush=True)
             if not args.no_breakdown:
-                fine = run_once(*common, async_scheduling, fine=True)
+                fine = run_once(*common, async_scheduling, fine=True, tuned_gc=tuned_gc)
                 print(json.dumps({"mode": fine["mode"], "breakdown": fine["phases_ms_per_step"],
                                   "host_ms_per_step (timed run)": fine["host_ms_per_step"]}),
                       flush=True)

@@ -32,6 +32,7 @@ from kvfleet_runtime.benchmarks.cli import (
     measure_latency,
     random_prompts,
 )
+from kvfleet_runtime.engine.gc_tuning import tune_gc
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
 ROWS = ("bs1", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet_runtime.llm import LLM
     llm = LLM.from_config(engine_config_from_args(args))
     engine = llm.engine
+    tune_gc()       # as kvfleet serve does after start-up
     own_max = engine.scheduler.max_num_seqs
     results = []
 
