@@ -5,7 +5,8 @@ token lists, scheduler records, outputs). With CPython's default thresholds (700
 young-generation collection runs every 700 net allocations and the older generations follow,
 walking the model's modules and every live request each time: at 1024 running sequences that
 was ~15% of the host's time per step on this project's CPU (`python -m
-kvfleet_runtime.benchmarks.host_overhead --tune-gc`: 8.7-9.0 -> 7.5 ms/step, docs/PERFORMANCE.md),
+kvfleet_runtime.benchmarks.host_overhead --tune-gc both`: async 10.5 -> 9.0 ms/step, sync 9.7 ->
+8.1, docs/PERFORMANCE.md),
 time a GPU step must hide. After start-up, `tune_gc()` collects once and raises the
 thresholds, as servers with many small objects do; cyclic garbage then waits longer for its
 collection (more memory for it, never a leak). `gc.freeze()` (vLLM's choice) measured the same
