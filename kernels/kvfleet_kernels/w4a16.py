@@ -373,31 +373,40 @@ def gemv_overrides(value: str) -> dict[str, int]:
     return out
 
 
+@functools.cache
+def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
+                 overrides: str) -> GemmConfig:
+    """pick_config's batch-1 tiles (cached: the eager decode loop asks for every projection of
+    every step); overrides: KVFLEET_W4A16_GEMV's value."""
+    # one group per K tile. BLOCK_N = 128 * num_warps: each thread owns 4 columns (16-byte
+    # loads) and every row of the tile, so the per-column scales/zeros load in the words'
+    # layout and the sum over rows stays in registers (sm_90, ptxas 13: ~20 SASS
+    # instructions per 32-bit word, no spills, no shared memory or barriers in the loop).
+    # The L2-cold H200 sweep (commit 7b36514; weight copies 3x L2 timed in turn, as the
+    # engine's 32 layers pass through L2) chose prefetch (next K tile loaded before this
+    # one is multiplied: -15-25% on every shape), 64-row K tiles (128 rows at K = 14336
+    # was no faster) and 1, 2 or 4 warps alike: per layer 78 -> 61 us (qkv 12.7 -> 9.9,
+    # o 10.9 -> 9.1, gate_up 34.5 -> 24.8, down 19.9 -> 16.4), 1.4-2.5 TB/s.
+    over = gemv_overrides(overrides)
+    warps = over.get("warps", 2)
+    block_n = over.get("block_n", 128 * warps)
+    block_k = over.get("block_k", 64)
+    while group_size < k and group_size % block_k:
+        block_k //= 2
+    tiles = m * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = max(triton.cdiv(over.get("warps_per_sm", GEMV_WARPS_PER_SM) * _num_sms(device),
+                              tiles * warps),
+                  k_tiles // over.get("tiles_per_slice", GEMV_TILES_PER_SLICE))
+    return GemmConfig(1, block_n, block_k, max(1, min(k_tiles, split_k)), warps, 1,
+                      prefetch=bool(over.get("prefetch", 1)))
+
+
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
     if m <= GEMV_MAX_M:
-        # one group per K tile. BLOCK_N = 128 * num_warps: each thread owns 4 columns (16-byte
-        # loads) and every row of the tile, so the per-column scales/zeros load in the words'
-        # layout and the sum over rows stays in registers (sm_90, ptxas 13: ~20 SASS
-        # instructions per 32-bit word, no spills, no shared memory or barriers in the loop).
-        # The L2-cold H200 sweep (commit 7b36514; weight copies 3x L2 timed in turn, as the
-        # engine's 32 layers pass through L2) chose prefetch (next K tile loaded before this
-        # one is multiplied: -15-25% on every shape), 64-row K tiles (128 rows at K = 14336
-        # was no faster) and 1, 2 or 4 warps alike: per layer 78 -> 61 us (qkv 12.7 -> 9.9,
-        # o 10.9 -> 9.1, gate_up 34.5 -> 24.8, down 19.9 -> 16.4), 1.4-2.5 TB/s.
-        over = gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
-        warps = over.get("warps", 2)
-        block_n = over.get("block_n", 128 * warps)
-        block_k = over.get("block_k", 64)
-        while group_size < k and group_size % block_k:
-            block_k //= 2
-        tiles = m * triton.cdiv(n, block_n)
-        k_tiles = triton.cdiv(k, block_k)
-        split_k = max(triton.cdiv(over.get("warps_per_sm", GEMV_WARPS_PER_SM) * _num_sms(device),
-                                  tiles * warps),
-                      k_tiles // over.get("tiles_per_slice", GEMV_TILES_PER_SLICE))
-        return GemmConfig(1, block_n, block_k, max(1, min(k_tiles, split_k)), warps, 1,
-                          prefetch=bool(over.get("prefetch", 1)))
+        return _gemv_config(m, n, k, group_size, device,
+                            os.environ.get("KVFLEET_W4A16_GEMV", ""))
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:

@@ -71,9 +71,15 @@ class LinearMethod:
             return packed_linear(x, layer.weight, bias)
         if (_TRITON_GEMV or _TUNED_GEMV) and batch_one_gemv(x):
             from kvfleet_kernels.gemv import gemv, tuned_config
-            config = tuned_config(*layer.weight.shape, x.device)
-            if config is not None or _TRITON_GEMV:
-                return gemv(x, layer.weight, bias, config)
+            # decided once per layer (its shape and device do not change): the eager decode
+            # loop calls this for every projection of every step
+            choice = layer.__dict__.get("_batch_one_gemv")
+            if choice is None:
+                config = tuned_config(*layer.weight.shape, x.device)
+                choice = layer.__dict__["_batch_one_gemv"] = (
+                    config is not None or _TRITON_GEMV, config)
+            if choice[0]:
+                return gemv(x, layer.weight, bias, choice[1])
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
