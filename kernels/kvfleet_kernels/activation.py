@@ -18,6 +18,7 @@ from kvfleet_kernels.fp8 import (
     one_pass_block,
     quantize_fp8_per_token_ref,
 )
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,8 @@ def _silu_mul(x_row, i, mask, INTER: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
@@ -52,9 +54,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.constexpr,
-                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             PDL: tl.constexpr = False):
     # One program per row, as fp8.py's _quantize_rowwise_kernel: a row longer than its one-pass
     # limit is computed twice (amax, then the values), instead of written and read back.
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -96,7 +100,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block)
+            x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, **pdl_args(x.device))
     return out
 
 
@@ -111,5 +115,5 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one_pass, block, num_warps = one_pass_block(inter)
         _silu_and_mul_fp8_kernel[(num_tokens,)](x, q, scale, x.stride(0), q.stride(0),
                                                 INTER=inter, BLOCK=block, ONE_PASS=one_pass,
-                                                num_warps=num_warps)
+                                                num_warps=num_warps, **pdl_args(x.device))
     return q, scale

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import split_for, store_or_reduce, workspace
 
 
@@ -35,25 +36,29 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 @triton.jit
-def _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, tile, K, stride_xm, stride_wn,
-               BLOCK_K: tl.constexpr):
-    """x's K tile (fp32) and w's [BLOCK_N, BLOCK_K] tile (as stored)."""
+def _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K: tl.constexpr):
+    """x's K tile, in fp32."""
     offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    return x, w
+    return tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K: tl.constexpr):
+    """w's [BLOCK_N, BLOCK_K] tile, as stored (all masked off past K)."""
+    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                   mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
                  stride_xm, stride_wn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
-    # PREFETCH: the slice's next tile is loaded before the current one is multiplied.
+    # PREFETCH: the slice's next tile is loaded before the current one is multiplied; its first
+    # weight tile is loaded before the PDL wait (weights are no earlier kernel's output).
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -62,19 +67,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
     n_tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:
+        w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
+        pdl_wait(PDL)
         if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
-            x, w = _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, pid_k, K, stride_xm, stride_wn,
-                              BLOCK_K)
+            x = _gemv_load_x(x_ptr, m, pid_k, K, stride_xm, BLOCK_K)
             for tile in range(pid_k, n_tiles - split_k, split_k):
-                xn, wn = _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, tile + split_k, K,
-                                    stride_xm, stride_wn, BLOCK_K)
+                xn = _gemv_load_x(x_ptr, m, tile + split_k, K, stride_xm, BLOCK_K)
+                wn = _gemv_load_w(w_ptr, offs_n, mask_n, tile + split_k, K, stride_wn, BLOCK_K)
                 acc += w.to(tl.float32) * x[None, :]
                 x, w = xn, wn
             acc += w.to(tl.float32) * x[None, :]
     else:
+        pdl_wait(PDL)
         for tile in range(pid_k, n_tiles, split_k):
-            x, w = _gemv_load(x_ptr, w_ptr, m, offs_n, mask_n, tile, K, stride_xm, stride_wn,
-                              BLOCK_K)
+            x = _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K)
+            w = _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K)
             acc += w.to(tl.float32) * x[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_SCALE:
@@ -107,19 +114,24 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
 # (device name, N, K) -> the tiles that beat cuBLAS there, used at batch 1 by default
 # (KVFLEET_TRITON_GEMV unset or =tuned). `python tests/kernels/bench_gemv.py --sweep` on an H200
 # (tree 24ddd95; weight copies 3x L2 timed in turn from CUDA graphs, as decode meets them),
-# Llama-3.1-8B's batch-1 projections, us per call, best tiles vs cuBLAS, kept where >= 3%
-# faster: qkv 15.2 vs 16.8, o_proj 11.7 vs 14.1, down 30.4 vs 32.3, and a TP=2 rank's qkv 9.0 vs
-# 12.3, o_proj 7.3 vs 8.0, down 16.9 vs 20.7 (gate_up and lm_head: 1-2%, left on cuBLAS). All
-# prefetch the next K tile, one K slice. End to end: batch 1 203.1 -> 209.9 tok/s, TP=2 batch 1
-# 263.5 -> 282.9 (docs/PERFORMANCE.md).
+# Llama-3.1-8B's batch-1 projections, us per call, best tiles vs cuBLAS: qkv 15.2 vs 16.8,
+# o_proj 11.7 vs 14.1, down 30.4 vs 32.3, gate_up 56.3 vs 57.3, lm_head 236.9 vs 240.3, and a
+# TP=2 rank's qkv 9.0 vs 12.3, o_proj 7.3 vs 8.0, down 16.9 vs 20.7, gate_up 31.1 vs 31.4. All
+# prefetch the next K tile, one K slice. End to end with the first six (those >= 3% faster):
+# batch 1 203.1 -> 209.9 tok/s, TP=2 batch 1 263.5 -> 282.9 (docs/PERFORMANCE.md). gate_up and
+# lm_head (1-2%) joined them so that every projection of a batch-1 step is a Triton kernel,
+# which programmatic dependent launch can overlap with the kernel before it (pdl.py).
 _H200 = "NVIDIA H200"
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     (_H200, 6144, 4096): GemvConfig(16, 512, 1, 4, 1, prefetch=True),
     (_H200, 4096, 4096): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
     (_H200, 4096, 14336): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H200, 28672, 4096): GemvConfig(16, 256, 1, 4, 1, prefetch=True),
+    (_H200, 128256, 4096): GemvConfig(16, 256, 1, 4, 1, prefetch=True),
     (_H200, 3072, 4096): GemvConfig(8, 1024, 1, 4, 1, prefetch=True),
     (_H200, 4096, 2048): GemvConfig(8, 512, 1, 4, 1, prefetch=True),
     (_H200, 4096, 7168): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H200, 14336, 4096): GemvConfig(8, 256, 1, 4, 1, prefetch=True),
 }
 
 
@@ -176,5 +188,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                        m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
                        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     return out

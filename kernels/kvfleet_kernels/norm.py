@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.fp8 import FP8, fp8_quantize, fp8_scale, quantize_fp8_per_token_ref
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -45,9 +46,10 @@ def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_ptr, eps,
                      stride_x, stride_r, stride_o, stride_s,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     FP8_OUT: tl.constexpr):
+                     FP8_OUT: tl.constexpr, PDL: tl.constexpr = False):
     # One program per row: the whole row fits one tile (D <= 16k). FP8_OUT: out_ptr takes the
     # output quantized per token (fp8_scale, fp8_quantize of fp8.py), scale_ptr its scale.
+    pdl_wait(PDL)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -93,7 +95,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             x, residual_arg, weight, out, summed_arg, scale if fp8_out else out, eps,
             x.stride(0), residual_arg.stride(0), out.stride(0), summed_arg.stride(0),
             D=dim, BLOCK_D=triton.next_power_of_2(dim), HAS_RESIDUAL=residual is not None,
-            FP8_OUT=fp8_out, num_warps=8 if dim >= 4096 else 4,
+            FP8_OUT=fp8_out, num_warps=8 if dim >= 4096 else 4, **pdl_args(x.device),
         )
     return out, scale, summed
 

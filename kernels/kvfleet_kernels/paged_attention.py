@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
+
 # Largest finite float8_e4m3fn. K/V headed for an fp8 cache are clamped to +-this before the cast
 # (every writer: reshape_and_cache, its reference, the torch path, rotary_and_cache).
 FP8_E4M3_MAX = 448.0
@@ -314,13 +316,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    partition_size, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr):
+                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
     # log-sum-exp, and _decode_reduce_kernel merges them. partition_size and num_splits follow the
     # batch's longest context, so they are runtime arguments: a constexpr would recompile as
     # contexts grow.
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -371,9 +374,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
                           stride_ot, stride_oh,
                           partition_size, num_splits, NUM_HEADS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          PDL: tl.constexpr = False):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
     # Partitions past the sequence's end were never written, so they are masked, not read.
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -542,13 +547,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(query.device),
         )
         if split.num_splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
                 split.partition_size, split.num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                SPLITS_PAD=triton.next_power_of_2(split.num_splits),
+                SPLITS_PAD=triton.next_power_of_2(split.num_splits), **pdl_args(query.device),
             )
         return out
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.paged_attention import reshape_and_cache_ref, to_cache_dtype
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int,
@@ -156,9 +157,11 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
                              HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr):
+                             BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PDL: tl.constexpr = False):
     # One program per token: rotate its query heads into q_out; rotate its key heads and copy
     # its value heads straight into the token's cache slot (slot -1: padding, query only).
+    pdl_wait(PDL)
     token = tl.program_id(0)
     cos, sin, i, i_valid = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cache, ROT_DIM,
                                     BLOCK_HALF)
@@ -218,6 +221,6 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(rot_dim // 2),
             BLOCK_REST=triton.next_power_of_2(max(head_size - rot_dim, 1)),
-            BLOCK_D=triton.next_power_of_2(head_size),
+            BLOCK_D=triton.next_power_of_2(head_size), **pdl_args(query.device),
         )
     return q_out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import store_or_reduce, workspace
 
 
@@ -186,12 +187,11 @@ def _word_rows_dot(x_ptr, xrow, xmask, w, z, PER_WORD: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _gemv_load_tile(qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, stride_sg,
-                    cols, mask_n, BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr,
-                    F16X2: tl.constexpr, EVEN: tl.constexpr):
-    """One K tile's loads: its even and odd word rows (wa, wb), its group's scales and zeros
-    (fp32, [1, BLOCK_N]) and, for F16X2, x's rows as int64 quads (else zeros: the fp32 path
-    loads x where it multiplies). tile must exist (tile * BLOCK_KW < kw)."""
+def _gemv_load_weights(qw_ptr, s_ptr, z_ptr, tile, kw, group_size, stride_qk, stride_sg,
+                       cols, mask_n, BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr,
+                       EVEN: tl.constexpr):
+    """One K tile's weights: its even and odd word rows (wa, wb) and its group's scales and
+    zeros (fp32, [1, BLOCK_N]). tile must exist (tile * BLOCK_KW < kw)."""
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]     # even word rows
     group = (tile * BLOCK_KW * PER_WORD) // group_size
@@ -212,6 +212,16 @@ def _gemv_load_tile(qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, 
                     other=0.0).to(tl.float32)
     # s, z: [1, BLOCK_N], loaded in the words' layout when BLOCK_N = 128 * num_warps
     # (each thread's 4 columns); otherwise Triton shuffles them through shared memory
+    return wa, wb, s, z
+
+
+@triton.jit
+def _gemv_load_x(x64, tile, kw, BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """For F16X2, x's rows of one K tile as int64 quads (else zeros: the fp32 path loads x
+    where it multiplies)."""
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]
     if F16X2:
         # a masked-off word row (0) must meet x = 0: 0 - z is not
         if EVEN:
@@ -220,6 +230,8 @@ def _gemv_load_tile(qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, 
             xb01 = tl.load(x64 + row_a * 2 + 2)
             xb23 = tl.load(x64 + row_a * 2 + 3)
         else:
+            ma = row_a < kw
+            mb = row_a + 1 < kw
             xa01 = tl.load(x64 + row_a * 2, mask=ma, other=0)
             xa23 = tl.load(x64 + row_a * 2 + 1, mask=ma, other=0)
             xb01 = tl.load(x64 + row_a * 2 + 2, mask=mb, other=0)
@@ -229,6 +241,17 @@ def _gemv_load_tile(qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, 
         xa23 = xa01
         xb01 = xa01
         xb23 = xa01
+    return xa01, xa23, xb01, xb23
+
+
+@triton.jit
+def _gemv_load_tile(qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, stride_sg,
+                    cols, mask_n, BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr,
+                    F16X2: tl.constexpr, EVEN: tl.constexpr):
+    """One K tile's loads: _gemv_load_weights' and _gemv_load_x's."""
+    wa, wb, s, z = _gemv_load_weights(qw_ptr, s_ptr, z_ptr, tile, kw, group_size, stride_qk,
+                                      stride_sg, cols, mask_n, BLOCK_KW, PER_WORD, EVEN)
+    xa01, xa23, xb01, xb23 = _gemv_load_x(x64, tile, kw, BLOCK_KW, F16X2, EVEN)
     return wa, wb, s, z, xa01, xa23, xb01, xb23
 
 
@@ -265,7 +288,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
                        group_size, split_k,
                        stride_xm, stride_qk, stride_sg,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                       F16X2: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr):
+                       F16X2: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Decode: one program per (row of x, BLOCK_N columns, K slice); no tl.dot.
 
     A K tile is BLOCK_KW rows of words, one group, loaded as two [BLOCK_KW / 2, BLOCK_N]
@@ -275,7 +299,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
     no masks. BLOCK_N = 128 * num_warps gives each thread 4 whole columns of the tile (see
     pick_config). PREFETCH: a program's next tile is loaded before its current one is
     multiplied (two tiles in flight per thread: a slice's loads no longer wait, tile after
-    tile, for the previous tile's arithmetic); else one tile at a time.
+    tile, for the previous tile's arithmetic), its first tile's weights before the PDL wait
+    (kvfleet_kernels.pdl); else one tile at a time.
 
     qweight, scales and zeros have contiguous columns. With split_k > 1 the K slices meet
     inside this one launch (split_k.store_or_reduce): no zero-filled buffer, atomic
@@ -297,9 +322,11 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if PREFETCH:
         if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
-            wa, wb, s, z, xa01, xa23, xb01, xb23 = _gemv_load_tile(
-                qw_ptr, s_ptr, z_ptr, x64, pid_k, kw, group_size, stride_qk, stride_sg, cols,
-                mask_n, BLOCK_KW, PER_WORD, F16X2, EVEN)
+            wa, wb, s, z = _gemv_load_weights(qw_ptr, s_ptr, z_ptr, pid_k, kw, group_size,
+                                              stride_qk, stride_sg, cols, mask_n, BLOCK_KW,
+                                              PER_WORD, EVEN)
+            pdl_wait(PDL)
+            xa01, xa23, xb01, xb23 = _gemv_load_x(x64, pid_k, kw, BLOCK_KW, F16X2, EVEN)
             # every tile but the slice's last: load the next, then multiply this one
             for tile in range(pid_k, n_tiles - split_k, split_k):
                 na, nb, ns, nz, nxa01, nxa23, nxb01, nxb23 = _gemv_load_tile(
@@ -312,7 +339,10 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
             last = pid_k + ((n_tiles - 1 - pid_k) // split_k) * split_k
             acc += _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, last, x_ptr, m,
                                   stride_xm, kw, BITS, BLOCK_N, BLOCK_KW, F16X2, X_BF16)
+        else:
+            pdl_wait(PDL)
     else:
+        pdl_wait(PDL)
         for tile in range(pid_k, n_tiles, split_k):
             wa, wb, s, z, xa01, xa23, xb01, xb23 = _gemv_load_tile(
                 qw_ptr, s_ptr, z_ptr, x64, tile, kw, group_size, stride_qk, stride_sg, cols,
@@ -462,7 +492,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             x.stride(0), qweight.stride(0), scales.stride(0),
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
             EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0, PREFETCH=cfg.prefetch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
         return out
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -36,30 +36,31 @@ def compile_for_sm90(module: str, kernel: str, sig: dict, constexprs: dict) -> s
     return compiled.asm["ptx"]
 
 
-def _rotary_and_cache(cache: str) -> tuple:
+def _rotary_and_cache(cache: str, pdl: bool = False) -> tuple:
     sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
            "q_out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
            "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     constexprs = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=128, ROT_DIM=128, IS_NEOX=True,
                       BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, BLOCK_REST=1,
-                      BLOCK_D=128)
+                      BLOCK_D=128, PDL=pdl)
     return "kvfleet_kernels.rotary", "_rotary_and_cache_kernel", sig, constexprs
 
 
-def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bool = False
-          ) -> tuple:
+def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bool = False,
+          pdl: bool = False) -> tuple:
     sig = {"x_ptr": x, "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
            "out_ptr": x, "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.w4a16", "_w4a16_gemv_kernel", sig,
-            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even, PREFETCH=prefetch))
+            dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even, PREFETCH=prefetch,
+                 PDL=pdl))
 
 
-def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False) -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
            "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
             dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512,
-                 PREFETCH=prefetch))
+                 PREFETCH=prefetch, PDL=pdl))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -75,7 +76,8 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
         "_decode_kernel": dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128,
                                BLOCK_SIZE=16, K_BY_ROWS=False, DOT_FP16=False),
         "_prefill_kernel": dict(GROUP=4, TOKENS_PER_TILE=32, BLOCK_M=128, BLOCK_N=32,
-                                HEAD_DIM=128, BLOCK_SIZE=16, DOT_FP16=False)}[kernel] | flags
+                                HEAD_DIM=128, BLOCK_SIZE=16, DOT_FP16=False),
+        "_decode_reduce_kernel": dict(NUM_HEADS=32, HEAD_DIM=128, SPLITS_PAD=4)}[kernel] | flags
     return "kvfleet_kernels.paged_attention", kernel, sig, constexprs
 
 
@@ -85,11 +87,17 @@ def _fp8_quant(one_pass: bool) -> tuple:
             dict(BLOCK=4096, ONE_PASS=one_pass))
 
 
-def _rms_norm_fp8() -> tuple:
+def _rms_norm(fp8: bool = True, pdl: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
-           "out_ptr": "*fp8e4nv", "sum_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}
+           "out_ptr": "*fp8e4nv" if fp8 else "*bf16", "sum_ptr": "*bf16", "scale_ptr": "*fp32",
+           "eps": "fp32"}
     return ("kvfleet_kernels.norm", "_rms_norm_kernel", sig,
-            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=True))
+            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=fp8, PDL=pdl))
+
+
+def _silu_and_mul(pdl: bool) -> tuple:
+    return ("kvfleet_kernels.activation", "_silu_and_mul_kernel",
+            {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(INTER=14336, BLOCK=1024, PDL=pdl))
 
 
 def _silu_and_mul_fp8(one_pass: bool) -> tuple:
@@ -141,12 +149,35 @@ CASES = {
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,
     # of the output rounded to bf16 first (what the unfused kernel writes)
-    "rms_norm_fp8": (_rms_norm_fp8(), ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    "rms_norm_fp8": (_rms_norm(), ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "silu_and_mul_fp8_one_pass": (_silu_and_mul_fp8(True),
                                   ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "silu_and_mul_fp8_two_pass": (_silu_and_mul_fp8(False),
                                   ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
 }
+
+# programmatic dependent launch (kvfleet_kernels.pdl): each decode-step kernel compiled with
+# PDL waits for the previous kernel and then lets the next launch; the prefetching GEMVs load
+# their first weight tile before that wait (_PDL_LOADS_FIRST)
+_PDL = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+PDL_CASES = {
+    "gemv_bf16_pdl": (_gemv_bf16(pdl=True), _PDL),
+    "gemv_bf16_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True), _PDL),
+    "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
+    "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
+    "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
+    "rms_norm_pdl": (_rms_norm(fp8=False, pdl=True), _PDL),
+    "rms_norm_fp8_pdl": (_rms_norm(pdl=True), _PDL),
+    "silu_and_mul_pdl": (_silu_and_mul(True), _PDL),
+    "rotary_and_cache_pdl": (_rotary_and_cache("*bf16", pdl=True), _PDL),
+    "decode_pdl": (_paged_attention("_decode_kernel", PDL=True), _PDL),
+    "decode_reduce_pdl": (_paged_attention("_decode_reduce_kernel", PDL=True), _PDL),
+    # and without PDL, none of it
+    "rms_norm_no_pdl": (_rms_norm(fp8=False), []),
+    "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
+}
+_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
+                    "w4a16_gemv_f16x2_prefetch_pdl"]
 
 
 @pytest.mark.slow
@@ -166,3 +197,28 @@ def test_kernels_compile_for_sm90() -> None:
     for case, (_, needles) in CASES.items():
         for n in needles:
             assert f"{case} {n!r} True" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_pdl_kernels_compile_for_sm90() -> None:
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1] / "kernels"),
+                                         env.get("PYTHONPATH", "")])
+    script = ("import test_kernel_compile_sm90 as t\n"
+              "for case, (spec, needles) in t.PDL_CASES.items():\n"
+              "    ptx = t.compile_for_sm90(*spec)\n"
+              "    print(case, 'griddepcontrol', 'griddepcontrol' in ptx)\n"
+              "    for n in needles:\n"
+              "        print(case, repr(n), n in ptx)\n"
+              "    if case in t._PDL_LOADS_FIRST:\n"
+              "        print(case, 'load-first', ptx.index('ld.global') < ptx.index('griddepcontrol.wait'))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case, (_, needles) in PDL_CASES.items():
+        assert f"{case} griddepcontrol {bool(needles)}" in done.stdout, done.stdout
+        for n in needles:
+            assert f"{case} {n!r} True" in done.stdout, done.stdout
+    for case in _PDL_LOADS_FIRST:
+        assert f"{case} load-first True" in done.stdout, done.stdout

@@ -59,3 +59,31 @@ def test_tuned_mode_takes_the_gemv_for_tuned_shapes_only(monkeypatch, mode, tune
         assert calls == ([cfg] if tuned and mode != "0" else [])
     finally:
         set_backend("auto")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_lm_head_at_batch_one_takes_its_tuned_gemv(monkeypatch, rows):
+    # the lm_head (a VocabParallelEmbedding's compute_logits) routes like any projection:
+    # a tuned [vocab, hidden] shape runs the GEMV at batch 1, with the same logits
+    from kvfleet_kernels import gemv as gemv_module
+    from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_TUNED_GEMV", True)
+    set_backend("triton")
+    try:
+        cfg = gemv_module.GemvConfig(block_n=16, block_k=32, split_k=1, num_warps=4, num_stages=1,
+                                     prefetch=True)
+        monkeypatch.setitem(gemv_module.TUNED, ("cpu", 40, 64), cfg)
+        calls = []
+        real = gemv_module.gemv
+        monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+        head = VocabParallelEmbedding(40, 64, torch.float32)
+        g = torch.Generator().manual_seed(rows)
+        head.weight.data.copy_(torch.randn(40, 64, generator=g))
+        hidden = torch.randn(rows, 64, generator=g)
+        logits = head.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, 40)
+        torch.testing.assert_close(logits, hidden @ head.weight.t(), rtol=1e-5, atol=1e-4)
+        assert calls == ([cfg] if rows == 1 else [])
+    finally:
+        set_backend("auto")

@@ -13,6 +13,7 @@ from torch import nn
 
 from kvfleet_runtime.distributed.communication import all_reduce, gather_to_first
 from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
+from kvfleet_runtime.layers.linear import unquantized_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, D] -> logits [N, V] fp32 on rank 0; None on the other ranks."""
-        logits = gather_to_first(F.linear(hidden, self.weight))
+        logits = gather_to_first(unquantized_linear(self, hidden, self.weight, None))
         if logits is None:
             return None
         return logits[:, : self.vocab_size].float()

@@ -50,6 +50,24 @@ def batch_one_gemv(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and use_triton(x)
 
 
+def unquantized_linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, or at batch 1 kvfleet_kernels.gemv where KVFLEET_TRITON_GEMV routes this
+    weight's shape (`owner`: the module holding the weight, where the choice is kept)."""
+    if (_TRITON_GEMV or _TUNED_GEMV) and batch_one_gemv(x):
+        from kvfleet_kernels.gemv import gemv, tuned_config
+        # decided once per module (its shape and device do not change): the eager decode
+        # loop calls this for every projection of every step
+        choice = owner.__dict__.get("_batch_one_gemv")
+        if choice is None:
+            config = tuned_config(*weight.shape, x.device)
+            choice = owner.__dict__["_batch_one_gemv"] = (config is not None or _TRITON_GEMV,
+                                                          config)
+        if choice[0]:
+            return gemv(x, weight, bias, choice[1])
+    return F.linear(x, weight, bias)
+
+
 class LinearMethod:
     """Unquantized weights: [out_features, in_features] in the compute dtype.
 
@@ -69,18 +87,7 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
             return packed_linear(x, layer.weight, bias)
-        if (_TRITON_GEMV or _TUNED_GEMV) and batch_one_gemv(x):
-            from kvfleet_kernels.gemv import gemv, tuned_config
-            # decided once per layer (its shape and device do not change): the eager decode
-            # loop calls this for every projection of every step
-            choice = layer.__dict__.get("_batch_one_gemv")
-            if choice is None:
-                config = tuned_config(*layer.weight.shape, x.device)
-                choice = layer.__dict__["_batch_one_gemv"] = (
-                    config is not None or _TRITON_GEMV, config)
-            if choice[0]:
-                return gemv(x, layer.weight, bias, choice[1])
-        return F.linear(x, layer.weight, bias)
+        return unquantized_linear(layer, x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         packed = cpu_packed_weight(layer.weight)
