@@ -104,15 +104,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor, config: tuple[bool, int, int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `silu_and_mul_fp8_ref`, the same as silu_and_mul followed by
-    quantize_fp8_rowwise_triton: (e4m3 [T, I], fp32 scales [T, 1])."""
+    quantize_fp8_rowwise_triton: (e4m3 [T, I], fp32 scales [T, 1]). config: (one pass, BLOCK,
+    num_warps) instead of one_pass_block's (tests/quantization/bench_fp8_act.py sweeps them)."""
     inter = _check(x)
     num_tokens = x.shape[0]
     q = torch.empty(num_tokens, inter, dtype=FP8, device=x.device)
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     if num_tokens:
-        one_pass, block, num_warps = one_pass_block(inter)
+        one_pass, block, num_warps = config or one_pass_block(inter)
+        if one_pass and block < inter:
+            raise ValueError(f"a one-pass BLOCK ({block}) must hold the whole row ({inter})")
         _silu_and_mul_fp8_kernel[(num_tokens,)](x, q, scale, x.stride(0), q.stride(0),
                                                 INTER=inter, BLOCK=block, ONE_PASS=one_pass,
                                                 num_warps=num_warps, **pdl_args(x.device))

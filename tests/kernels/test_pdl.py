@@ -1,6 +1,6 @@
 """kvfleet_kernels.pdl: KVFLEET_PDL's values, and no PDL where it cannot run (CPU, the
 interpreter). Its kernels compile for sm_90 with the wait and the trigger
-(test_kernel_compile_sm90.py); the GPU tests run again with KVFLEET_PDL=1 (scripts/gpu-check)."""
+(test_kernel_compile_sm90.py); the GPU tests run with it (the default) and scripts/gpu-check's pdl stage A/Bs it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from kvfleet_kernels import pdl
 
 
-@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("1", True)])
+@pytest.mark.parametrize("value, on", [("", True), ("0", False), ("1", True)])
 def test_pdl_mode(value, on):
     assert pdl.pdl_mode(value) is on
 
