@@ -47,3 +47,13 @@ def test_a_bad_model_path_is_one_clear_line_and_exit_2(capsys):
     err = capsys.readouterr().err
     assert err.startswith("kvfleet serve: error: model '/nonexistent/model' is neither")
     assert "Traceback" not in err
+
+
+def test_a_profile_whose_kernels_overlap_says_so():
+    # under PDL the kernels' summed time exceeds the wall time; the line must not read as
+    # negative host time without saying why
+    from kvfleet_runtime.benchmarks.profile import StepProfile
+    overlapping = StepProfile("decode", 32, wall_ms=4.46, kernel_ms=6.80, top=[]).render()
+    assert "kernels overlap: PDL" in overlapping
+    additive = StepProfile("decode", 32, wall_ms=5.08, kernel_ms=4.65, top=[]).render()
+    assert "overlap" not in additive and "0.43 ms/step host work" in additive

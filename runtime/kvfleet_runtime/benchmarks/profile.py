@@ -29,6 +29,10 @@ class StepProfile:
         lines = [f"{self.label}: {self.num_steps} step(s){batch}, {self.wall_ms:.2f} ms/step wall, "
                  f"{self.kernel_ms:.2f} ms/step in GPU kernels ({busy:.0%} busy), "
                  f"{self.wall_ms - self.kernel_ms:.2f} ms/step host work + launch gaps"]
+        if busy > 1.0:
+            # programmatic dependent launch (kvfleet_kernels.pdl): a kernel starts before the one
+            # ahead of it ends and its time includes that wait; the times do not add up
+            lines[0] += " (kernels overlap: PDL; KVFLEET_PDL=0 for times that add up)"
         lines += [f"    {ms:8.3f} ms  {calls:6.1f}x  {name[:90]}" for name, ms, calls in self.top]
         return "\n".join(lines)
 
