@@ -57,9 +57,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
                  BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
-    # PREFETCH (1 or 2): the slice's next tile (next two) is loaded before the current one is
-    # multiplied; its first weight tile(s) before the PDL wait (weights are no earlier kernel's
-    # output).
+    # PREFETCH: the slice's next tile is loaded before the current one is multiplied; its first
+    # weight tile is loaded before the PDL wait (weights are no earlier kernel's output).
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -67,24 +66,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
     mask_n = offs_n < N
     n_tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PREFETCH == 2:
-        # two tiles ahead: tiles t and t + split_k in registers while t + 2 split_k loads. A
-        # tile past K loads as zeros (masks) and adds nothing.
-        w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
-        w1 = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k + split_k, K, stride_wn, BLOCK_K)
-        pdl_wait(PDL)
-        if pid_k < n_tiles:
-            x = _gemv_load_x(x_ptr, m, pid_k, K, stride_xm, BLOCK_K)
-            x1 = _gemv_load_x(x_ptr, m, pid_k + split_k, K, stride_xm, BLOCK_K)
-            for tile in range(pid_k, n_tiles - 2 * split_k, split_k):
-                x2 = _gemv_load_x(x_ptr, m, tile + 2 * split_k, K, stride_xm, BLOCK_K)
-                w2 = _gemv_load_w(w_ptr, offs_n, mask_n, tile + 2 * split_k, K, stride_wn,
-                                  BLOCK_K)
-                acc += w.to(tl.float32) * x[None, :]
-                x, w, x1, w1 = x1, w1, x2, w2
-            acc += w.to(tl.float32) * x[None, :]
-            acc += w1.to(tl.float32) * x1[None, :]
-    elif PREFETCH:
+    if PREFETCH:
         w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
         pdl_wait(PDL)
         if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
@@ -115,7 +97,7 @@ class GemvConfig:
     split_k: int
     num_warps: int
     num_stages: int
-    prefetch: int = 0      # tiles loaded ahead of the one multiplied: 0, 1 (True) or 2
+    prefetch: bool = False
 
 
 # GEMV programs (output tiles x K slices) to aim for per SM
@@ -196,8 +178,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{tuple(scale.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or pick_config(m, n, k, x.device)
-    if int(cfg.prefetch) not in (0, 1, 2):
-        raise ValueError(f"GemvConfig.prefetch must be 0, 1 or 2; got {cfg.prefetch!r}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -207,6 +187,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                        bias if bias is not None else out, out, part, count,
                        m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
                        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=int(cfg.prefetch),
+                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     return out

@@ -55,7 +55,7 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bo
                  PDL=pdl))
 
 
-def _gemv_bf16(weight: str = "*bf16", prefetch: int = 0, pdl: bool = False) -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
            "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
@@ -163,7 +163,6 @@ _PDL = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
 PDL_CASES = {
     "gemv_bf16_pdl": (_gemv_bf16(pdl=True), _PDL),
     "gemv_bf16_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True), _PDL),
-    "gemv_bf16_prefetch2_pdl": (_gemv_bf16(prefetch=2, pdl=True), _PDL),
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
@@ -177,7 +176,7 @@ PDL_CASES = {
     "rms_norm_no_pdl": (_rms_norm(fp8=False), []),
     "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
 }
-_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_bf16_prefetch2_pdl", "gemv_fp8_weight_prefetch_pdl",
+_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
                     "w4a16_gemv_f16x2_prefetch_pdl"]
 
 
