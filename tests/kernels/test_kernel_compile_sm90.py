@@ -27,6 +27,9 @@ def compile_for_sm90(module: str, kernel: str, sig: dict, constexprs: dict) -> s
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = getattr(importlib.import_module(module), kernel)
+    # constexprs left out take their defaults (as a launch does)
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
+                  } | constexprs
     # arguments not named in sig (strides, sizes) are i32
     sig = {name: "constexpr" if name in constexprs else sig.get(name, I32)
            for name in fn.arg_names}
@@ -69,6 +72,7 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
            "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "q_ptr": "*bf16",
            "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+           "count_ptr": "*i32",
            "scale_log2": "fp32"}
     constexprs = {
         "_reshape_and_cache_kernel": dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
@@ -143,6 +147,9 @@ CASES = {
     "decode_fp8_k_by_rows": (_paged_attention("_decode_kernel", DOT_FP16=True, K_BY_ROWS=True),
                              ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "prefill_fp8": (_paged_attention("_prefill_kernel"), ["cvt.rn.f16x2.e4m3x2", BF16_MMA]),
+    # split contexts merged by their last partition: a CTA barrier, then an acq_rel count
+    "decode_fp8_merge": (_paged_attention("_decode_kernel", MERGE=True, SPLITS_PAD=8),
+                         ["bar.sync", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"]),
     "prefill_fp8_fp16_dots": (_paged_attention("_prefill_kernel", DOT_FP16=True),
                               ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),

@@ -78,6 +78,21 @@ def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) 
     _check(batch, decode_only=True)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_decode_merge_in_the_launch_equals_the_reduce_launch(dtype: torch.dtype, monkeypatch) -> None:
+    # the last partition of each (sequence, kv head) merges in the decode launch (the default)
+    # with the reduce kernel's arithmetic: the same bits, and its counters back at zero
+    import kvfleet_kernels.paged_attention as pa
+    batch = _batch([1, 1, 1, 1], [600, 37, 290, 513], dtype, num_heads=8, num_kv_heads=2, seed=9)
+    monkeypatch.setattr(pa, "_MERGE_IN_DECODE", True)
+    merged = paged_attention(*batch.args()).clone()
+    counters = pa._COUNTERS[(merged.device, 4 * 2)]
+    assert counters.tolist() == [0] * 8
+    monkeypatch.setattr(pa, "_MERGE_IN_DECODE", False)
+    reduced = paged_attention(*batch.args())
+    assert torch.equal(merged, reduced)
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (8, 1, 64)])
 def test_decode_single_partition_gqa(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     seq_lens = [17, 50]
