@@ -114,7 +114,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(batch.params) if p.greedy]
         randoms = [i for i, p in enumerate(batch.params) if not p.greedy]
         if not randoms:
-            token_ids = processed.argmax(dim=-1)
+            token_ids = greedy_argmax(processed)
         elif not greedy:
             token_ids = self._sample(processed, batch.params, batch.generators)
         else:
@@ -124,7 +124,7 @@ class Sampler:
                                                [batch.params[i] for i in randoms],
                                                [batch.generators[i] for i in randoms])
             greedy_idx = _rows_tensor(greedy, raw.device, torch.long)
-            token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
+            token_ids[greedy_idx] = greedy_argmax(processed[greedy_idx])
         return token_ids
 
     def prompt_logprobs(self, logits: torch.Tensor, next_token_ids: list[int],
@@ -237,6 +237,16 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     drop[:, -1] = False                      # the most likely token always survives
     ascending = ascending.masked_fill(drop, float("-inf"))
     return out.scatter_(1, order, ascending)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the vocabulary, [N, V] -> [N]: on a GPU a few rows take
+    kvfleet_kernels.argmax (one block a row is slow over a 128k vocabulary), else torch."""
+    if logits.is_cuda:
+        from kvfleet_kernels.argmax import MAX_ROWS, argmax_rows
+        if logits.shape[0] <= MAX_ROWS:
+            return argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def _exponential(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
