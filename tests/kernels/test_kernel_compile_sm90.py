@@ -58,12 +58,14 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bo
                  PDL=pdl))
 
 
-def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False) -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False,
+               norm: int = 0) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "r_ptr": "*bf16",
+           "g_ptr": "*bf16", "sum_ptr": "*bf16", "eps": "fp32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
             dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512,
-                 PREFETCH=prefetch, PDL=pdl))
+                 PREFETCH=prefetch, PDL=pdl, NORM=norm, K_POW2=4096 if norm else 1))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -171,6 +173,8 @@ PDL_CASES = {
     "gemv_bf16_pdl": (_gemv_bf16(pdl=True), _PDL),
     "gemv_bf16_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True), _PDL),
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
+    # RMSNorm (+ residual) computed in the GEMV (norm_gemv)
+    "norm_gemv_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True, norm=2), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
     "rms_norm_pdl": (_rms_norm(fp8=False, pdl=True), _PDL),
@@ -183,7 +187,7 @@ PDL_CASES = {
     "rms_norm_no_pdl": (_rms_norm(fp8=False), []),
     "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
 }
-_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
+_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl", "norm_gemv_prefetch_pdl",
                     "w4a16_gemv_f16x2_prefetch_pdl"]
 
 

@@ -108,3 +108,51 @@ def test_tuned_tiles_from_a_sweep_file(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLEET_GEMV_TUNED", str(path2))
     with pytest.raises(ValueError, match="KVFLEET_GEMV_TUNED=.*bad.json"):
         gemv_module.tuned_config(48, 256, cpu)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("split_k, prefetch", [(1, True), (3, True), (2, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k", [96, 100])
+def test_norm_gemv_is_rms_norm_then_gemv(residual, split_k, prefetch, dtype, k):
+    # RMSNorm (with the residual add) computed inside the GEMV: the same normed input, so the
+    # same bits as norm.py's kernel followed by gemv; the summed residual written once
+    from kvfleet_kernels.gemv import norm_gemv
+    from kvfleet_kernels.norm import rms_norm
+    g = torch.Generator().manual_seed(k + split_k + residual)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    r = torch.randn(1, k, generator=g).to(dtype) if residual else None
+    gamma = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    w = torch.randn(40, k, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    cfg = GemvConfig(16, 32, split_k, 4, 1, prefetch=prefetch)
+    out, summed = norm_gemv(x, r, gamma, 1e-5, w, b, cfg)
+    if residual:
+        normed, want_sum = rms_norm(x, gamma, 1e-5, r)
+        assert torch.equal(summed, want_sum)
+    else:
+        normed = rms_norm(x, gamma, 1e-5)
+        assert summed is None
+    assert torch.equal(out, gemv(normed, w, b, cfg))
+    with pytest.raises(ValueError, match="norm_weight must be a contiguous"):
+        norm_gemv(x, r, gamma[:-1], 1e-5, w, b, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [6144, 28672])
+def test_gpu_norm_gemv_at_llama_8b_shapes(n):
+    # bf16 on the H200, at its tuned tiles: the next residual bit for bit; the output within the
+    # GEMV's own tolerance of rms_norm then gemv (the row's mean square is summed in another order)
+    from kvfleet_kernels.gemv import norm_gemv, tuned_config
+    from kvfleet_kernels.norm import rms_norm
+    g = torch.Generator().manual_seed(n)
+    x, r = (torch.randn(2, 1, 4096, generator=g) * 3).to(device="cuda", dtype=torch.bfloat16)
+    gamma = (torch.rand(4096, generator=g) + 0.5).to(device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, 4096, generator=g) * 0.02).to(device="cuda", dtype=torch.bfloat16)
+    cfg = tuned_config(n, 4096, x.device) or gemv_module.pick_config(1, n, 4096, x.device)
+    out, summed = norm_gemv(x, r, gamma, 1e-5, w, None, cfg)
+    normed, want_sum = rms_norm(x, gamma, 1e-5, r)
+    assert torch.equal(summed, want_sum)
+    ref = gemv(normed, w, None, cfg)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2,
+                               atol=1e-2 * ref.float().abs().max().item())

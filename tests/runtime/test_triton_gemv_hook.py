@@ -87,3 +87,51 @@ def test_lm_head_at_batch_one_takes_its_tuned_gemv(monkeypatch, rows):
         assert calls == ([cfg] if rows == 1 else [])
     finally:
         set_backend("auto")
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("prefix, fused", [("model.layers.0.self_attn.qkv_proj", True),
+                                           ("model.layers.0.mlp.gate_up_proj", True),
+                                           ("model.layers.0.self_attn.o_proj", False)])
+def test_norm_then_linear_fuses_the_norm_into_a_tuned_gemv(monkeypatch, residual, prefix, fused):
+    # KVFLEET_NORM_GEMV (default: qkv and gate_up): a batch-1 projection on its tuned GEMV takes
+    # the RMSNorm into the same launch; same output and next residual as norm, then linear
+    from kvfleet_kernels import gemv as gemv_module
+    from kvfleet_runtime.layers.norm import RMSNorm
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear, "_TUNED_GEMV", True)
+    set_backend("triton")
+    try:
+        cfg = gemv_module.GemvConfig(16, 32, 1, 4, 1, prefetch=True)
+        monkeypatch.setitem(gemv_module.TUNED, ("cpu", 48, 64), cfg)
+        calls = []
+        real = gemv_module.norm_gemv
+        monkeypatch.setattr(gemv_module, "norm_gemv",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
+        layer = Linear(64, [32, 16], bias=False, dtype=torch.float32, prefix=prefix)
+        norm = RMSNorm(64, 1e-5, torch.float32)
+        g = torch.Generator().manual_seed(7)
+        layer.weight.data.copy_(torch.randn(48, 64, generator=g))
+        norm.weight.data.copy_(torch.rand(64, generator=g) + 0.5)
+        x = torch.randn(1, 64, generator=g)
+        r = torch.randn(1, 64, generator=g) if residual else None
+        out, next_residual = linear.norm_then_linear(norm, layer, x, r)
+        if residual:
+            normed, want_residual = norm(x, r)
+        else:
+            normed, want_residual = norm(x), x
+        assert torch.equal(out, layer(normed)) and torch.equal(next_residual, want_residual)
+        assert calls == ([1] if fused else [])
+        monkeypatch.setattr(linear, "_NORM_GEMV", linear.norm_gemv_modes("0"))
+        calls.clear()
+        linear.norm_then_linear(norm, layer, x, r)
+        assert calls == []
+    finally:
+        set_backend("auto")
+
+
+def test_norm_gemv_modes():
+    assert linear.norm_gemv_modes("") == {"qkv_proj", "gate_up_proj"} == linear.norm_gemv_modes("1")
+    assert linear.norm_gemv_modes("qkv") == {"qkv_proj"} and not linear.norm_gemv_modes("0")
+    with pytest.raises(ValueError, match="KVFLEET_NORM_GEMV must be"):
+        linear.norm_gemv_modes("yes")
