@@ -116,12 +116,16 @@ def test_triton_gemv_for_batch_one_in_the_interpreter_matches_hf(arch, tiny_mode
     monkeypatch.setattr(linear, "_TRITON_GEMV", True)
     calls = []
     from kvfleet_kernels import gemv as gemv_module
-    real = gemv_module.gemv
+    real, real_norm = gemv_module.gemv, gemv_module.norm_gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # and (KVFLEET_NORM_GEMV's default) qkv and gate_up with their RMSNorm inside the GEMV
+    norm_calls = []
+    monkeypatch.setattr(gemv_module, "norm_gemv",
+                        lambda *a, **k: norm_calls.append(1) or real_norm(*a, **k))
     llm = LLM(model=path, attention_backend="triton", max_num_seqs=1)
     try:
         assert _generate(llm, prompts) == ref
-        assert calls                                    # the decode steps took the GEMV
+        assert calls and norm_calls                     # the decode steps took the GEMVs
     finally:
         llm.engine.shutdown()
         from kvfleet_runtime.layers.backend import set_backend
