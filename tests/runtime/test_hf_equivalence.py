@@ -118,7 +118,8 @@ def test_triton_gemv_for_batch_one_in_the_interpreter_matches_hf(arch, tiny_mode
     from kvfleet_kernels import gemv as gemv_module
     real, real_norm = gemv_module.gemv, gemv_module.norm_gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    # and (KVFLEET_NORM_GEMV's default) qkv and gate_up with their RMSNorm inside the GEMV
+    # and (KVFLEET_NORM_GEMV=1) qkv and gate_up with their RMSNorm inside the GEMV
+    monkeypatch.setattr(linear, "_NORM_GEMV", linear.norm_gemv_modes("1"))
     norm_calls = []
     monkeypatch.setattr(gemv_module, "norm_gemv",
                         lambda *a, **k: norm_calls.append(1) or real_norm(*a, **k))

@@ -94,12 +94,13 @@ def test_lm_head_at_batch_one_takes_its_tuned_gemv(monkeypatch, rows):
                                            ("model.layers.0.mlp.gate_up_proj", True),
                                            ("model.layers.0.self_attn.o_proj", False)])
 def test_norm_then_linear_fuses_the_norm_into_a_tuned_gemv(monkeypatch, residual, prefix, fused):
-    # KVFLEET_NORM_GEMV (default: qkv and gate_up): a batch-1 projection on its tuned GEMV takes
-    # the RMSNorm into the same launch; same output and next residual as norm, then linear
+    # KVFLEET_NORM_GEMV=1 (qkv and gate_up): a batch-1 projection on its tuned GEMV takes the
+    # RMSNorm into the same launch; same output and next residual as norm, then linear
     from kvfleet_kernels import gemv as gemv_module
     from kvfleet_runtime.layers.norm import RMSNorm
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(linear, "_TUNED_GEMV", True)
+    monkeypatch.setattr(linear, "_NORM_GEMV", linear.norm_gemv_modes("1"))
     set_backend("triton")
     try:
         cfg = gemv_module.GemvConfig(16, 32, 1, 4, 1, prefetch=True)
@@ -131,7 +132,8 @@ def test_norm_then_linear_fuses_the_norm_into_a_tuned_gemv(monkeypatch, residual
 
 
 def test_norm_gemv_modes():
-    assert linear.norm_gemv_modes("") == {"qkv_proj", "gate_up_proj"} == linear.norm_gemv_modes("1")
-    assert linear.norm_gemv_modes("qkv") == {"qkv_proj"} and not linear.norm_gemv_modes("0")
+    assert linear.norm_gemv_modes("1") == {"qkv_proj", "gate_up_proj"}
+    assert linear.norm_gemv_modes("qkv") == {"qkv_proj"}
+    assert not linear.norm_gemv_modes("0") and not linear.norm_gemv_modes("")
     with pytest.raises(ValueError, match="KVFLEET_NORM_GEMV must be"):
         linear.norm_gemv_modes("yes")
