@@ -58,6 +58,18 @@ _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QU
 _NOT_ENGINE_FLAGS = {"served_model_name"}
 
 
+def check_kernel_environment() -> None:
+    """The KVFLEET_* variables the kernels and layers read once at import (GEMV routing, PDL,
+    decode partitions), parsed now: a bad value is refused before the model loads."""
+    from kvfleet_kernels import paged_attention, pdl
+
+    from kvfleet_runtime.layers import linear
+    linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
+    linear.norm_gemv_modes(os.environ.get("KVFLEET_NORM_GEMV", ""))
+    pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
+    paged_attention.decode_env()
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field; defaults stay EngineConfig's own (shown in --help)."""
     group = parser.add_argument_group("engine")
@@ -145,6 +157,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args, **overrides)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
+        check_kernel_environment()
     except ValueError as e:
         print(f"kvfleet serve: error: {e}", file=sys.stderr)
         return 2
