@@ -187,49 +187,47 @@ PDL_CASES = {
     "rms_norm_no_pdl": (_rms_norm(fp8=False), []),
     "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
 }
-_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl", "norm_gemv_prefetch_pdl",
-                    "w4a16_gemv_f16x2_prefetch_pdl"]
+_PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
+                    "norm_gemv_prefetch_pdl", "w4a16_gemv_f16x2_prefetch_pdl"]
+
+
+def _compile_in_child(loop: str) -> str:
+    """Run `loop` (Python over this module as `t`) in a child without TRITON_INTERPRET, so
+    Triton compiles for real; its stdout."""
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1] / "kernels"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", "import test_kernel_compile_sm90 as t\n" + loop],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1] / "kernels"),
-                                         env.get("PYTHONPATH", "")])
-    script = ("import test_kernel_compile_sm90 as t\n"
-              "for case, (spec, needles) in t.CASES.items():\n"
-              "    ptx = t.compile_for_sm90(*spec)\n"
-              "    for n in needles:\n"
-              "        print(case, repr(n), n in ptx)\n")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = _compile_in_child("for case, (spec, needles) in t.CASES.items():\n"
+                            "    ptx = t.compile_for_sm90(*spec)\n"
+                            "    for n in needles:\n"
+                            "        print(case, repr(n), n in ptx)\n")
     for case, (_, needles) in CASES.items():
         for n in needles:
-            assert f"{case} {n!r} True" in done.stdout, done.stdout
+            assert f"{case} {n!r} True" in out, out
 
 
 @pytest.mark.slow
 def test_pdl_kernels_compile_for_sm90() -> None:
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1] / "kernels"),
-                                         env.get("PYTHONPATH", "")])
-    script = ("import test_kernel_compile_sm90 as t\n"
-              "for case, (spec, needles) in t.PDL_CASES.items():\n"
-              "    ptx = t.compile_for_sm90(*spec)\n"
-              "    print(case, 'griddepcontrol', 'griddepcontrol' in ptx)\n"
-              "    for n in needles:\n"
-              "        print(case, repr(n), n in ptx)\n"
-              "    if case in t._PDL_LOADS_FIRST:\n"
-              "        print(case, 'load-first', ptx.index('ld.global') < ptx.index('griddepcontrol.wait'))\n")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = _compile_in_child(
+        "for case, (spec, needles) in t.PDL_CASES.items():\n"
+        "    ptx = t.compile_for_sm90(*spec)\n"
+        "    print(case, 'griddepcontrol', 'griddepcontrol' in ptx)\n"
+        "    for n in needles:\n"
+        "        print(case, repr(n), n in ptx)\n"
+        "    if case in t._PDL_LOADS_FIRST:\n"
+        "        print(case, 'load-first', ptx.index('ld.global') < ptx.index('griddepcontrol.wait'))\n")
     for case, (_, needles) in PDL_CASES.items():
-        assert f"{case} griddepcontrol {bool(needles)}" in done.stdout, done.stdout
+        assert f"{case} griddepcontrol {bool(needles)}" in out, out
         for n in needles:
-            assert f"{case} {n!r} True" in done.stdout, done.stdout
+            assert f"{case} {n!r} True" in out, out
     for case in _PDL_LOADS_FIRST:
-        assert f"{case} load-first True" in done.stdout, done.stdout
+        assert f"{case} load-first True" in out, out
