@@ -95,9 +95,9 @@ def norm_then_linear(norm: nn.Module, linear: Linear, x: torch.Tensor,
     """linear(norm(x, residual)): (linear's output, the next residual: x + residual, or x when
     residual is None). At batch 1, where the projection takes the GEMV (unquantized weights)
     and KVFLEET_NORM_GEMV names it (not by default), one launch does both (norm_gemv)."""
-    if (linear.prefix.rsplit(".", 1)[-1] in _NORM_GEMV and (_TRITON_GEMV or _TUNED_GEMV)
-            and linear.parallel != "row" and type(linear.linear_method) is LinearMethod
-            and batch_one_gemv(x) and not linear.weight.is_mkldnn):
+    if (_NORM_GEMV and (_TRITON_GEMV or _TUNED_GEMV) and batch_one_gemv(x)
+            and linear.prefix.rsplit(".", 1)[-1] in _NORM_GEMV and linear.parallel != "row"
+            and type(linear.linear_method) is LinearMethod and not linear.weight.is_mkldnn):
         choice = _batch_one_choice(linear, linear.weight, x.device)
         if choice[0]:
             from kvfleet_kernels.gemv import norm_gemv
