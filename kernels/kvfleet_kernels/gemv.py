@@ -150,7 +150,7 @@ PROGRAMS_PER_SM = 4
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    # the interpreter runs each program in Python: few, wide ones (a tiny model's 32k-vocab
+    # the interpreter runs each program in Python: few, wide ones (a tiny model's 49k-vocab
     # lm_head took 5 minutes a test in 16-column programs, 30 s in 1024-column ones)
     block_n, block_k = (16, 512) if device.type == "cuda" else (1024, 512)
     tiles = m * triton.cdiv(n, block_n)
