@@ -446,8 +446,8 @@ def _env_int(name: str, default: int, low: int) -> int:
 
 def decode_env() -> tuple[int, bool]:
     """(shortest partition in tokens, merge in the decode launch) from KVFLEET_DECODE_MIN_PARTITION
-    (default 64) and KVFLEET_DECODE_MERGE (1 default, 0)."""
-    merge = _env_int("KVFLEET_DECODE_MERGE", 1, 0)
+    (default 64) and KVFLEET_DECODE_MERGE (0 default, 1)."""
+    merge = _env_int("KVFLEET_DECODE_MERGE", 0, 0)
     if merge > 1:
         raise ValueError(f"KVFLEET_DECODE_MERGE must be 0 or 1; got {merge}")
     return _env_int("KVFLEET_DECODE_MIN_PARTITION", 64, 16), bool(merge)
@@ -457,8 +457,9 @@ def decode_env() -> tuple[int, bool]:
 # (KVFLEET_DECODE_MIN_PARTITION overrides it). 64: batch-1 decode of the 8B shape at 128-384
 # tokens of context went 215.0 -> 223.1 tok/s against 256 on the H200 (same call; a batch of
 # one sequence's 8 kv heads fills 8 SMs unless its context is cut finer). Split contexts are
-# merged by their last partition inside the decode launch (True), or by a second launch,
-# _decode_reduce_kernel (KVFLEET_DECODE_MERGE=0).
+# merged by a second launch, _decode_reduce_kernel, or (KVFLEET_DECODE_MERGE=1) by their last
+# partition inside the decode launch: batch 1 measured 241.2 tok/s with the second launch,
+# 235.9 with the in-launch merge (H200, same call; 216.0 vs 215.0 in an earlier one).
 _MIN_PARTITION_TOKENS, _MERGE_IN_DECODE = decode_env()
 # Programs to aim for per SM: enough in flight to keep HBM busy while each one waits on loads.
 # (H200 sweep: 2 beat 4 by 15-20% at 16 x 4096 and 32 x 2048, and lost 6% at 4 x 8192.)

@@ -9,7 +9,8 @@ contiguously ([B, Hkv, S, D], no paging: the dense best case). Achieved bandwidt
 V bytes every sequence reads once (2 * sum(seq_len) * Hkv * D * itemsize) over the kernel time.
 Prefill: Triton prefill kernel vs the reference vs causal SDPA (flash) on fresh prompts, and a
 prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
---sweep also times each tile configuration of both kernels and prints the fastest.
+--sweep also times each tile configuration of both kernels and prints the fastest
+(decode-short: a wider grid over many short contexts).
 --kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
 """
 
@@ -36,6 +37,8 @@ sdpa = torch.nn.functional.scaled_dot_product_attention
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DECODE_CASES = [(1, 1024), (1, 8192), (16, 4096), (64, 2048), (128, 4096), (256, 1024),
                 (256, 4096), (64, 8192), (1024, 160), (512, 1500)]                               # (num_seqs, context)
+# (num_seqs, context) of `--sweep decode-short`: a 128/128 decode batch early and late, 1000/1000's
+SHORT_DECODE_CASES = [(1024, 160), (1024, 256), (880, 1500)]
 PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] * 16),
                  ([2048], [8192])]                                      # (q_lens, seq_lens)
 
@@ -157,6 +160,23 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
             results.sort(key=lambda r: r[0])
             _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx))
             pa.decode_config = default_decode
+        # many short contexts (128/128's decode batch, 1000/1000's): a wider grid, one stage
+        # (no shared-memory ring: more programs resident) and whole-context tiles included
+        for num_seqs, ctx in (SHORT_DECODE_CASES if which in ("all", "decode-short") else []):
+            b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
+            b.max_query_len = 1
+            results = []
+            for block_n, warps, stages, by_rows in itertools.product(
+                    [32, 64, 128, 256], [1, 2, 4], [1, 2], [False, True]):
+                cfg = pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=kv_fp8)
+                pa.decode_config = lambda *_a, cfg=cfg: cfg
+                try:
+                    results.append((graph_ms(triton_call(b)), cfg))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+            results.sort(key=lambda r: r[0])
+            _print_best(f"decode-short {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx))
+            pa.decode_config = default_decode
         for num_seqs, ctx in ([(1, 8192), (4, 8192), (16, 4096), (32, 2048)]
                               if which in ("all", "decode") else []):
             b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
@@ -193,7 +213,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64])
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
+    parser.add_argument("--sweep", nargs="?", const="all",
+                        choices=["all", "decode", "decode-short", "prefill"],
                         help="also time every tile configuration (of one kernel, or all)")
     parser.add_argument("--no-tables", action="store_true", help="only the sweep")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",

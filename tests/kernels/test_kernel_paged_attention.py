@@ -80,7 +80,7 @@ def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_decode_merge_in_the_launch_equals_the_reduce_launch(dtype: torch.dtype, monkeypatch) -> None:
-    # the last partition of each (sequence, kv head) merges in the decode launch (the default)
+    # with KVFLEET_DECODE_MERGE=1 the last partition of each (sequence, kv head) merges in the decode launch
     # with the reduce kernel's arithmetic: the same bits, and its counters back at zero
     import kvfleet_kernels.paged_attention as pa
     batch = _batch([1, 1, 1, 1], [600, 37, 290, 513], dtype, num_heads=8, num_kv_heads=2, seed=9)

@@ -58,6 +58,40 @@ def test_greedy_rows_amid_random_rows_keep_their_argmax():
     assert [out[i].token_id for i in (1, 3, 5)] == [argmax[i] for i in (1, 3, 5)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_logits_sample_as_their_fp32_widening(device, monkeypatch):
+    # the model hands over logits in its own dtype; greedy rows without penalties take the
+    # argmax as they are (never widened), every other path computes in fp32
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(6, VOCAB, generator=gen) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1      # a tie: the first index wins
+    logits = logits.to(device)
+    widened = logits.float()
+    import kvfleet_runtime.layers.sampler as sampler_module
+    seen = []
+    real = sampler_module.greedy_argmax
+    monkeypatch.setattr(sampler_module, "greedy_argmax", lambda x: seen.append(x.dtype) or real(x))
+    sampler = Sampler()
+    greedy = make_batch([SamplingParams(temperature=0.0)] * 6, device=device)
+    ids, logprobs = sampler.sample_on_device(logits, greedy)
+    assert logprobs is None and seen == [torch.bfloat16]
+    assert ids.tolist() == widened.argmax(dim=-1).tolist() and ids[0].item() == 7
+    # a penalty: processed in fp32 (the bf16 subtraction 2.9 - 1.0 would round differently)
+    penalised = make_batch([SamplingParams(temperature=0.0, frequency_penalty=0.01)] * 6,
+                           outputs=[[int(i)] for i in widened.argmax(dim=-1)], device=device)
+    reference = widened.clone()
+    reference[torch.arange(6), widened.argmax(dim=-1)] -= 0.01
+    ids, _ = sampler.sample_on_device(logits, penalised)
+    assert seen[-1] == torch.float32 and ids.tolist() == reference.argmax(dim=-1).tolist()
+    # logprobs and random rows: under the fp32 widening
+    mixed = make_batch([SamplingParams(temperature=0.0, logprobs=2), SamplingParams(seed=3)] * 3,
+                       device=device)
+    ids, logprobs = sampler.sample_on_device(logits, mixed)
+    chosen = torch.log_softmax(widened, -1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs.chosen, chosen)
+    assert ids[0].item() == 7 and ids[2].item() == widened[2].argmax().item()
+
+
 def test_low_temperature_sampling_equals_greedy():
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
     greedy = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 16))

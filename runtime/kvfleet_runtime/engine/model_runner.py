@@ -294,7 +294,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         step, layout = self._prepare(sched, block_ids)
         t1 = time.perf_counter()
-        logits = self._forward(broadcast_step(step, self.device))             # [N, V] fp32
+        logits = self._forward(broadcast_step(step, self.device))             # [N, V]
         out = ModelRunnerOutput(prepare_s=t1 - t0)
         for r, first, count in layout.prompt:
             targets = r.prompt_token_ids[r.num_computed_tokens + 1:r.num_computed_tokens + 1 + count]

@@ -99,31 +99,39 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch
                          ) -> tuple[torch.Tensor, LogprobTensors | None]:
         """Token ids [N] and their logprob results, left on the device (no host sync)."""
+        num_top = [p.logprobs for p in batch.params]
+        if all(k is None for k in num_top):    # no logprobs: the fp32 copy only if sampling needs it
+            return self.sample_ids(logits, batch), None
         raw = logits.float()
         token_ids = self.sample_ids(raw, batch)
-        return token_ids, logprob_tensors(raw, token_ids, [p.logprobs for p in batch.params])
+        return token_ids, logprob_tensors(raw, token_ids, num_top)
 
     def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The sampled token ids [N], left on the device (no host sync)."""
+        """The sampled token ids [N], left on the device (no host sync).
+
+        logits may be in the model's dtype: greedy rows without penalties take their argmax
+        as they are (widening to fp32 is exact, so the index is the same); everything else
+        runs in fp32."""
         num_rows = logits.shape[0]
         if num_rows != len(batch.params):
             raise ValueError(f"logits has {num_rows} rows but the SamplingBatch has "
                              f"{len(batch.params)}")
-        raw = logits.float()
-        processed = apply_penalties(raw, batch)
+        processed = apply_penalties(logits, batch)
         greedy = [i for i, p in enumerate(batch.params) if p.greedy]
         randoms = [i for i, p in enumerate(batch.params) if not p.greedy]
+        if randoms:
+            processed = processed.float()
         if not randoms:
             token_ids = greedy_argmax(processed)
         elif not greedy:
             token_ids = self._sample(processed, batch.params, batch.generators)
         else:
-            token_ids = torch.empty(num_rows, dtype=torch.long, device=raw.device)
-            rand_idx = _rows_tensor(randoms, raw.device, torch.long)
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+            rand_idx = _rows_tensor(randoms, logits.device, torch.long)
             token_ids[rand_idx] = self._sample(processed[rand_idx],
                                                [batch.params[i] for i in randoms],
                                                [batch.generators[i] for i in randoms])
-            greedy_idx = _rows_tensor(greedy, raw.device, torch.long)
+            greedy_idx = _rows_tensor(greedy, logits.device, torch.long)
             token_ids[greedy_idx] = greedy_argmax(processed[greedy_idx])
         return token_ids
 
@@ -162,7 +170,9 @@ class Sampler:
 
 
 def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """min_tokens mask, repetition, presence and frequency penalties; raw stays untouched."""
+    """min_tokens mask, repetition, presence and frequency penalties; raw stays untouched.
+
+    Returns raw itself when no row needs any of them, else a processed fp32 copy."""
     vocab = raw.shape[1]
     mask_rows: list[int] = []
     mask_cols: list[int] = []
@@ -176,7 +186,7 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     penalized = [i for i, p in enumerate(batch.params) if p.needs_penalties]
     if not mask_rows and not penalized:
         return raw
-    x = raw.clone()
+    x = raw.clone() if raw.dtype == torch.float32 else raw.float()
     if mask_rows:
         x[_rows_tensor(mask_rows, x.device, torch.long),
           _rows_tensor(mask_cols, x.device, torch.long)] = float("-inf")

@@ -188,10 +188,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        # hidden: [N, D] -> logits [N, V] in fp32, gathered on rank 0 (None on the others)
+        # hidden: [N, D] -> logits [N, V] in the model's dtype, gathered on rank 0 (None on the
+        # others); the sampler widens them to fp32 where it needs to (not for greedy rows)
         if self.lm_head_packed is not None:
             logits = packed_linear(hidden, self.lm_head_packed, None)
-            return logits[:, : self.config.vocab_size].float()
+            return logits[:, : self.config.vocab_size]
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
