@@ -495,22 +495,34 @@ class TileConfig:
     dot_fp16: bool = False
 
 
-def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096) -> TileConfig:
+# (sequence, kv head) programs from which decode runs one warp a program (see decode_config)
+_MANY_PROGRAMS = 4096
+
+
+def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096,
+                  num_programs: int = 0) -> TileConfig:
     """Decode's rows are the GQA group, padded up to block_m (tl.dot needs >= 16 rows).
 
-    GPU choices from the H200 sweep (tests/kernels/bench_kernels.py [--kv-dtype fp8] --sweep
-    decode, bf16 queries, Llama-3.1-8B heads, blocks of 16; docs/PERFORMANCE.md): two warps and
-    two stages throughout (1024 x 160 tokens: 0.219 -> 0.180 ms against four warps, three
+    GPU choices from the H200 sweeps (tests/kernels/bench_kernels.py [--kv-dtype fp8] --sweep
+    decode|decode-short, bf16 queries, Llama-3.1-8B heads, blocks of 16; docs/PERFORMANCE.md):
+    two warps and two stages (1024 x 160 tokens: 0.219 -> 0.180 ms against four warps, three
     stages); 32-key tiles up to 2048 tokens of context, 64 beyond. An fp8 cache reads half the
-    bytes per key: 128-key tiles with fp16 dots (256 x 4096: 1.056 -> 0.618 ms, 1.7x).
+    bytes per key: 128-key tiles with fp16 dots (256 x 4096: 1.056 -> 0.618 ms, 1.7x). With
+    num_programs (sequences x kv heads) >= 4096, ~31 an SM, one warp a program keeps more of
+    them resident: 32-key tiles, fp8 1024 x 160 0.180 -> 0.126 ms, 880 x 1500 0.920 -> 0.813;
+    bf16 up to 1024 tokens 1024 x 160 0.182 -> 0.177, 1024 x 256 0.276 -> 0.269 (at 880 x
+    1500 two warps stay ahead).
     """
     if not on_gpu:   # the interpreter: small steps, no pipelining
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, dot_fp16=fp8_cache)
+    many = num_programs >= _MANY_PROGRAMS
     if fp8_cache:
+        if many:
+            return TileConfig(block_m=16, block_n=32, num_warps=1, num_stages=2, dot_fp16=True)
         return TileConfig(block_m=16, block_n=128 if max_seq_len > 1024 else 64, num_warps=2,
                           num_stages=2, dot_fp16=True)
-    return TileConfig(block_m=16, block_n=32 if max_seq_len <= 2048 else 64, num_warps=2,
-                      num_stages=2)
+    return TileConfig(block_m=16, block_n=32 if max_seq_len <= 2048 else 64,
+                      num_warps=1 if many and max_seq_len <= 1024 else 2, num_stages=2)
 
 
 def prefill_config(group: int, block_size: int, on_gpu: bool, fp8_cache: bool = False) -> TileConfig:
@@ -568,13 +580,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
-                    *, out: torch.Tensor | None = None) -> torch.Tensor:
+                    *, out: torch.Tensor | None = None,
+                    plan_num_seqs: int | None = None) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same layout and result).
 
     max_query_len == 1 (decode only) takes the split-KV decode kernel; anything else, mixed
     batches included, the prefill kernel. max_query_len / max_seq_len are computed from the
     tensors when None (a host sync); pass them to keep a step sync-free. `out` is an optional
     preallocated [num_tokens, num_heads, head_dim] buffer (static buffers under CUDA graphs).
+    Decode cuts contexts into partitions planned for plan_num_seqs sequences (default: the
+    batch's own count) and max_seq_len: a result depends on that partitioning (the order of its
+    fp32 sums), so two calls planned alike give the same bits whatever their batch sizes.
     """
     _check_attention_args(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -599,8 +615,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if max_query_len == 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        cfg = decode_config(on_gpu, fp8_cache, max_seq_len)
-        split = decode_split(num_seqs, num_kv_heads, max_seq_len, cfg.block_n, query.device)
+        cfg = decode_config(on_gpu, fp8_cache, max_seq_len, (plan_num_seqs or num_seqs) * num_kv_heads)
+        split = decode_split(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, cfg.block_n,
+                             query.device)
         merge = split.num_splits > 1 and _MERGE_IN_DECODE
         if split.num_splits > 1:
             part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,

@@ -92,7 +92,7 @@ def bench_decode(dtype: torch.dtype, block_size: int, kv_fp8: bool) -> None:
         b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, num_seqs, kv_fp8)
         b.max_query_len = 1
         kv_bytes = 2 * num_seqs * ctx * HEADS["num_kv_heads"] * HEADS["head_dim"] * b.k_cache.element_size()
-        split = pa.decode_split(num_seqs, 8, ctx, pa.decode_config(True, kv_fp8, ctx).block_n,
+        split = pa.decode_split(num_seqs, 8, ctx, pa.decode_config(True, kv_fp8, ctx, num_seqs * 8).block_n,
                                 b.query.device)
         t_triton, t_eager = graph_ms(triton_call(b)), ms(triton_call(b))
         t_ref = ms(partial(pa.paged_attention_ref, *b.args())) if num_seqs * ctx <= 2 ** 20 else float("nan")
@@ -134,7 +134,9 @@ def _short(lens: list[int]) -> str:
 
 def _print_best(case: str, results: list[tuple[float, pa.TileConfig]], default: pa.TileConfig) -> None:
     top = "; ".join(f"{t:.3f} ms {c}" for t, c in results[:3])
-    print(f"{case}: default {next(t for t, c in results if c == default):.3f} ms; best {top}")
+    timed = [t for t, c in results if c == default]
+    print(f"{case}: default " + (f"{timed[0]:.3f} ms" if timed else f"{default} (not in this grid)")
+          + f"; best {top}")
 
 
 def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool = False) -> None:
@@ -158,7 +160,7 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
                 pa.decode_config = lambda *_a, cfg=cfg: cfg
                 results.append((graph_ms(triton_call(b)), cfg))
             results.sort(key=lambda r: r[0])
-            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx))
+            _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
             pa.decode_config = default_decode
         # many short contexts (128/128's decode batch, 1000/1000's): a wider grid, one stage
         # (no shared-memory ring: more programs resident) and whole-context tiles included
@@ -175,7 +177,7 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
                 except triton.runtime.errors.OutOfResources:
                     continue
             results.sort(key=lambda r: r[0])
-            _print_best(f"decode-short {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx))
+            _print_best(f"decode-short {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
             pa.decode_config = default_decode
         for num_seqs, ctx in ([(1, 8192), (4, 8192), (16, 4096), (32, 2048)]
                               if which in ("all", "decode") else []):
@@ -184,7 +186,7 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
             timed = []
             for per_sm in (2, 4, 8, 16):
                 pa._PROGRAMS_PER_SM = per_sm
-                split = pa.decode_split(num_seqs, 8, ctx, default_decode(True, kv_fp8, ctx).block_n,
+                split = pa.decode_split(num_seqs, 8, ctx, default_decode(True, kv_fp8, ctx, num_seqs * 8).block_n,
                                         b.query.device)
                 timed.append(f"{per_sm}/SM {split.num_splits} splits {graph_ms(triton_call(b)):.3f} ms")
             print(f"decode {num_seqs}x{ctx} programs per SM: " + "; ".join(timed))

@@ -93,6 +93,25 @@ def test_decode_merge_in_the_launch_equals_the_reduce_launch(dtype: torch.dtype,
     assert torch.equal(merged, reduced)
 
 
+@pytest.mark.parametrize("dtype", [*CPU_DTYPES, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_decode_planned_for_a_padded_batch_gives_its_bits(dtype: torch.dtype) -> None:
+    # an eager decode step planned as the CUDA graph of its padded size (plan_num_seqs, the
+    # bucket as max_seq_len) cuts contexts as that graph does: the same bits as the padded run
+    n, padded_n, bucket = (3, 4, 1024) if DEVICE == "cpu" else (40, 48, 1024)   # SM counts differ
+    lens = ([600, 37, 290, 513, 1000] * 10)[:n] + [1] * (padded_n - n)   # padding: 1 token
+    batch = _batch([1] * padded_n, lens, dtype, num_heads=4, num_kv_heads=1, seed=12)
+    own, planned = (decode_split(k, 1, bucket, decode_config(DEVICE == "cuda", False, bucket, k).block_n,
+                                 batch.query.device) for k in (n, padded_n))
+    assert own.partition_size != planned.partition_size    # else the case would prove nothing
+    padded = paged_attention(*batch.args(), bucket)
+    alone = (batch.query[:n], batch.k_cache, batch.v_cache, batch.block_tables[:n],
+             batch.seq_lens[:n], batch.query_start_loc[: n + 1], batch.scale, 1)
+    out = paged_attention(*alone, bucket, plan_num_seqs=padded_n)
+    assert torch.equal(out, padded[:n])
+    torch.testing.assert_close(out.float(), paged_attention_ref(*alone).float(), rtol=0.0,
+                               atol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (8, 1, 64)])
 def test_decode_single_partition_gqa(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     seq_lens = [17, 50]
@@ -137,7 +156,8 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_gpu_decode_batches(dtype: torch.dtype, block_size: int) -> None:
     gen = torch.Generator().manual_seed(block_size)
-    for num_seqs, max_len in [(1, 8192), (4, 8192), (64, 3000), (256, 1500)]:
+    # 600 x 8 kv heads: the one-warp tiles of many programs (decode_config)
+    for num_seqs, max_len in [(1, 8192), (4, 8192), (64, 3000), (256, 1500), (600, 300)]:
         seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
         seq_lens[0] = max_len
         _check(_batch([1] * num_seqs, seq_lens.tolist(), dtype, block_size=block_size,

@@ -5,6 +5,9 @@ removes the launch gaps. Batches are padded up to the next captured size
 (padded rows write nowhere: slot -1, and read one token of the null block).
 The split-KV decode kernel sizes its grid from the longest context, so graphs
 are also keyed by a context-length bucket, passed to the kernel as max_seq_len.
+An eager decode step of a size some graph serves (every step under --enforce-eager) plans its
+split-KV partitions for that graph's batch and bucket (`decode_plan`): a context is cut into
+the same partitions either way, so greedy tokens are the same with and without graphs.
 Larger batches, prefill and mixed steps run eagerly. Capturing every graph at start
 (a few seconds) keeps capture out of the first requests' latency and out of benchmarks;
 under tensor parallelism every rank captures the same graphs in the same order, so the
@@ -33,15 +36,34 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320,
 CONTEXT_BUCKETS = (1024, 4096, 16384)
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes decode graphs are captured for."""
+    max_bs = min(max_num_seqs, BATCH_SIZES[-1])
+    return sorted({b for b in BATCH_SIZES if b < max_bs} | {max_bs})
+
+
+def context_buckets(max_model_len: int) -> list[int]:
+    """The context-length buckets decode graphs are captured for (the kernels' max_seq_len)."""
+    return sorted({b for b in CONTEXT_BUCKETS if b < max_model_len} | {max_model_len})
+
+
+def decode_plan(num_seqs: int, max_seq_len: int, batch_sizes: list[int],
+                buckets: list[int]) -> tuple[int, int] | None:
+    """(padded batch size, context bucket) of the graph a decode step of num_seqs sequences,
+    the longest max_seq_len tokens, replays; None when no graph is that large."""
+    if num_seqs > batch_sizes[-1] or max_seq_len > buckets[-1]:
+        return None
+    return (next(b for b in batch_sizes if b >= num_seqs),
+            next(b for b in buckets if b >= max_seq_len))
+
+
 class CUDAGraphRunner:
     def __init__(self, runner: ModelRunner) -> None:
-        cfg = runner.config
         self.model = runner.model
         self.device = runner.device
-        max_bs = min(cfg.max_num_seqs, BATCH_SIZES[-1])
-        self.batch_sizes = sorted({b for b in BATCH_SIZES if b < max_bs} | {max_bs})
-        self.buckets = sorted({b for b in CONTEXT_BUCKETS if b < cfg.max_model_len}
-                              | {cfg.max_model_len})
+        self.batch_sizes = runner.decode_batch_sizes
+        self.buckets = runner.decode_buckets
+        max_bs = self.batch_sizes[-1]
         dev = self.device
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
@@ -69,8 +91,7 @@ class CUDAGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= n)
-        bucket = next(b for b in self.buckets if b >= meta.max_seq_len)
+        bs, bucket = decode_plan(n, meta.max_seq_len, self.batch_sizes, self.buckets)
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -89,7 +110,7 @@ class CUDAGraphRunner:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            max_query_len=1, max_seq_len=bucket)
+            max_query_len=1, max_seq_len=bucket, plan_num_seqs=bs)
 
     def _capture(self, bs: int, bucket: int):
         meta = self._meta(bs, bucket)

@@ -21,6 +21,7 @@ import torch
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.distributed.communication import StepInputs, broadcast_step, min_over_ranks
+from kvfleet_runtime.engine.cuda_graphs import context_buckets, decode_plan, graph_batch_sizes
 from kvfleet_runtime.engine.scheduler import SchedulerOutput
 from kvfleet_runtime.layers.attention import AttentionMetadata
 from kvfleet_runtime.layers.backend import use_triton
@@ -111,6 +112,10 @@ class ModelRunner:
         self.num_blocks = min_over_ranks(self._determine_num_blocks())
         self._allocate_kv_cache()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        # the decode graphs' sizes, also when there are none: eager decode steps plan split-KV
+        # attention for them (cuda_graphs.decode_plan)
+        self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
+        self.decode_buckets = context_buckets(config.max_model_len)
         self.graph_runner = None
         # the torch attention path reads host-side lengths each step: a graph would replay the
         # captured ones, so it runs eagerly (it is the comparison path, not the fast one)
@@ -276,13 +281,19 @@ class ModelRunner:
         def tensor(data, dtype):
             return host_to_device(data, dtype, dev)
 
+        max_seq_len, plan_num_seqs = max(seq_lens_cpu), None
+        plan = (decode_plan(len(nums), max_seq_len, self.decode_batch_sizes, self.decode_buckets)
+                if max(nums) == 1 else None)
+        if plan is not None:    # as the graph of this size would run it, graphs or not
+            plan_num_seqs, max_seq_len = plan
         meta = AttentionMetadata(
             slot_mapping=numpy_to_device(slots, dev),
             block_tables=numpy_to_device(table, dev),
             seq_lens=numpy_to_device(seq_lens.astype(np.int32), dev),
             query_start_loc=numpy_to_device(query_start.astype(np.int32), dev),
-            max_query_len=max(nums), max_seq_len=max(seq_lens_cpu),
-            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_cpu)
+            max_query_len=max(nums), max_seq_len=max_seq_len,
+            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_cpu,
+            plan_num_seqs=plan_num_seqs)
         ids = tensor(input_ids, torch.long)
         if from_prev:
             ids[tensor(from_prev, torch.long)] = prev.token_ids[tensor(prev_rows, torch.long)]

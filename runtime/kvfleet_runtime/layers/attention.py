@@ -33,6 +33,9 @@ class AttentionMetadata:
     max_seq_len: int
     seq_lens_cpu: list[int] | None = None         # host copies for the torch path
     query_start_loc_cpu: list[int] | None = None
+    # decode: the batch size split-KV decode attention plans its partitions for (a CUDA graph's
+    # padded size, also in an eager step: cuda_graphs.decode_plan); None: the batch's own
+    plan_num_seqs: int | None = None
 
 
 class Attention(nn.Module):
@@ -64,7 +67,7 @@ class Attention(nn.Module):
                 pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, self.scale, meta.max_query_len,
-                                     meta.max_seq_len)
+                                     meta.max_seq_len, plan_num_seqs=meta.plan_num_seqs)
         else:
             k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale)
