@@ -1,11 +1,14 @@
-"""kvfleet_kernels.argmax.argmax_rows against torch.argmax (interpreter; bf16 on the GPU)."""
+"""kvfleet_kernels.argmax: argmax_rows against torch.argmax, sample_rows against the distribution
+it draws from (interpreter; bf16 and the 128k vocabulary on the GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kvfleet_kernels import argmax as argmax_module
-from kvfleet_kernels.argmax import argmax_rows
+from kvfleet_kernels.argmax import argmax_rows, sample_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("n, v", [(1, 5000), (3, 1024), (2, 700), (16, 3001)])
@@ -40,3 +43,58 @@ def test_gpu_matches_torch_argmax_over_a_128k_vocabulary(n):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     x = x.to(torch.bfloat16)         # bf16 logits hold many ties
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def _chi_square(ids: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(ids.cpu(), minlength=probs.numel()).float()
+    expected = probs * ids.numel()
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "drew a token of probability 0"
+    return float(((observed - expected)[keep] ** 2 / expected[keep]).sum())
+
+
+def test_sample_rows_follows_softmax_at_each_rows_temperature():
+    # 600 rows at temperature 1.0 and 600 at 0.4 of one distribution over 5 tokens (one masked):
+    # chi-square, 3 degrees of freedom, below 16.3 with probability 0.999 each
+    logits = torch.tensor([0.3, -1.0, 1.2, float("-inf"), 0.0])
+    x = logits.expand(1200, -1).contiguous().to(DEVICE)
+    temps = torch.tensor([1.0] * 600 + [0.4] * 600, device=DEVICE)
+    ids = sample_rows(x, temps, seed=17)
+    for half, t in ((ids[:600], 1.0), (ids[600:], 0.4)):
+        probs = torch.softmax(logits / t, 0)
+        assert _chi_square(half, probs) < 16.3
+        # rows are independent: two rows draw the same token as often as p . p
+        same = (half[0::2] == half[1::2]).float().mean().item()
+        assert abs(same - float((probs ** 2).sum())) < 0.1
+
+
+def test_sample_rows_zero_temperature_rows_take_the_argmax_and_seeds_repeat():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 3000, generator=g).to(DEVICE)
+    temps = torch.tensor([0.0, 1.0] * 32, device=DEVICE)
+    first = sample_rows(x, temps, seed=5)
+    assert torch.equal(first[0::2], x[0::2].argmax(dim=-1))
+    assert torch.equal(sample_rows(x, temps, seed=5), first)             # same seed, same draws
+    assert not torch.equal(sample_rows(x, temps, seed=6)[1::2], first[1::2])
+    assert not torch.equal(first[1::2], x[1::2].argmax(dim=-1))          # the random rows do draw
+
+
+def test_sample_rows_refuses_bad_arguments():
+    x = torch.zeros(2, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="temperatures must be float32 of shape"):
+        sample_rows(x, torch.ones(3, device=DEVICE), 1)
+    with pytest.raises(ValueError, match="seed must be in"):
+        sample_rows(x, torch.ones(2, device=DEVICE), -1)
+
+
+@pytest.mark.gpu
+def test_gpu_sample_rows_over_a_128k_vocabulary_in_bf16():
+    # 1024 rows, each its own peaked distribution over 128,256 logits: the drawn tokens'
+    # probabilities average p . p over rows (the chance a draw lands on each token)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(1024, 128256, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    probs = torch.softmax(x.float(), dim=-1)
+    ids = sample_rows(x, torch.ones(1024, device="cuda"), seed=3)
+    drawn = probs.gather(1, ids[:, None]).squeeze(1)
+    expected = (probs * probs).sum(dim=-1)
+    assert abs(drawn.mean().item() - expected.mean().item()) < 4 * expected.std().item() / 32 + 1e-4

@@ -92,6 +92,35 @@ def test_bf16_logits_sample_as_their_fp32_widening(device, monkeypatch):
     assert ids[0].item() == 7 and ids[2].item() == widened[2].argmax().item()
 
 
+def test_fused_draw_serves_temperature_only_batches(monkeypatch):
+    # the sampler's one-kernel draw (kvfleet_kernels.argmax.sample_rows; GPU only, forced here
+    # into the interpreter): greedy rows keep their argmax, after their penalties; random rows
+    # follow softmax(x / T)
+    import kvfleet_runtime.layers.sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "fused_draw", lambda *a: True)
+    logits = torch.tensor([[0.3, -1.0, 1.2, 0.0]]).expand(400, -1).contiguous()
+    params = [SamplingParams(temperature=0.0, frequency_penalty=2.0)] + [SamplingParams()] * 399
+    torch.manual_seed(0)
+    ids, _ = Sampler().sample_on_device(logits, make_batch(params, outputs=[[2]] * 400))
+    assert ids[0].item() == 0                # 1.2 - 2.0 (one earlier 2) < 0.3
+    assert chi_square(ids[1:].tolist(), torch.softmax(logits[0], 0).tolist()) < 16.3   # unpenalised
+
+
+def test_fused_draw_takes_only_what_it_implements():
+    from kvfleet_runtime.layers.sampler import fused_draw
+    cpu = torch.zeros(2, VOCAB)
+    assert not fused_draw(cpu, [SamplingParams()] * 2, [None, None])     # a GPU kernel
+    if not torch.cuda.is_available():
+        return
+    gpu = cpu.cuda()
+    assert fused_draw(gpu, [SamplingParams(temperature=0.7), SamplingParams(temperature=0)],
+                      [None, None])
+    assert fused_draw(gpu, [SamplingParams(top_k=VOCAB)] * 2, [None, None])
+    for p in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1)):
+        assert not fused_draw(gpu, [p, SamplingParams()], [None, None])
+    assert not fused_draw(gpu, [SamplingParams(seed=1)] * 2, [make_generator(1, "cuda"), None])
+
+
 def test_low_temperature_sampling_equals_greedy():
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
     greedy = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 16))
