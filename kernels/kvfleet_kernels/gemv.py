@@ -36,46 +36,10 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 @triton.jit
-def _norm_input(x_ptr, r_ptr, m, offs_k, mask, stride_xm, NORM: tl.constexpr):
-    """x (NORM 1) or x + residual rounded to x's dtype (NORM 2: the next residual, as
-    norm.py's kernel rounds it), at columns offs_k of row m; residual rows are contiguous."""
-    x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask, other=0.0)
-    if NORM == 2:
-        r = tl.load(r_ptr + m * stride_xm + offs_k, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _gemv_load_x(x_ptr, r_ptr, g_ptr, m, tile, K, stride_xm, rstd, BLOCK_K: tl.constexpr,
-                 NORM: tl.constexpr):
-    """x's K tile in fp32; with NORM, RMSNorm's output there (norm.py's roundings: the
-    normalised value to x's dtype, then times the weight g, rounded again)."""
+def _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K: tl.constexpr):
+    """x's K tile, in fp32."""
     offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = offs_k < K
-    if NORM == 0:
-        return tl.load(x_ptr + m * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
-    h = _norm_input(x_ptr, r_ptr, m, offs_k, mask, stride_xm, NORM).to(tl.float32)
-    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    g = tl.load(g_ptr + offs_k, mask=mask, other=0.0).to(tl.float32)
-    return (normed * g).to(x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _row_rstd(x_ptr, r_ptr, sum_ptr, m, K, stride_xm, eps, writer, NORM: tl.constexpr,
-              K_POW2: tl.constexpr):
-    """RMSNorm's 1 / rms of row m's input (1.0 without NORM), as norm.py computes it over the
-    whole row; `writer` (one program) stores the row's x + residual to sum_ptr (NORM 2)."""
-    if NORM == 0:
-        return 1.0
-    offs = tl.arange(0, K_POW2)
-    mask = offs < K
-    x = _norm_input(x_ptr, r_ptr, m, offs, mask, stride_xm, NORM)
-    if NORM == 2:
-        if writer:
-            tl.store(sum_ptr + m * K + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(h * h, 0) / K + eps)
+    return tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -88,17 +52,13 @@ def _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K: tl.constexp
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
-                 stride_xm, stride_wn, r_ptr, g_ptr, sum_ptr, eps,
+                 stride_xm, stride_wn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, NORM: tl.constexpr = 0,
-                 K_POW2: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
     # PREFETCH: the slice's next tile is loaded before the current one is multiplied; its first
     # weight tile is loaded before the PDL wait (weights are no earlier kernel's output).
-    # NORM (1: RMSNorm of x; 2: of x + residual r, that sum written to sum_ptr once): x is
-    # RMSNorm's input, and the GEMV multiplies RMSNorm's output (weight g, eps), which each
-    # program computes itself after its row's mean square: one launch instead of two.
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -109,23 +69,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
     if PREFETCH:
         w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
         pdl_wait(PDL)
-        rstd = _row_rstd(x_ptr, r_ptr, sum_ptr, m, K, stride_xm, eps, (pid_n == 0) & (pid_k == 0),
-                         NORM, K_POW2)
         if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
-            x = _gemv_load_x(x_ptr, r_ptr, g_ptr, m, pid_k, K, stride_xm, rstd, BLOCK_K, NORM)
+            x = _gemv_load_x(x_ptr, m, pid_k, K, stride_xm, BLOCK_K)
             for tile in range(pid_k, n_tiles - split_k, split_k):
-                xn = _gemv_load_x(x_ptr, r_ptr, g_ptr, m, tile + split_k, K, stride_xm, rstd,
-                                  BLOCK_K, NORM)
+                xn = _gemv_load_x(x_ptr, m, tile + split_k, K, stride_xm, BLOCK_K)
                 wn = _gemv_load_w(w_ptr, offs_n, mask_n, tile + split_k, K, stride_wn, BLOCK_K)
                 acc += w.to(tl.float32) * x[None, :]
                 x, w = xn, wn
             acc += w.to(tl.float32) * x[None, :]
     else:
         pdl_wait(PDL)
-        rstd = _row_rstd(x_ptr, r_ptr, sum_ptr, m, K, stride_xm, eps, (pid_n == 0) & (pid_k == 0),
-                         NORM, K_POW2)
         for tile in range(pid_k, n_tiles, split_k):
-            x = _gemv_load_x(x_ptr, r_ptr, g_ptr, m, tile, K, stride_xm, rstd, BLOCK_K, NORM)
+            x = _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K)
             w = _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K)
             acc += w.to(tl.float32) * x[None, :]
     total = tl.sum(acc, axis=1)
@@ -214,28 +169,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of gemv_ref: x [M, K] (M small), weight [N, K] -> [M, N] in x's dtype.
     `scale` [N] (fp32): weight holds fp8 values of per-row scales (W8A16: x stays unquantized)."""
-    return _launch(x, weight, bias, config, scale)[0]
-
-
-def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-              eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              config: GemvConfig | None = None, scale: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """norm.py's rms_norm(x, norm_weight, eps, residual) followed by gemv, in one launch:
-    (the GEMV's output, x + residual or None)."""
-    k = x.shape[1]
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be a contiguous [{k}]; got {tuple(norm_weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride() != (k, 1)):
-        raise ValueError(f"residual must be a contiguous {tuple(x.shape)}; got "
-                         f"{tuple(residual.shape)} with strides {tuple(residual.stride())}")
-    return _launch(x.contiguous(), weight, bias, config, scale, (norm_weight, eps, residual))
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: GemvConfig | None, scale: torch.Tensor | None,
-            norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -248,21 +181,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or pick_config(m, n, k, x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual = norm[2] if norm is not None else None
-    summed = torch.empty_like(x) if residual is not None else None
     if m == 0:
-        return out, summed
+        return out
     grid = (m, triton.cdiv(n, cfg.block_n), cfg.split_k)
     part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
     _gemv_kernel[grid](x, weight, scale if scale is not None else out,
                        bias if bias is not None else out, out, part, count,
                        m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
-                       residual if residual is not None else x,
-                       norm[0] if norm is not None else x, summed if summed is not None else x,
-                       norm[1] if norm is not None else 0.0,
                        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
-                       NORM=0 if norm is None else 1 if residual is None else 2,
-                       K_POW2=triton.next_power_of_2(k) if norm is not None else 1,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
-    return out, summed
+    return out

@@ -311,21 +311,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   count_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
+                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    partition_size, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr = 1, MERGE: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
-    # log-sum-exp, and _decode_reduce_kernel merges them; or (MERGE) the partition that finishes
-    # last for its (sequence, kv head) merges them itself, counted in on count_ptr as the split-K
-    # GEMVs do (split_k.py), one launch fewer. partition_size and num_splits follow the
+    # log-sum-exp, and _decode_reduce_kernel merges them. partition_size and num_splits follow the
     # batch's longest context, so they are runtime arguments: a constexpr would recompile as
     # contexts grow.
     pdl_wait(PDL)
@@ -373,20 +369,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         part = (seq * NUM_HEADS + head) * num_splits + split                             # [G]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=g_valid[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_valid)
-        if MERGE:
-            # every thread's partials are stored before one thread counts the program in (the
-            # release publishes them; the last arrival's acquire sees the others')
-            tl.debug_barrier()
-            counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.cdiv(seq_len, partition_size) - 1:
-                for g_i in tl.static_range(GROUP):
-                    merged = _merge_partitions(part_out_ptr, part_lse_ptr, seq, kv_head * GROUP + g_i,
-                                               seq_len, partition_size, num_splits, NUM_HEADS,
-                                               HEAD_DIM, SPLITS_PAD)
-                    tl.store(out_ptr + q_start * stride_ot + (kv_head * GROUP + g_i) * stride_oh + d,
-                             merged.to(out_ptr.dtype.element_ty))
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -405,27 +387,16 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
     if q_len == 0:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    out = _merge_partitions(part_out_ptr, part_lse_ptr, seq, head, seq_len, partition_size,
-                            num_splits, NUM_HEADS, HEAD_DIM, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _merge_partitions(part_out_ptr, part_lse_ptr, seq, head, seq_len, partition_size, num_splits,
-                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One query head's output (fp32 [HEAD_DIM]) from its partitions' normalised outputs and
-    log-sum-exps: each weighted by exp2(lse - max lse). Loads bypass L1 (.cg): in the fused
-    merge they are other programs' stores."""
     s = tl.arange(0, SPLITS_PAD)
     s_valid = s < tl.cdiv(seq_len, partition_size)
     part = (seq * NUM_HEADS + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
     d = tl.arange(0, HEAD_DIM)
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None],
-                    other=0.0, cache_modifier=".cg")
-    return tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+                    other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -444,23 +415,18 @@ def _env_int(name: str, default: int, low: int) -> int:
     return int(value)
 
 
-def decode_env() -> tuple[int, bool]:
-    """(shortest partition in tokens, merge in the decode launch) from KVFLEET_DECODE_MIN_PARTITION
-    (default 64) and KVFLEET_DECODE_MERGE (0 default, 1)."""
-    merge = _env_int("KVFLEET_DECODE_MERGE", 0, 0)
-    if merge > 1:
-        raise ValueError(f"KVFLEET_DECODE_MERGE must be 0 or 1; got {merge}")
-    return _env_int("KVFLEET_DECODE_MIN_PARTITION", 64, 16), bool(merge)
+def decode_env() -> int:
+    """The shortest partition, in tokens, from KVFLEET_DECODE_MIN_PARTITION (default 64)."""
+    return _env_int("KVFLEET_DECODE_MIN_PARTITION", 64, 16)
 
 
-# Partitions shorter than this cost more in the merge than they win in parallelism
+# Partitions shorter than this cost more in the reduce launch than they win in parallelism
 # (KVFLEET_DECODE_MIN_PARTITION overrides it). 64: batch-1 decode of the 8B shape at 128-384
 # tokens of context went 215.0 -> 223.1 tok/s against 256 on the H200 (same call; a batch of
-# one sequence's 8 kv heads fills 8 SMs unless its context is cut finer). Split contexts are
-# merged by a second launch, _decode_reduce_kernel, or (KVFLEET_DECODE_MERGE=1) by their last
-# partition inside the decode launch: batch 1 measured 241.2 tok/s with the second launch,
-# 235.9 with the in-launch merge (H200, same call; 216.0 vs 215.0 in an earlier one).
-_MIN_PARTITION_TOKENS, _MERGE_IN_DECODE = decode_env()
+# one sequence's 8 kv heads fills 8 SMs unless its context is cut finer). (Merging the
+# partitions inside the decode launch, by the last to finish, measured slower at batch 1:
+# 235.9 vs 241.2 tok/s, 215.0 vs 216.0; removed.)
+_MIN_PARTITION_TOKENS = decode_env()
 # Programs to aim for per SM: enough in flight to keep HBM busy while each one waits on loads.
 # (H200 sweep: 2 beat 4 by 15-20% at 16 x 4096 and 32 x 2048, and lost 6% at 4 x 8192.)
 _PROGRAMS_PER_SM = 2
@@ -543,19 +509,6 @@ def prefill_config(group: int, block_size: int, on_gpu: bool, fp8_cache: bool = 
                       k_by_rows=True, dot_fp16=fp8_cache)
 
 
-# per (device, programs' counters): zeros the last partition of each (sequence, kv head) puts
-# back, shared by all layers (launches run in turn on a stream). First met in an eager launch
-# (CUDA-graph capture is preceded by one), so never allocated inside a capture.
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    counters = _COUNTERS.get((device, n))
-    if counters is None:
-        counters = _COUNTERS[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
-    return counters
-
-
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
@@ -618,7 +571,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         cfg = decode_config(on_gpu, fp8_cache, max_seq_len, (plan_num_seqs or num_seqs) * num_kv_heads)
         split = decode_split(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, cfg.block_n,
                              query.device)
-        merge = split.num_splits > 1 and _MERGE_IN_DECODE
         if split.num_splits > 1:
             part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
                                    dtype=torch.float32, device=query.device)
@@ -626,17 +578,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                    dtype=torch.float32, device=query.device)
         else:   # the kernel writes `out` directly; these pointers are never touched
             part_out = part_lse = out
-        counts = _merge_counters(query.device, num_seqs * num_kv_heads) if merge else seq_lens
         _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
-            query, k_cache, v_cache, out, part_out, part_lse, counts, block_tables, seq_lens,
+            query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
             query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-            SPLITS_PAD=triton.next_power_of_2(split.num_splits), MERGE=merge,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(query.device),
         )
-        if split.num_splits > 1 and not merge:
+        if split.num_splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
                 split.partition_size, split.num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,

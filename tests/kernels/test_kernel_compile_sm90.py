@@ -58,14 +58,12 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bo
                  PDL=pdl))
 
 
-def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False,
-               norm: int = 0) -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "r_ptr": "*bf16",
-           "g_ptr": "*bf16", "sum_ptr": "*bf16", "eps": "fp32"}
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
             dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512,
-                 PREFETCH=prefetch, PDL=pdl, NORM=norm, K_POW2=4096 if norm else 1))
+                 PREFETCH=prefetch, PDL=pdl))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -74,7 +72,6 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
            "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "q_ptr": "*bf16",
            "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-           "count_ptr": "*i32",
            "scale_log2": "fp32"}
     constexprs = {
         "_reshape_and_cache_kernel": dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
@@ -150,8 +147,6 @@ CASES = {
                              ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "prefill_fp8": (_paged_attention("_prefill_kernel"), ["cvt.rn.f16x2.e4m3x2", BF16_MMA]),
     # split contexts merged by their last partition: a CTA barrier, then an acq_rel count
-    "decode_fp8_merge": (_paged_attention("_decode_kernel", MERGE=True, SPLITS_PAD=8),
-                         ["bar.sync", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"]),
     "prefill_fp8_fp16_dots": (_paged_attention("_prefill_kernel", DOT_FP16=True),
                               ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
@@ -173,8 +168,6 @@ PDL_CASES = {
     "gemv_bf16_pdl": (_gemv_bf16(pdl=True), _PDL),
     "gemv_bf16_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True), _PDL),
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
-    # RMSNorm (+ residual) computed in the GEMV (norm_gemv)
-    "norm_gemv_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True, norm=2), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
     "rms_norm_pdl": (_rms_norm(fp8=False, pdl=True), _PDL),
@@ -188,7 +181,7 @@ PDL_CASES = {
     "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
 }
 _PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
-                    "norm_gemv_prefetch_pdl", "w4a16_gemv_f16x2_prefetch_pdl"]
+                    "w4a16_gemv_f16x2_prefetch_pdl"]
 
 
 def _compile_in_child(loop: str) -> str:

@@ -78,21 +78,6 @@ def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) 
     _check(batch, decode_only=True)
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_decode_merge_in_the_launch_equals_the_reduce_launch(dtype: torch.dtype, monkeypatch) -> None:
-    # with KVFLEET_DECODE_MERGE=1 the last partition of each (sequence, kv head) merges in the decode launch
-    # with the reduce kernel's arithmetic: the same bits, and its counters back at zero
-    import kvfleet_kernels.paged_attention as pa
-    batch = _batch([1, 1, 1, 1], [600, 37, 290, 513], dtype, num_heads=8, num_kv_heads=2, seed=9)
-    monkeypatch.setattr(pa, "_MERGE_IN_DECODE", True)
-    merged = paged_attention(*batch.args()).clone()
-    counters = pa._COUNTERS[(merged.device, 4 * 2)]
-    assert counters.tolist() == [0] * 8
-    monkeypatch.setattr(pa, "_MERGE_IN_DECODE", False)
-    reduced = paged_attention(*batch.args())
-    assert torch.equal(merged, reduced)
-
-
 @pytest.mark.parametrize("dtype", [*CPU_DTYPES, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 def test_decode_planned_for_a_padded_batch_gives_its_bits(dtype: torch.dtype) -> None:
     # an eager decode step planned as the CUDA graph of its padded size (plan_num_seqs, the

@@ -69,9 +69,7 @@ def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("name, value, message", [
     ("KVFLEET_DECODE_MIN_PARTITION", "3", "KVFLEET_DECODE_MIN_PARTITION must be an integer >= 16"),
-    ("KVFLEET_DECODE_MERGE", "2", "KVFLEET_DECODE_MERGE must be 0 or 1"),
     ("KVFLEET_PDL", "yes", "KVFLEET_PDL must be unset, 0 or 1"),
-    ("KVFLEET_NORM_GEMV", "all", "KVFLEET_NORM_GEMV must be unset, 0, 1 or qkv"),
     ("KVFLEET_TRITON_GEMV", "2", "KVFLEET_TRITON_GEMV must be unset, 0, 1 or tuned")])
 def test_a_bad_kernel_setting_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str],

@@ -45,22 +45,6 @@ def gemv_modes(value: str) -> tuple[bool, bool, bool]:
 _TRITON_GEMV, _TUNED_GEMV, _FP8_GEMV = gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
 
 
-# KVFLEET_NORM_GEMV: a batch-1 projection that takes the GEMV computes the RMSNorm before it
-# itself (kvfleet_kernels.gemv.norm_gemv: one launch instead of two): 1 for qkv and gate_up,
-# qkv for qkv only, 0 or unset (default) for neither. Off by default: on the H200 (same call,
-# docs/PERFORMANCE.md) batch 1 ran 226.6 tok/s without it, 222.5 with qkv, 215.0 with both
-# (every program re-reads its row and sums its squares before its first tile).
-def norm_gemv_modes(value: str) -> frozenset[str]:
-    """The projections (qkv_proj, gate_up_proj) that fuse their norm, for a KVFLEET_NORM_GEMV value."""
-    modes = {"": set(), "0": set(), "1": {"qkv_proj", "gate_up_proj"}, "qkv": {"qkv_proj"}}
-    if value not in modes:
-        raise ValueError(f"KVFLEET_NORM_GEMV must be unset, 0, 1 or qkv; got {value!r}")
-    return frozenset(modes[value])
-
-
-_NORM_GEMV = norm_gemv_modes(os.environ.get("KVFLEET_NORM_GEMV", ""))
-
-
 def batch_one_gemv(x: torch.Tensor) -> bool:
     """x is a batch-1 input on the Triton path, where kvfleet_kernels.gemv can serve it."""
     return x.dim() == 2 and x.shape[0] == 1 and use_triton(x)
@@ -88,26 +72,6 @@ def _batch_one_choice(owner: nn.Module, weight: torch.Tensor, device: torch.devi
         config = tuned_config(*weight.shape, device)
         choice = owner.__dict__["_batch_one_gemv"] = (config is not None or _TRITON_GEMV, config)
     return choice
-
-
-def norm_then_linear(norm: nn.Module, linear: Linear, x: torch.Tensor,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear(norm(x, residual)): (linear's output, the next residual: x + residual, or x when
-    residual is None). At batch 1, where the projection takes the GEMV (unquantized weights)
-    and KVFLEET_NORM_GEMV names it (not by default), one launch does both (norm_gemv)."""
-    if (_NORM_GEMV and (_TRITON_GEMV or _TUNED_GEMV) and batch_one_gemv(x)
-            and linear.prefix.rsplit(".", 1)[-1] in _NORM_GEMV and linear.parallel != "row"
-            and type(linear.linear_method) is LinearMethod and not linear.weight.is_mkldnn):
-        choice = _batch_one_choice(linear, linear.weight, x.device)
-        if choice[0]:
-            from kvfleet_kernels.gemv import norm_gemv
-            out, summed = norm_gemv(x, residual, norm.weight, norm.eps, linear.weight,
-                                    linear.bias, choice[1])
-            return out, (x if residual is None else summed)
-    if residual is None:
-        return linear(norm(x)), x
-    normed, residual = norm(x, residual)
-    return linear(normed), residual
 
 
 class LinearMethod:

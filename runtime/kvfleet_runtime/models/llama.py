@@ -21,12 +21,7 @@ from kvfleet_runtime.distributed.parallel_state import get_tp_size
 from kvfleet_runtime.layers.activation import SiluAndMul
 from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.backend import use_triton
-from kvfleet_runtime.layers.linear import (
-    Linear,
-    cpu_packed_weight,
-    norm_then_linear,
-    packed_linear,
-)
+from kvfleet_runtime.layers.linear import Linear, cpu_packed_weight, packed_linear
 from kvfleet_runtime.layers.norm import RMSNorm
 from kvfleet_runtime.layers.quantization.fp8 import feeds_fp8
 from kvfleet_runtime.layers.rotary import RotaryEmbedding
@@ -78,10 +73,10 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary_emb       # one cos/sin cache shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # qkv: qkv_proj's output [T, q + 2kv] (DecoderLayer runs it, fused with the norm where
-        # it can); rope: this step's rotary tables (torch path), made once by DecoderModel
+        # rope: this step's rotary tables (torch path), made once by DecoderModel
+        qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         qk_size = self.q_size + self.kv_size
         if rope is not None and not self.qk_norm:
             # torch path: rotate q and k side by side in one pass, one set of ops for both
@@ -116,9 +111,8 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
         feeds_fp8(self.act_fn, self.down_proj)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # gate_up: gate_up_proj's output (DecoderLayer runs it, fused with the norm where it can)
-        return self.down_proj(self.act_fn(gate_up))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -134,13 +128,14 @@ class DecoderLayer(nn.Module):
         feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(self, positions, x, residual, meta, rope=None):
-        # residual None: the first layer, whose input is the residual
-        qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, x,
-                                         residual)
-        x = self.self_attn(positions, qkv, meta, rope)
-        gate_up, residual = norm_then_linear(self.post_attention_layernorm,
-                                             self.mlp.gate_up_proj, x, residual)
-        return self.mlp(gate_up), residual
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, rope)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):

@@ -65,7 +65,6 @@ def check_kernel_environment() -> None:
 
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
-    linear.norm_gemv_modes(os.environ.get("KVFLEET_NORM_GEMV", ""))
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
     paged_attention.decode_env()
 
