@@ -19,11 +19,14 @@ def test_rows_are_written_to_the_json(tmp_path, capsys):
     assert suite.main(["--model", str(model), "--rows", "bs1,profile-1000,tp128",
                        "--num-prompts", "3", "--max-num-seqs", "2", "--max-model-len", "2048",
                        "--max-num-batched-tokens", "512",
-                       "--dtype", "float32", "--label", "cpu-", "--json", str(out)]) == 0
+                       "--dtype", "float32", "--label", "cpu-", "--repeat", "2",
+                       "--json", str(out)]) == 0
     rows = {r["row"]: r for r in json.loads(out.read_text())}
     assert rows["cpu-bs1"]["decode_tokens_per_s_per_seq"] > 0
     assert rows["cpu-tp128"]["num_prompts"] == 3 and rows["cpu-tp128"]["max_num_seqs"] == 2
     assert rows["cpu-tp128"]["output_tokens_per_s"] > 0
+    # --repeat 2: the throughput row again on the same engine, under its own name
+    assert rows["cpu-tp128-run2"]["num_prompts"] == 3 and "cpu-bs1-run2" not in rows
     profiled = [name for name in rows if name.startswith("cpu-profile-bs2-")]
     assert sorted(profiled) == ["cpu-profile-bs2-decode", "cpu-profile-bs2-prefill"]
     # the 32 profiled decode steps ran with both requests (none finished inside them)
@@ -35,3 +38,9 @@ def test_unknown_rows_are_refused(capsys):
     with pytest.raises(SystemExit):
         suite.main(["--model", "unused", "--rows", "bs1,tp9999"])
     assert "unknown tp9999" in capsys.readouterr().err
+
+
+def test_repeat_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        suite.main(["--model", "unused", "--rows", "tp128", "--repeat", "0"])
+    assert "--repeat must be >= 1" in capsys.readouterr().err

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts-1000", type=int, default=None,
                    help="prompts of the tp1000 row (default: --num-prompts)")
     p.add_argument("--label", default="", help="prefix of each row's name in the output")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each throughput row this many times on the same engine (the 2nd "
+                        "and later rows are named ...-run2, ...: warm caches, for comparison)")
     p.add_argument("--json", metavar="PATH")
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted(set(rows) - set(ROWS))
     if bad:
         p.error(f"--rows: unknown {', '.join(bad)}; choose from {', '.join(ROWS)}")
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1; got {args.repeat}")
 
     import logging
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         emit(name, res)
 
     def throughput(name: str, num: int, length: int, max_seqs: int) -> None:
+        for run in range(1, args.repeat + 1):
+            throughput_once(name if run == 1 else f"{name}-run{run}", num, length, max_seqs)
+
+    def throughput_once(name: str, num: int, length: int, max_seqs: int) -> None:
         engine.kv.block_pool.reset_prefix_cache()
         engine.scheduler.max_num_seqs = max_seqs
         totals = engine.step_totals
