@@ -139,6 +139,20 @@ def _print_best(case: str, results: list[tuple[float, pa.TileConfig]], default: 
           + f"; best {top}")
 
 
+def _time_configs(b: PagedBatch, configs, hook: str) -> list[tuple[float, pa.TileConfig]]:
+    """Each TileConfig timed on batch b through pa.<hook> (decode_config or prefill_config),
+    fastest first; those the GPU cannot hold (shared memory) are skipped. The caller puts the
+    library's own function back."""
+    results = []
+    for cfg in configs:
+        setattr(pa, hook, lambda *_a, cfg=cfg: cfg)
+        try:
+            results.append((graph_ms(triton_call(b)), cfg))
+        except triton.runtime.errors.OutOfResources:
+            continue
+    return sorted(results, key=lambda r: r[0])
+
+
 def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool = False) -> None:
     """Time every tile configuration; the library keeps using its defaults afterwards."""
     default_decode, default_prefill = pa.decode_config, pa.prefill_config
@@ -151,15 +165,12 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
         for num_seqs, ctx in (decode_cases if which in ("all", "decode") else []):
             b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
             b.max_query_len = 1
-            results = []
             # an fp8 cache: fp16 dots won every case of the first sweep, 32-key tiles none
-            for block_n, warps, stages, by_rows, fp16 in itertools.product(
+            results = _time_configs(b, [
+                pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=fp16)
+                for block_n, warps, stages, by_rows, fp16 in itertools.product(
                     [64, 128] if kv_fp8 else [32, 64, 128], [2, 4] if kv_fp8 else [2, 4, 8], [2, 3],
-                    [False, True], [True] if kv_fp8 else [False]):
-                cfg = pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=fp16)
-                pa.decode_config = lambda *_a, cfg=cfg: cfg
-                results.append((graph_ms(triton_call(b)), cfg))
-            results.sort(key=lambda r: r[0])
+                    [False, True], [True] if kv_fp8 else [False])], "decode_config")
             _print_best(f"decode {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
             pa.decode_config = default_decode
         # many short contexts (128/128's decode batch, 1000/1000's): a wider grid, one stage
@@ -167,16 +178,10 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
         for num_seqs, ctx in (SHORT_DECODE_CASES if which in ("all", "decode-short") else []):
             b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
             b.max_query_len = 1
-            results = []
-            for block_n, warps, stages, by_rows in itertools.product(
-                    [32, 64, 128, 256], [1, 2, 4], [1, 2], [False, True]):
-                cfg = pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=kv_fp8)
-                pa.decode_config = lambda *_a, cfg=cfg: cfg
-                try:
-                    results.append((graph_ms(triton_call(b)), cfg))
-                except triton.runtime.errors.OutOfResources:
-                    continue
-            results.sort(key=lambda r: r[0])
+            results = _time_configs(b, [
+                pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=kv_fp8)
+                for block_n, warps, stages, by_rows in itertools.product(
+                    [32, 64, 128, 256], [1, 2, 4], [1, 2], [False, True])], "decode_config")
             _print_best(f"decode-short {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
             pa.decode_config = default_decode
         for num_seqs, ctx in ([(1, 8192), (4, 8192), (16, 4096), (32, 2048)]
@@ -193,16 +198,11 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
             pa._PROGRAMS_PER_SM = default_per_sm
         for q_lens in ([[8192], [2048] * 4, [512] * 16] if which in ("all", "prefill") else []):
             b = batch(q_lens, q_lens, dtype, block_size, 2, kv_fp8)
-            results = []
-            for block_m, block_n, warps, stages, fp16 in itertools.product(
-                    [64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [False, True] if kv_fp8 else [False]):
-                cfg = pa.TileConfig(block_m, block_n, warps, stages, k_by_rows=True, dot_fp16=fp16)
-                pa.prefill_config = lambda *_a, cfg=cfg: cfg
-                try:
-                    results.append((graph_ms(triton_call(b)), cfg))
-                except triton.runtime.errors.OutOfResources:
-                    continue
-            results.sort(key=lambda r: r[0])
+            results = _time_configs(b, [
+                pa.TileConfig(block_m, block_n, warps, stages, k_by_rows=True, dot_fp16=fp16)
+                for block_m, block_n, warps, stages, fp16 in itertools.product(
+                    [64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [False, True] if kv_fp8 else [False])],
+                "prefill_config")
             _print_best(f"prefill {_short(q_lens)}", results,
                         default_prefill(4, block_size, True, kv_fp8))
             pa.prefill_config = default_prefill
