@@ -61,8 +61,10 @@ def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_ptr, V, str
         tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-# per (device, rows, chunks): partial values, their indices, the rows' counters. The sampler
-# runs eagerly, outside CUDA graphs.
+# per (device, chunks): partial values, their indices, the rows' counters, for as many rows as
+# the largest launch so far (a launch uses the first rows; every launch puts its counters back
+# to zero). One per chunk count, not per row count: the sampler's batch changes size every few
+# steps. The sampler runs eagerly, outside CUDA graphs.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -97,9 +99,9 @@ def _launch(x: torch.Tensor, temperatures: torch.Tensor | None, seed: int) -> to
         return out
     num_chunks = triton.cdiv(v, BLOCK)
     pad = triton.next_power_of_2(num_chunks)
-    key = (x.device, n, pad)
+    key = (x.device, pad)
     ws = _WORKSPACES.get(key)
-    if ws is None:
+    if ws is None or ws[2].numel() < n:
         ws = _WORKSPACES[key] = (torch.empty(n * pad, dtype=torch.float32, device=x.device),
                                  torch.empty(n * pad, dtype=torch.int32, device=x.device),
                                  torch.zeros(n, dtype=torch.int32, device=x.device))

@@ -28,7 +28,17 @@ def test_ties_go_to_the_first_index_and_counters_return_to_zero():
     for _ in range(2):                   # the counters must be back at zero for a second launch
         assert argmax_rows(x).tolist() == [5, 1100, 3000] == x.argmax(dim=-1).tolist()
     pad = 8                              # 5 chunks of 1024, padded to 8
-    assert argmax_module._WORKSPACES[(x.device, 3, pad)][2].tolist() == [0, 0, 0]
+    assert argmax_module._WORKSPACES[(x.device, pad)][2][:3].tolist() == [0, 0, 0]
+
+
+def test_one_workspace_serves_every_row_count():
+    # the sampler's batch shrinks and grows step by step: one workspace per chunk count, grown
+    # to the largest launch, not one per row count
+    x = torch.randn(9, 2000, generator=torch.Generator().manual_seed(8))
+    for n in (9, 4, 9, 2):
+        assert torch.equal(sample_rows(x[:n], torch.zeros(n), 1), x[:n].argmax(dim=-1))
+    keys = [k for k in argmax_module._WORKSPACES if k[1] == 2]       # 2 chunks of 1024
+    assert len(keys) == 1 and argmax_module._WORKSPACES[keys[0]][2].numel() >= 9
 
 
 def test_refuses_more_rows_than_it_serves():

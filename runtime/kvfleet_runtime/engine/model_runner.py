@@ -281,9 +281,9 @@ class ModelRunner:
         def tensor(data, dtype):
             return host_to_device(data, dtype, dev)
 
-        max_seq_len, plan_num_seqs = max(seq_lens_cpu), None
+        max_query_len, max_seq_len, plan_num_seqs = max(nums), max(seq_lens_cpu), None
         plan = (decode_plan(len(nums), max_seq_len, self.decode_batch_sizes, self.decode_buckets)
-                if max(nums) == 1 else None)
+                if max_query_len == 1 else None)
         if plan is not None:    # as the graph of this size would run it, graphs or not
             plan_num_seqs, max_seq_len = plan
         meta = AttentionMetadata(
@@ -291,7 +291,7 @@ class ModelRunner:
             block_tables=numpy_to_device(table, dev),
             seq_lens=numpy_to_device(seq_lens.astype(np.int32), dev),
             query_start_loc=numpy_to_device(query_start.astype(np.int32), dev),
-            max_query_len=max(nums), max_seq_len=max_seq_len,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
             seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_cpu,
             plan_num_seqs=plan_num_seqs)
         ids = tensor(input_ids, torch.long)

@@ -120,17 +120,16 @@ class Sampler:
         processed = apply_penalties(logits, batch)
         greedy = [i for i, p in enumerate(batch.params) if p.greedy]
         randoms = [i for i, p in enumerate(batch.params) if not p.greedy]
-        if randoms and fused_draw(processed, batch.params, batch.generators):
+        if not randoms:
+            return greedy_argmax(processed)
+        if fused_draw(processed, batch.params, batch.generators):
             temperatures = [0.0 if p.greedy else p.temperature for p in batch.params]
             from kvfleet_kernels.argmax import sample_rows
             seed = int(torch.randint(2**31 - 1, (1,)))     # torch's RNG, as the torch path draws
             return sample_rows(processed.contiguous(),
                                _rows_tensor(temperatures, logits.device, torch.float32), seed)
-        if randoms:
-            processed = processed.float()
-        if not randoms:
-            token_ids = greedy_argmax(processed)
-        elif not greedy:
+        processed = processed.float()
+        if not greedy:
             token_ids = self._sample(processed, batch.params, batch.generators)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
