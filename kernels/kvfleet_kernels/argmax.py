@@ -28,7 +28,9 @@ MAX_ROWS = 16
 BLOCK = 1024
 
 
-@triton.jit
+# seed is a fresh random integer every sampling step: unspecialised, or each new divisibility
+# class of it (seed % 16 == 0, seed == 1) would compile another variant mid-run
+@triton.jit(do_not_specialize=["seed"])
 def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_ptr, V, stride_x,
                    num_chunks, temp_ptr, seed, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
                    GUMBEL: tl.constexpr = False, PDL: tl.constexpr = False):
