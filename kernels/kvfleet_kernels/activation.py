@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kvfleet_kernels.fp8 import (
     FP8,
+    FP8_E4M3_MAX,
     fp8_quantize,
     fp8_scale,
     one_pass_block,
@@ -34,11 +35,16 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _silu_mul(x_row, i, mask, INTER: tl.constexpr):
-    # columns i of one row's SiLU(gate) * up, in fp32, rounded to x's dtype
+def _silu_mul(x_row, i, mask, INTER: tl.constexpr, FAST: tl.constexpr = False):
+    # columns i of one row's SiLU(gate) * up, in fp32, rounded to x's dtype. FAST: the
+    # approximate division (div.full, <= 2 ulp) instead of IEEE's
     gate = tl.load(x_row + i, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + INTER + i, mask=mask, other=0.0).to(tl.float32)
-    return (gate / (1.0 + tl.exp(-gate)) * up).to(x_row.dtype.element_ty)
+    if FAST:
+        silu = tl.fdiv(gate, 1.0 + tl.exp(-gate), ieee_rounding=False)
+    else:
+        silu = gate / (1.0 + tl.exp(-gate))
+    return (silu * up).to(x_row.dtype.element_ty)
 
 
 @triton.jit
@@ -55,7 +61,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.constexpr,
                              BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, FAST: tl.constexpr = False):
     # One program per row, as fp8.py's _quantize_rowwise_kernel: a row longer than its one-pass
     # limit is computed twice (amax, then the values), instead of written and read back.
     pdl_wait(PDL)
@@ -65,9 +71,13 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = offs < INTER
-        y = _silu_mul(x_row, offs, mask, INTER).to(tl.float32)
+        y = _silu_mul(x_row, offs, mask, INTER, FAST).to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(y), 0))
-        tl.store(q_row + offs, fp8_quantize(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        if FAST:        # one division a row, a multiplication a value
+            q = tl.clamp(y * (1.0 / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        else:
+            q = fp8_quantize(y, scale)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, INTER, BLOCK):
@@ -108,13 +118,14 @@ def silu_and_mul_fp8(x: torch.Tensor, config: tuple[bool, int, int] | None = Non
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `silu_and_mul_fp8_ref`, the same as silu_and_mul followed by
     quantize_fp8_rowwise_triton: (e4m3 [T, I], fp32 scales [T, 1]). config: (one pass, BLOCK,
-    num_warps) instead of one_pass_block's (tests/quantization/bench_fp8_act.py sweeps them)."""
+    num_warps[, fast]) instead of one_pass_block's (tests/quantization/bench_fp8_act.py sweeps
+    them; fast: approximate divisions, not bit-identical to the reference)."""
     inter = _check(x)
     num_tokens = x.shape[0]
     q = torch.empty(num_tokens, inter, dtype=FP8, device=x.device)
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     if num_tokens:
-        one_pass, block, num_warps = config or one_pass_block(inter)
+        one_pass, block, num_warps, *fast = config or one_pass_block(inter)
         if config is None and one_pass and block >= 16384:
             # H200 sweep (bench_fp8_act.py, Llama-3.1-8B's 14336): 16 warps, 32 values a thread,
             # beat one_pass_block's 8: 550 -> 462 us at 16384 tokens, 42.0 -> 34.8 at 1024
@@ -123,5 +134,6 @@ def silu_and_mul_fp8(x: torch.Tensor, config: tuple[bool, int, int] | None = Non
             raise ValueError(f"a one-pass BLOCK ({block}) must hold the whole row ({inter})")
         _silu_and_mul_fp8_kernel[(num_tokens,)](x, q, scale, x.stride(0), q.stride(0),
                                                 INTER=inter, BLOCK=block, ONE_PASS=one_pass,
+                                                FAST=bool(fast and fast[0]),
                                                 num_warps=num_warps, **pdl_args(x.device))
     return q, scale

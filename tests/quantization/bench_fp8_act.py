@@ -17,8 +17,9 @@ from bench_w4a16 import graph_us  # noqa: E402
 from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from kvfleet_kernels.fp8 import one_pass_block  # noqa: E402
 
-CONFIGS = [(True, 16384, 8), (True, 16384, 16), (True, 16384, 32), (False, 2048, 4),
-           (False, 4096, 4), (False, 4096, 8), (False, 8192, 8), (False, 8192, 16)]
+# (one pass, BLOCK, num_warps[, fast: approximate divisions, not bit-identical])
+CONFIGS = [(True, 16384, 8), (True, 16384, 16), (True, 16384, 32), (False, 4096, 8),
+           (False, 8192, 16), (True, 16384, 8, True), (True, 16384, 16, True)]
 
 
 def main() -> None:
@@ -34,10 +35,11 @@ def main() -> None:
               f"{tokens * inter * 6 / us / 1e6:6.2f}")
         for cfg in CONFIGS:
             q, s = silu_and_mul_fp8(x, cfg)
-            same = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+            differ = (q.view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
+            same = differ == 0 and torch.equal(s, ref_s)
             us = graph_us(lambda x=x, cfg=cfg: silu_and_mul_fp8(x, cfg))
             print(f"{tokens:>7} {str(cfg):>20} {us:9.1f} {nbytes / us / 1e6:6.2f}"
-                  f"{'' if same else '  DIFFERS'}")
+                  f"{'' if same else f'  DIFFERS in {differ} of {q.numel()} values'}")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,44 @@ def test_repeat_below_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         suite.main(["--model", "unused", "--rows", "tp128", "--repeat", "0"])
     assert "--repeat must be >= 1" in capsys.readouterr().err
+
+
+def test_trace_first_use_reports_steps_and_outside_time(tmp_path, capsys):
+    model = make_tiny_model("llama", tmp_path / "m")
+    out = tmp_path / "rows.json"
+    assert suite.main(["--model", str(model), "--rows", "tp128", "--num-prompts", "3",
+                       "--max-num-seqs", "2", "--max-model-len", "512", "--dtype", "float32",
+                       "--trace-first-use", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())[0]
+    # 3 prompts at 2 running: the timed run's steps only (not the warm-up's), each logged
+    assert 0 <= row["outside_steps_s"] < row["elapsed_s"]
+    assert row["engine_step_s"] <= row["elapsed_s"]
+    assert len(row["first_steps_ms"]) == 4 and len(row["slowest_steps"]) == 6
+    index, ms, tokens, seqs = row["slowest_steps"][0]
+    assert ms == max(s[1] for s in row["slowest_steps"]) and 1 <= seqs <= 2 and tokens >= seqs
+    # 128 tokens each, at most 2 at a time: ~192 decode steps of 1 or 2 sequences
+    assert row["decode_step_median_ms"] > 0 and row["steps"] >= 128
+
+
+def test_compile_log_records_each_compile_under_its_row(monkeypatch):
+    from kvfleet_runtime.benchmarks.first_use import CompileLog
+    from triton import knobs
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    log = CompileLog()
+    assert log.install() and knobs.runtime.jit_post_compile_hook == log._after
+
+    class Fn:
+        module, name = "kvfleet_kernels.argmax", "_sample_rows_kernel"
+    log.row = "tp128"
+    # Triton calls the hooks with keywords; False lets the compile go on
+    assert knobs.runtime.jit_cache_hook(key="k1", repr="r1", fn=Fn, compile={},
+                                        is_manual_warmup=False, already_compiled=False) is False
+    assert knobs.runtime.jit_post_compile_hook(key="k1", repr="r1", fn=Fn, compile={},
+                                               is_manual_warmup=False,
+                                               already_compiled=False) is False
+    log.row = "tp1000"
+    assert log.summary("tp128")["compiles"] == 1 and log.summary("tp1000")["compiles"] == 0
+    row, took, name, text = log.events[0]
+    assert (row, name, text) == ("tp128", "kvfleet_kernels.argmax._sample_rows_kernel", "r1")
+    assert took >= 0

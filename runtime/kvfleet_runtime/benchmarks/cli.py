@@ -57,10 +57,14 @@ def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 32000) for _ in range(length)] for _ in range(num)]
 
 
-def _kvfleet_throughput(llm, prompts, output_len: int) -> float:
+def _kvfleet_throughput(llm, prompts, output_len: int, on_start=None) -> float:
+    """Seconds to generate output_len tokens for each prompt, after a short warm-up;
+    on_start() runs between the two (where a caller snapshots the engine's counters)."""
     from kvfleet_runtime.sampling_params import SamplingParams
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(max_tokens=4, ignore_eos=True))
+    if on_start is not None:
+        on_start()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="run each throughput row this many times on the same engine (the 2nd "
                         "and later rows are named ...-run2, ...: warm caches, for comparison)")
+    p.add_argument("--trace-first-use", action="store_true",
+                   help="log every Triton compile (and the row that met it) and each "
+                        "throughput row's slowest engine steps (benchmarks/first_use.py)")
     p.add_argument("--json", metavar="PATH")
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -64,8 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kvfleet_runtime").setLevel(logging.INFO)   # KV cache size, TP all-reduce, graphs
     from kvfleet_runtime.llm import LLM
+    compiles = steps = None
+    if args.trace_first_use:
+        from kvfleet_runtime.benchmarks.first_use import CompileLog, StepLog
+        compiles = CompileLog()
+        if not compiles.install():
+            print("[first-use] this Triton has no JIT hooks: compiles are not logged", flush=True)
+            compiles = None
     llm = LLM.from_config(engine_config_from_args(args))
     engine = llm.engine
+    if args.trace_first_use:
+        steps = StepLog(engine)
     tune_gc()       # as kvfleet serve does after start-up
     own_max = engine.scheduler.max_num_seqs
     results = []
@@ -79,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def latency(name: str, batch: int, input_len: int, output_len: int, iters: int) -> None:
         engine.scheduler.max_num_seqs = own_max
+        if compiles is not None:
+            compiles.row = name
         res, _ = measure_latency(engine, random_prompts(batch, input_len), output_len, 1, iters)
         emit(name, res)
 
@@ -90,15 +104,33 @@ def main(argv: list[str] | None = None) -> int:
         engine.kv.block_pool.reset_prefix_cache()
         engine.scheduler.max_num_seqs = max_seqs
         totals = engine.step_totals
-        before = dict(totals)
-        elapsed = _kvfleet_throughput(llm, random_prompts(num, length, seed=len(results)), length)
+        before = {}
+
+        def on_start():         # after the warm-up: the counters of the timed run alone
+            before.update(totals)
+            if compiles is not None:
+                compiles.row = name
+            if steps is not None:
+                steps.take()
+
+        elapsed = _kvfleet_throughput(llm, random_prompts(num, length, seed=len(results)), length,
+                                      on_start)
         step_s = totals["step_s"] - before["step_s"]
+        trace = {}
+        if compiles is not None:
+            trace.update(compiles.summary(name))
+            compiles.row = "between rows"
+        if steps is not None:
+            trace.update(steps.summary(steps.take()))
         emit(name, {"num_prompts": num, "input_len": length, "output_len": length,
                     "max_num_seqs": max_seqs, "elapsed_s": elapsed,
                     "output_tokens_per_s": num * length / elapsed,
                     "total_tokens_per_s": 2 * num * length / elapsed,
                     "steps": totals["steps"] - before["steps"], "engine_step_s": step_s,
-                    "host_share": 1.0 - (totals["forward_s"] - before["forward_s"]) / max(step_s, 1e-9)})
+                    # time in generate() but in no engine step: adding requests, outputs
+                    "outside_steps_s": elapsed - step_s,
+                    "host_share": 1.0 - (totals["forward_s"] - before["forward_s"]) / max(step_s, 1e-9),
+                    **trace})
 
     if "bs1" in rows:
         latency("bs1", 1, 128, 256, 3)

@@ -195,7 +195,8 @@ class LLMEngine:
                     r.num_pending += 1
                 r.num_computed_tokens += s.num_new_tokens
             self.in_flight = (sched, pending)
-        if prev is None:
+        if prev is None:      # the first launch: no result yet, but its time is a step's
+            self.step_totals["step_s"] += time.perf_counter() - t0
             return []
         outputs, result = self._finish_launched(prev)
         self._account(result, t0)

@@ -1,0 +1,95 @@
+"""Where a benchmark run pays first-use costs: Triton compiles and its slowest engine steps.
+
+`suite --trace-first-use` installs both around its rows. Triton compiles (or loads from its
+disk cache) one binary per kernel specialisation the first time a launch meets it: a new
+constexpr, a new warp count, or an integer argument that turns divisible by 16 or equal to 1.
+Inside a timed run that is time no later run pays; each compile is logged with how long it
+took and which row met it. The step log keeps each engine step's wall time, so the run's
+slowest steps (and what their batch held) can be told apart from its typical one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+class CompileLog:
+    """Logs every Triton kernel compile through triton.knobs' JIT hooks (Triton >= 3.4)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, str, str]] = []    # (row, seconds, kernel, repr)
+        self.row = "start-up"
+        self._started: dict[str, float] = {}
+
+    def install(self) -> bool:
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+            return False
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+        return True
+
+    def _before(self, *, key, **_) -> bool:
+        self._started[str(key)] = time.perf_counter()
+        return False            # False: go on and compile
+
+    def _after(self, *, key, repr, fn, **_) -> bool:
+        t0 = self._started.pop(str(key), None)
+        took = time.perf_counter() - t0 if t0 is not None else float("nan")
+        self.events.append((self.row, took, f"{fn.module}.{fn.name}", repr))
+        print(f"[first-use] {self.row}: compiled {fn.name} in {took * 1e3:.0f} ms: {repr}",
+              flush=True)
+        return False
+
+    def summary(self, row: str) -> dict:
+        mine = [e for e in self.events if e[0] == row]
+        return {"compiles": len(mine), "compile_s": sum(e[1] for e in mine)}
+
+
+class StepLog:
+    """Wraps engine.step to keep each step's wall time and scheduled token count."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.steps: list[tuple[float, int, int]] = []    # (seconds, tokens, sequences)
+        step = engine.step
+        scheduler = engine.scheduler
+        schedule = scheduler.schedule
+        self._last = (0, 0)
+
+        def timed_schedule():
+            out = schedule()
+            self._last = (sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
+            return out
+
+        def timed_step():
+            self._last = (0, 0)
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.steps.append((time.perf_counter() - t0, *self._last))
+
+        scheduler.schedule = timed_schedule
+        engine.step = timed_step
+
+    def take(self) -> list[tuple[float, int, int]]:
+        steps, self.steps = self.steps, []
+        return steps
+
+    @staticmethod
+    def summary(steps: list[tuple[float, int, int]], top: int = 6) -> dict:
+        if not steps:
+            return {}
+        decode = [s for s, tokens, seqs in steps if tokens == seqs and seqs]
+        slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:top]
+        return {"step_median_ms": statistics.median(s for s, _, _ in steps) * 1e3,
+                "decode_step_median_ms": statistics.median(decode) * 1e3 if decode else None,
+                "first_steps_ms": [round(s * 1e3, 1) for s, _, _ in steps[:4]],
+                # (index, ms, tokens scheduled, sequences)
+                "slowest_steps": [(i, round(steps[i][0] * 1e3, 1), steps[i][1], steps[i][2])
+                                  for i in slow]}
