@@ -269,7 +269,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     first_tok = tile * TOKENS_PER_TILE
-    if first_tok >= q_len:
+    # a sequence of one query (a decode row of a mixed batch) is the decode kernel's
+    if (first_tok >= q_len) | (q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     num_cached = seq_len - q_len          # new tokens are the last q_len positions of the context
@@ -332,7 +333,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = split * partition_size
-    if (q_len == 0) | (part_start >= seq_len):
+    # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
+    if (q_len != 1) | (part_start >= seq_len):
         return
     part_end = tl.minimum(part_start + partition_size, seq_len)
     full_end = part_start + (part_end - part_start) // BLOCK_N * BLOCK_N
@@ -384,7 +386,7 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_len == 0:
+    if q_len != 1:      # as _decode_kernel: its partitions were never written
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     s = tl.arange(0, SPLITS_PAD)
@@ -534,12 +536,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, scale: float,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     *, out: torch.Tensor | None = None,
-                    plan_num_seqs: int | None = None) -> torch.Tensor:
+                    plan_num_seqs: int | None = None,
+                    min_query_len: int | None = None) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same layout and result).
 
-    max_query_len == 1 (decode only) takes the split-KV decode kernel; anything else, mixed
-    batches included, the prefill kernel. max_query_len / max_seq_len are computed from the
-    tensors when None (a host sync); pass them to keep a step sync-free. `out` is an optional
+    Sequences of one query (decode rows) take the split-KV decode kernel, longer ones the
+    prefill kernel; a mixed batch launches both (each skips the other's sequences), a batch
+    whose min_query_len is > 1 the prefill kernel alone. max_query_len / max_seq_len are
+    computed from the tensors when None (a host sync); pass them to keep a step sync-free. `out` is an optional
     preallocated [num_tokens, num_heads, head_dim] buffer (static buffers under CUDA graphs).
     Decode cuts contexts into partitions planned for plan_num_seqs sequences (default: the
     batch's own count) and max_seq_len: a result depends on that partitioning (the order of its
@@ -565,42 +569,47 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
     bf16_over_fp8 = fp8_cache and query.dtype == torch.bfloat16
 
-    if max_query_len == 1:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        cfg = decode_config(on_gpu, fp8_cache, max_seq_len, (plan_num_seqs or num_seqs) * num_kv_heads)
-        split = decode_split(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, cfg.block_n,
-                             query.device)
-        if split.num_splits > 1:
-            part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
-                                   dtype=torch.float32, device=query.device)
-            part_lse = torch.empty(num_seqs, num_heads, split.num_splits,
-                                   dtype=torch.float32, device=query.device)
-        else:   # the kernel writes `out` directly; these pointers are never touched
-            part_out = part_lse = out
-        _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
-            query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
-            query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits,
-            NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    # Sequences of one query (decode rows) run the split-KV decode kernel, also in a mixed
+    # batch: there the prefill kernel would spend a whole BLOCK_M-row tile on each one's GQA
+    # group over its whole context (a mixed step of 128 prompts and ~900 decode rows: 16 ms of
+    # attention). Each kernel skips the other's sequences, so no host sync splits the batch.
+    if max_query_len > 1:
+        cfg = prefill_config(group, block_size, on_gpu, fp8_cache)
+        tokens_per_tile = cfg.block_m // group
+        grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
+        _prefill_kernel[grid](
+            query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
+            *strides, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(query.device),
+            DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
-        if split.num_splits > 1:
-            _decode_reduce_kernel[(num_seqs, num_heads)](
-                out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-                split.partition_size, split.num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                SPLITS_PAD=triton.next_power_of_2(split.num_splits), **pdl_args(query.device),
-            )
-        return out
-
-    cfg = prefill_config(group, block_size, on_gpu, fp8_cache)
-    tokens_per_tile = cfg.block_m // group
-    grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
-    _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, *strides,
-        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        if min_query_len is not None and min_query_len > 1:
+            return out
+    cfg = decode_config(on_gpu, fp8_cache, max_seq_len, (plan_num_seqs or num_seqs) * num_kv_heads)
+    split = decode_split(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, cfg.block_n,
+                         query.device)
+    if split.num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, split.num_splits,
+                               dtype=torch.float32, device=query.device)
+    else:   # the kernel writes `out` directly; these pointers are never touched
+        part_out = part_lse = out
+    _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
+        query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
+        query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(query.device),
     )
+    if split.num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+            split.partition_size, split.num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(split.num_splits), **pdl_args(query.device),
+        )
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -90,5 +91,10 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
     def clone(self) -> SamplingParams:
-        import copy
-        return copy.deepcopy(self)
+        """A copy that shares no mutable state: the fields are immutable scalars but for the
+        stop lists and the EOS set (copy.deepcopy took ~60% of add_request's time)."""
+        new = copy.copy(self)
+        new.stop = list(self.stop)
+        new.stop_token_ids = list(self.stop_token_ids)
+        new._eos_token_ids = set(self._eos_token_ids)
+        return new

@@ -103,10 +103,10 @@ def _silu_and_mul(pdl: bool) -> tuple:
             {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(INTER=14336, BLOCK=1024, PDL=pdl))
 
 
-def _silu_and_mul_fp8(one_pass: bool) -> tuple:
+def _silu_and_mul_fp8(one_pass: bool, fast: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     return ("kvfleet_kernels.activation", "_silu_and_mul_fp8_kernel", sig,
-            dict(INTER=14336, BLOCK=16384, ONE_PASS=True) if one_pass else
+            dict(INTER=14336, BLOCK=16384, ONE_PASS=True, FAST=fast) if one_pass else
             dict(INTER=29568, BLOCK=4096, ONE_PASS=False))
 
 
@@ -158,7 +158,13 @@ CASES = {
                                   ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "silu_and_mul_fp8_two_pass": (_silu_and_mul_fp8(False),
                                   ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    # the GPU default for one-pass rows: SiLU's division approximate (div.full), the values
+    # multiplied by the row's inverse scale (one IEEE division a row, counted below)
+    "silu_and_mul_fp8_fast": (_silu_and_mul_fp8(True, fast=True),
+                              ["cvt.rn.bf16", "div.full.f32", "cvt.rn.satfinite.e4m3x2"]),
 }
+# kernels whose IEEE divisions are counted: at most this many div.rn.f32 in their PTX
+MAX_IEEE_DIVISIONS = {"silu_and_mul_fp8_fast": 1}
 
 # programmatic dependent launch (kvfleet_kernels.pdl): each decode-step kernel compiled with
 # PDL waits for the previous kernel and then lets the next launch; the prefetching GEMVs load
@@ -201,11 +207,15 @@ def _compile_in_child(loop: str) -> str:
 def test_kernels_compile_for_sm90() -> None:
     out = _compile_in_child("for case, (spec, needles) in t.CASES.items():\n"
                             "    ptx = t.compile_for_sm90(*spec)\n"
+                            "    print(case, 'div.rn', ptx.count('div.rn.f32'))\n"
                             "    for n in needles:\n"
                             "        print(case, repr(n), n in ptx)\n")
     for case, (_, needles) in CASES.items():
         for n in needles:
             assert f"{case} {n!r} True" in out, out
+    for case, most in MAX_IEEE_DIVISIONS.items():
+        count = int(out.split(f"{case} div.rn ")[1].split()[0])
+        assert count <= most, out
 
 
 @pytest.mark.slow

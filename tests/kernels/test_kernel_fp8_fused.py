@@ -90,7 +90,10 @@ def _check_silu_and_mul_fp8(rows: int, inter: int, dtype: torch.dtype, seed: int
                             magnitude: float = 1.0) -> None:
     x = _rows(rows, 2 * inter, dtype, seed, magnitude)
     x_before = x.clone()
-    _assert_identical(silu_and_mul_fp8(x), quantize_fp8_rowwise_triton(silu_and_mul(x)))
+    unfused = quantize_fp8_rowwise_triton(silu_and_mul(x))
+    # the default (on a GPU the approximate divisions of one-pass rows) and the exact kernel
+    _assert_identical(silu_and_mul_fp8(x), unfused)
+    _assert_identical(silu_and_mul_fp8(x, fast=False), unfused)
     assert torch.equal(x, x_before)
 
 
@@ -108,6 +111,21 @@ def test_rms_norm_fp8_is_rms_norm_then_quantize(precast, dtype, rows, dim, weigh
 def test_silu_and_mul_fp8_is_silu_and_mul_then_quantize(precast, dtype, rows, inter, magnitude):
     # the last case is over the one-pass limit: amax in one pass, the values in a second
     _check_silu_and_mul_fp8(rows, inter, dtype, seed=inter + rows, magnitude=magnitude)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_and_mul_fp8_fast_multiplies_by_the_inverse_scale(precast, dtype):
+    # fast: each value times fp32(1 / scale), within 1.5 fp32 ulp of value / scale (before the
+    # e4m3 cast); the interpreter divides exactly, so SiLU and the scales are the same
+    x = _rows(6, 2 * 300, dtype, seed=7, magnitude=3.0)
+    (q_fast, s_fast), (q, s) = silu_and_mul_fp8(x, fast=True), silu_and_mul_fp8(x, fast=False)
+    assert torch.equal(s_fast, s)
+    torch.testing.assert_close(q_fast, q, rtol=2.0 ** -22, atol=0)
+    y = silu_and_mul(x).float()
+    torch.testing.assert_close(q_fast, (y * (1.0 / s)).clamp(-448.0, 448.0), rtol=0, atol=0)
+    # two-pass rows (over the one-pass limit) stay exact
+    x = _rows(2, 2 * (_ONE_PASS_MAX + 16), dtype, seed=8)
+    assert torch.equal(silu_and_mul_fp8(x, fast=True)[0], silu_and_mul_fp8(x, fast=False)[0])
 
 
 def test_fused_references_are_the_unfused_references():

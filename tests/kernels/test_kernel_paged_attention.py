@@ -59,6 +59,25 @@ def test_mixed_batch_of_decode_and_prefill_rows(dtype: torch.dtype) -> None:
     _check(_batch([1, 12, 1, 6], [40, 12, 70, 33], dtype, seed=2))
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_mixed_batch_decode_rows_take_the_decode_kernel(dtype: torch.dtype) -> None:
+    # the decode rows of a mixed batch get exactly the bits of a decode-only launch over them,
+    # planned for the same batch size and longest context (the split-KV kernel's partitions)
+    q_lens, seq_lens = [1, 12, 1, 6], [40, 12, 70, 33]
+    batch = _batch(q_lens, seq_lens, dtype, seed=13)
+    mixed = paged_attention(*batch.args(), max(seq_lens), min_query_len=1)
+    rows = [0, 13]                       # the decode sequences' tokens (0 and 2)
+    alone = (batch.query[rows], batch.k_cache, batch.v_cache, batch.block_tables[[0, 2]],
+             batch.seq_lens[[0, 2]], torch.tensor([0, 1, 2], dtype=torch.int32,
+                                                  device=batch.query.device), batch.scale, 1)
+    decode = paged_attention(*alone, max(seq_lens), plan_num_seqs=len(q_lens))
+    assert torch.equal(mixed[rows], decode)
+    # told that no row is a decode row, a prefill batch launches its kernel alone: the same
+    prefill = _batch([5, 23, 2], [9, 23, 40], dtype, seed=14)
+    assert torch.equal(paged_attention(*prefill.args(), 40, min_query_len=2),
+                       paged_attention(*prefill.args(), 40))
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
                          [(2, 2, 64), (8, 2, 32), (6, 2, 16)])
 def test_prefill_gqa_groups_and_head_dims(num_heads: int, num_kv_heads: int, head_dim: int) -> None:

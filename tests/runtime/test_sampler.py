@@ -323,3 +323,17 @@ def test_mismatched_batch_is_rejected_with_the_field_named():
 
 def test_empty_batch_samples_nothing():
     assert Sampler()(torch.zeros(0, VOCAB), make_batch([])) == []
+
+
+def test_sampling_params_clone_is_equal_and_shares_no_mutable_state():
+    p = SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x", "yz"], stop_token_ids=[7],
+                       max_tokens=9, logprobs=2)
+    p._eos_token_ids = {2}
+    c = p.clone()
+    assert c == p and c is not p
+    c.stop.append("w")
+    c.stop_token_ids.append(8)
+    c._eos_token_ids.add(4)
+    c.max_tokens = 3
+    assert p.stop == ["x", "yz"] and p.stop_token_ids == [7] and p._eos_token_ids == {2}
+    assert p.max_tokens == 9

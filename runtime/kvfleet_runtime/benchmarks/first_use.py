@@ -50,12 +50,27 @@ class CompileLog:
         return {"compiles": len(mine), "compile_s": sum(e[1] for e in mine)}
 
 
+_ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def _alloc_counts() -> tuple[int, ...] | None:
+    """CUDA caching-allocator counters: cudaMalloc calls, cudaFree calls, and retries (a
+    failed cudaMalloc made the allocator free its cache, which synchronizes the device)."""
+    import torch
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    stats = torch.cuda.memory_stats()
+    return tuple(int(stats.get(k, 0)) for k in _ALLOC_STATS)
+
+
 class StepLog:
-    """Wraps engine.step to keep each step's wall time and scheduled token count."""
+    """Wraps engine.step to keep each step's wall time and scheduled token count, and on a
+    GPU the steps in which the caching allocator went to the driver."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.steps: list[tuple[float, int, int]] = []    # (seconds, tokens, sequences)
+        self.allocs: list[tuple[int, ...]] = []          # (step index, *_ALLOC_STATS deltas)
         step = engine.step
         scheduler = engine.scheduler
         schedule = scheduler.schedule
@@ -68,21 +83,28 @@ class StepLog:
 
         def timed_step():
             self._last = (0, 0)
+            before = _alloc_counts()
             t0 = time.perf_counter()
             try:
                 return step()
             finally:
                 self.steps.append((time.perf_counter() - t0, *self._last))
+                after = _alloc_counts()
+                if before is not None and after != before:
+                    self.allocs.append((len(self.steps) - 1,
+                                        *(b - a for a, b in zip(before, after, strict=True))))
 
         scheduler.schedule = timed_schedule
         engine.step = timed_step
 
-    def take(self) -> list[tuple[float, int, int]]:
-        steps, self.steps = self.steps, []
-        return steps
+    def take(self) -> tuple[list[tuple[float, int, int]], list[tuple[int, ...]]]:
+        steps, allocs, self.steps, self.allocs = self.steps, self.allocs, [], []
+        return steps, allocs
 
     @staticmethod
-    def summary(steps: list[tuple[float, int, int]], top: int = 6) -> dict:
+    def summary(taken: tuple[list[tuple[float, int, int]], list[tuple[int, ...]]],
+                top: int = 6) -> dict:
+        steps, allocs = taken
         if not steps:
             return {}
         decode = [s for s, tokens, seqs in steps if tokens == seqs and seqs]
@@ -92,4 +114,6 @@ class StepLog:
                 "first_steps_ms": [round(s * 1e3, 1) for s, _, _ in steps[:4]],
                 # (index, ms, tokens scheduled, sequences)
                 "slowest_steps": [(i, round(steps[i][0] * 1e3, 1), steps[i][1], steps[i][2])
-                                  for i in slow]}
+                                  for i in slow],
+                # (index, cudaMalloc calls, cudaFree calls, retries) of the steps that made any
+                "allocator_steps": allocs[:12]}

@@ -293,7 +293,7 @@ class ModelRunner:
             query_start_loc=numpy_to_device(query_start.astype(np.int32), dev),
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_cpu,
-            plan_num_seqs=plan_num_seqs)
+            plan_num_seqs=plan_num_seqs, min_query_len=min(nums))
         ids = tensor(input_ids, torch.long)
         if from_prev:
             ids[tensor(from_prev, torch.long)] = prev.token_ids[tensor(prev_rows, torch.long)]

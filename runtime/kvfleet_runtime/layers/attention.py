@@ -36,6 +36,9 @@ class AttentionMetadata:
     # decode: the batch size split-KV decode attention plans its partitions for (a CUDA graph's
     # padded size, also in an eager step: cuda_graphs.decode_plan); None: the batch's own
     plan_num_seqs: int | None = None
+    # the shortest query of the batch: > 1 tells a prefill batch it holds no decode rows (it
+    # then skips the decode kernel's launch); None: not known
+    min_query_len: int | None = None
 
 
 class Attention(nn.Module):
@@ -67,7 +70,8 @@ class Attention(nn.Module):
                 pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, self.scale, meta.max_query_len,
-                                     meta.max_seq_len, plan_num_seqs=meta.plan_num_seqs)
+                                     meta.max_seq_len, plan_num_seqs=meta.plan_num_seqs,
+                                     min_query_len=meta.min_query_len)
         else:
             k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale)
