@@ -234,3 +234,16 @@ def test_pdl_kernels_compile_for_sm90() -> None:
             assert f"{case} {n!r} True" in out, out
     for case in _PDL_LOADS_FIRST:
         assert f"{case} load-first True" in out, out
+
+
+@pytest.mark.slow
+def test_per_step_integers_are_no_specialisation_keys() -> None:
+    # a block table's width and whether decode splits contexts change from step to step; as
+    # Triton specialisation keys (divisible by 16, equal to 1) they compiled the attention
+    # kernels again inside a running batch (1.5-2.7 s each on the H200)
+    out = _compile_in_child(
+        "from kvfleet_kernels import paged_attention as pa\n"
+        "for name in ('_prefill_kernel', '_decode_kernel'):\n"
+        "    print(name, sorted(p.name for p in getattr(pa, name).params if p.do_not_specialize))\n")
+    assert "_prefill_kernel ['stride_bt']" in out, out
+    assert "_decode_kernel ['num_splits', 'stride_bt']" in out, out

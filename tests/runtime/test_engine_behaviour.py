@@ -160,3 +160,16 @@ def test_half_precision_dtypes_load_and_mostly_agree_with_fp32(llama_dir, dtype)
     out = half.generate(prompt, params)[0].outputs[0].token_ids
     # random tiny weights leave near-ties, so only the first tokens are held to fp32's
     assert out[:2] == ref[:2]
+
+
+def test_logits_warm_up_meets_every_sampled_row_count_in_steps_of_8(llm, monkeypatch):
+    # on a GPU the engine runs lm_head once at each row count (cuBLAS loads a kernel's module
+    # on its first launch); here the calls are counted on the CPU runner
+    runner = llm.engine.runner
+    seen = []
+    real = runner.model.compute_logits
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h: seen.append(h.shape[0]) or real(h))
+    runner._warm_up_logits()
+    top = runner.config.max_num_seqs
+    assert seen == sorted(seen) and seen[-1] == top and len(set(seen)) == len(seen)
+    assert all(rows in seen for rows in range(8, top + 1, 8)) and {1, 2, 4} <= set(seen)

@@ -124,6 +124,25 @@ class ModelRunner:
             from kvfleet_runtime.engine.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(self)
             self.graph_runner.capture_all()
+        if self.device.type == "cuda":
+            self._warm_up_logits()
+
+    @torch.inference_mode()
+    def _warm_up_logits(self) -> None:
+        """The lm_head GEMM once at every sampled-row count a step can have, in steps of 8.
+
+        cuBLAS picks its kernel by the row count, and a kernel's first launch loads its module
+        (CUDA loads lazily). In a running batch that stalled the asynchronous pipeline for a
+        whole step, the first time a mixed step sampled a new count (128/128 at 1024 running,
+        H200: the steps of 510 and 879 rows took ~730 ms instead of ~370, on a fresh engine
+        only). Under tensor parallelism every rank runs the same calls (lm_head gathers)."""
+        top = self.config.max_num_seqs
+        hidden = torch.zeros(top, self.model_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        for rows in sorted({1, 2, 4, *range(8, top + 1, 8), top}):
+            self.model.compute_logits(hidden[:rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # ---- KV memory ---------------------------------------------------------------------
     def bytes_per_block(self) -> int:
