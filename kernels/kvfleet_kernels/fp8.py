@@ -1,7 +1,7 @@
 """FP8 (e4m3) linear: per-channel weight scales, dynamic per-token activation scales.
 
-fp8_linear runs torch._scaled_mm (cuBLASLt FP8 GEMM with row-wise scales) on GPUs of compute
-capability >= 8.9 (Ada, Hopper); fp8_linear_ref computes the same quantized product in fp32
+fp8_linear runs torch._scaled_mm (cuBLASLt FP8 GEMM with row-wise scales, fast accumulation
+unless KVFLEET_FP8_FAST_ACCUM=0) on GPUs of compute capability >= 8.9 (Ada, Hopper); fp8_linear_ref computes the same quantized product in fp32
 and is what it is tested against. The activations' per-token quantization before each GEMM is
 one Triton kernel on the GPU (`quantize_fp8_rowwise_triton`, bit-identical to its torch twin
 `quantize_fp8_per_token_ref`, which takes ~7 kernels and fp32 temporaries of the whole
@@ -12,6 +12,8 @@ pair (x_scale) and skips the kernel.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -126,14 +128,29 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return out.to(x.dtype)
 
 
+def fast_accum_default() -> bool:
+    """KVFLEET_FP8_FAST_ACCUM (default 1): FP8 GEMMs accumulate in the tensor cores' own
+    accumulators over the whole K instead of promoting partial sums to fp32 every 128 values,
+    as vLLM's CUTLASS FP8 kernels on Hopper do (their FP8FastAccum schedules). 0: promote."""
+    value = os.environ.get("KVFLEET_FP8_FAST_ACCUM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVFLEET_FP8_FAST_ACCUM must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+_FAST_ACCUM = fast_accum_default()
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, fast_accum: bool | None = None
+               ) -> torch.Tensor:
     """As fp8_linear_ref, on the GPU's FP8 tensor cores (K and N multiples of 16).
 
     With x_scale, x is the activation already quantized per token (e4m3 [M, K] and fp32 [M, 1]
     scales, as quantize_fp8_rowwise_triton, rms_norm_fp8 and silu_and_mul_fp8 return them) and
-    out_dtype is the output's dtype (the unquantized activation's)."""
+    out_dtype is the output's dtype (the unquantized activation's). fast_accum: None takes
+    fast_accum_default()."""
     if x_scale is None:
         out_dtype = x.dtype
         x, x_scale = quantize_fp8_rowwise_triton(x if x.stride(-1) == 1 else x.contiguous())
@@ -141,8 +158,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         raise ValueError(f"fp8_linear with x_scale takes x in {FP8} and an out_dtype; got x in "
                          f"{x.dtype}, out_dtype {out_dtype}")
     # row-wise scaling in _scaled_mm produces bf16 only; weight.t() is the column-major operand
+    if fast_accum is None:
+        fast_accum = _FAST_ACCUM
     out = torch._scaled_mm(x, weight.t(), scale_a=x_scale,
-                           scale_b=weight_scale.float().reshape(1, -1), out_dtype=torch.bfloat16)
+                           scale_b=weight_scale.float().reshape(1, -1), out_dtype=torch.bfloat16,
+                           use_fast_accum=fast_accum)
     if bias is not None:
         out = out + bias
     return out.to(out_dtype)

@@ -32,8 +32,8 @@ from quantization.checkpoints import quantize_fp8
 K = 128
 
 
-def scaled_mm_ref(a, b, scale_a, scale_b, out_dtype):
-    # torch._scaled_mm with row-wise scales, in fp32
+def scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+    # torch._scaled_mm with row-wise scales, in fp32 (the accumulation mode is the GPU's)
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
 
@@ -162,3 +162,13 @@ def test_tiny_fp8_llama_is_unchanged_by_the_fusion(fp8_gemm, monkeypatch, tmp_pa
     unfused = run()
     assert not {"rms_norm_fp8", "silu_and_mul_fp8"} & set(fp8_gemm)
     assert fused == unfused
+
+
+def test_fp8_fast_accumulation_is_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("KVFLEET_FP8_FAST_ACCUM", raising=False)
+    assert fp8_kernels.fast_accum_default() is True
+    monkeypatch.setenv("KVFLEET_FP8_FAST_ACCUM", "0")
+    assert fp8_kernels.fast_accum_default() is False
+    monkeypatch.setenv("KVFLEET_FP8_FAST_ACCUM", "yes")
+    with pytest.raises(ValueError, match="KVFLEET_FP8_FAST_ACCUM must be 0 or 1; got 'yes'"):
+        fp8_kernels.fast_accum_default()

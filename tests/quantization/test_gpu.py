@@ -114,6 +114,21 @@ def test_fp8_scaled_mm_matches_reference(m, k, n):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 1e-2)
 
 
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_fp8_fast_accumulation_stays_near_the_promoted_sums(k):
+    # the default (fast accumulation) and promotion to fp32 every 128 values, each against the
+    # fp32 product of the same quantized operands: errors of one order (bf16 output rounding)
+    w = torch.randn(4096, k, device="cuda") * 0.02
+    w8, scale = quantize_fp8_rowwise(w)
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    ref = fp8_linear_ref(x.float(), w8, scale.reshape(-1))
+    err = {fast: ((fp8_linear(x, w8, scale.reshape(-1), fast_accum=fast).float() - ref).norm()
+                  / ref.norm()).item() for fast in (False, True)}
+    assert err[True] <= max(2 * err[False], 4e-3) and err[True] < 1e-2, err
+    assert torch.equal(fp8_linear(x, w8, scale.reshape(-1)),
+                       fp8_linear(x, w8, scale.reshape(-1), fast_accum=True))
+
+
 def test_fp8_quantize_on_load_uses_scaled_mm():
     weights = [torch.randn(n, K) * 0.05 for n in SHARDS]
     with torch.device("cuda"):
