@@ -60,13 +60,15 @@ _NOT_ENGINE_FLAGS = {"served_model_name"}
 
 def check_kernel_environment() -> None:
     """The KVFLEET_* variables the kernels and layers read once at import (GEMV routing, PDL,
-    decode partitions), parsed now: a bad value is refused before the model loads."""
-    from kvfleet_kernels import paged_attention, pdl
+    decode partitions, FP8 accumulation), parsed now: a bad value is refused before the model
+    loads."""
+    from kvfleet_kernels import fp8, paged_attention, pdl
 
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
     paged_attention.decode_env()
+    fp8.fast_accum_default()
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
