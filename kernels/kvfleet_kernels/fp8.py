@@ -1,8 +1,8 @@
 """FP8 (e4m3) linear: per-channel weight scales, dynamic per-token activation scales.
 
 fp8_linear runs torch._scaled_mm (cuBLASLt FP8 GEMM with row-wise scales, fast accumulation
-unless KVFLEET_FP8_FAST_ACCUM=0) on GPUs of compute capability >= 8.9 (Ada, Hopper); fp8_linear_ref computes the same quantized product in fp32
-and is what it is tested against. The activations' per-token quantization before each GEMM is
+unless KVFLEET_FP8_FAST_ACCUM=0) on GPUs of compute capability >= 8.9 (Ada, Hopper);
+fp8_linear_ref computes the same quantized product in fp32 and is what it is tested against. The activations' per-token quantization before each GEMM is
 one Triton kernel on the GPU (`quantize_fp8_rowwise_triton`, bit-identical to its torch twin
 `quantize_fp8_per_token_ref`, which takes ~7 kernels and fp32 temporaries of the whole
 activation). The producers of three of a decoder layer's four GEMM inputs (RMSNorm, SiLU-and-mul)

@@ -546,8 +546,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Sequences of one query (decode rows) take the split-KV decode kernel, longer ones the
     prefill kernel; a mixed batch launches both (each skips the other's sequences), a batch
     whose min_query_len is > 1 the prefill kernel alone. max_query_len / max_seq_len are
-    computed from the tensors when None (a host sync); pass them to keep a step sync-free. `out` is an optional
-    preallocated [num_tokens, num_heads, head_dim] buffer (static buffers under CUDA graphs).
+    computed from the tensors when None (a host sync); pass them to keep a step sync-free.
+    `out` is an optional preallocated [num_tokens, num_heads, head_dim] buffer (static buffers
+    under CUDA graphs).
     Decode cuts contexts into partitions planned for plan_num_seqs sequences (default: the
     batch's own count) and max_seq_len: a result depends on that partitioning (the order of its
     fp32 sums), so two calls planned alike give the same bits whatever their batch sizes.
@@ -572,8 +573,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
     bf16_over_fp8 = fp8_cache and query.dtype == torch.bfloat16
 
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
     # Sequences of one query (decode rows) run the split-KV decode kernel, also in a mixed
     # batch: there the prefill kernel would spend a whole BLOCK_M-row tile on each one's GQA
     # group over its whole context (a mixed step of 128 prompts and ~900 decode rows: 16 ms of
@@ -591,6 +590,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         )
         if min_query_len is not None and min_query_len > 1:
             return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
     cfg = decode_config(on_gpu, fp8_cache, max_seq_len, (plan_num_seqs or num_seqs) * num_kv_heads)
     split = decode_split(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, cfg.block_n,
                          query.device)
