@@ -43,6 +43,22 @@ def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def residual_rms_norm_row(x, residual_ptr, weight_ptr, sum_ptr, row, stride_r, stride_s, d, mask,
+                          eps, D: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One row x [BLOCK_D] (columns d, mask) -> its RMSNorm in x's dtype, rms_norm_ref's
+    rounding; with HAS_RESIDUAL, x + residual (rounded) is normalised and stored to sum_ptr."""
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + d, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_s + d, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
+    normed = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    return (normed * w).to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_ptr, eps,
                      stride_x, stride_r, stride_o, stride_s,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -54,15 +70,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_pt
     d = tl.arange(0, BLOCK_D)
     mask = d < D
     x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + d, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + d, x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
-    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    out = (normed * w).to(x_ptr.dtype.element_ty)
+    out = residual_rms_norm_row(x, residual_ptr, weight_ptr, sum_ptr, row, stride_r, stride_s,
+                                d, mask, eps, D, HAS_RESIDUAL)
     if FP8_OUT:
         # the rounded output, as rms_norm writes it and the quantization kernel reads it back
         y = out.to(tl.float32)

@@ -150,6 +150,8 @@ def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
     assert result["graphs"]                      # decode steps replayed graphs
     # the small all-reduces went through symmetric memory (one-shot), inside the graphs too
     assert result["one_shot"], done.stderr[-4000:]
+    # and each row-parallel projection's all-reduce ran fused with the norm after it
+    assert result["fused_norm"], done.stderr[-4000:]
     assert result["kv_device"] == "cuda:0"
     # bounded: a teardown that hangs (pytorch#115388) is left behind after 10 s
     assert result["shutdown_s"] < 30

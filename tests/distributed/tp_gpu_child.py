@@ -37,6 +37,7 @@ def main(path: str) -> int:
         result = {"ref": ref, "tp": _greedy(llm, prompts),
                   "graphs": bool(getattr(llm.engine.runner.graph_runner, "graphs", None)),
                   "one_shot": get_state().one_shot is not None,
+                  "fused_norm": get_state().fused_norm is not None,
                   "kv_device": str(llm.engine.runner.kv_cache.device)}
     finally:
         start = time.monotonic()

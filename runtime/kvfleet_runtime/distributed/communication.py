@@ -148,6 +148,116 @@ class OneShotAllReduce:
         return out
 
 
+class FusedAllReduceNorm:
+    """The all-reduce of a row-parallel projection fused with the RMSNorm (and residual add)
+    that consumes it (kvfleet_kernels.all_reduce): one launch instead of the one-shot
+    all-reduce and the norm, for tensors of up to `max_bytes` (KVFLEET_TP_FUSED_NORM_MAX_BYTES,
+    default 512 KiB: decode batches up to 64 rows of a 4096-wide model); larger ones take
+    all_reduce then the norm. The row-parallel layers hand their unreduced output to the norm
+    (`reduce_in_norm`) only where `fits` says this path serves it.
+
+    `create` returns None (the unfused path) off CUDA, where KVFLEET_TP_FUSED_NORM_MAX_BYTES=0,
+    or where symmetric memory or the self-check against NCCL + rms_norm fails on any rank;
+    every rank takes the same decision.
+    """
+
+    DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+    def __init__(self, device: torch.device, max_bytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+        from kvfleet_kernels.all_reduce import FLAGS_BYTES
+        state = get_state()
+        self.rank, self.world = state.rank, state.size
+        self.max_bytes = max_bytes
+        self.slot_bytes = -(-max_bytes // 128) * 128
+        self.buffer = symm_mem.empty(FLAGS_BYTES + 2 * self.slot_bytes, dtype=torch.uint8,
+                                     device=device)
+        self.buffer.zero_()
+        handle = symm_mem.rendezvous(self.buffer, state.device_group.group_name)
+        self.bases = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64,
+                                  device=device)
+        torch.cuda.synchronize(device)
+
+    @classmethod
+    def create(cls, device: torch.device) -> FusedAllReduceNorm | None:
+        max_bytes = int(os.environ.get("KVFLEET_TP_FUSED_NORM_MAX_BYTES", str(512 * 1024)))
+        if max_bytes <= 0 or device.type != "cuda":
+            log.info("tensor-parallel all-reduce + RMSNorm: not fused%s",
+                     " (KVFLEET_TP_FUSED_NORM_MAX_BYTES=0)" if max_bytes <= 0 else "")
+            return None
+        fused, reason = None, "failed on another rank"
+        try:
+            fused = cls(device, max_bytes)
+        except Exception as e:    # no P2P access, a torch without symm_mem, ...
+            reason = f"unavailable: {type(e).__name__}: {e}"
+        # every rank's flags are zero before any rank's first handshake
+        if min_over_ranks(int(fused is not None)):
+            try:
+                reason = fused._self_check(device)
+            except Exception as e:
+                reason = f"self-check raised {type(e).__name__}: {e}"
+            if min_over_ranks(int(reason is None)):
+                log.info("tensor-parallel all-reduce + RMSNorm fused up to %d KiB",
+                         max_bytes // 1024)
+                return fused
+            reason = reason or "self-check failed on another rank"
+        log.info("tensor-parallel all-reduce + RMSNorm: not fused (%s)", reason)
+        return None
+
+    def _self_check(self, device: torch.device) -> str | None:
+        """Fused vs NCCL's all-reduce and then rms_norm_ref, on rank-dependent values (every
+        dtype, a row and the largest batch, each twice: both slots); the reason not to use
+        it, or None."""
+        from kvfleet_kernels.norm import rms_norm_ref
+        state = get_state()
+        gen = torch.Generator(device="cpu").manual_seed(4321 + state.rank)
+        dim = 512
+        calls = 0
+        for dtype in self.DTYPES:
+            for rows in (1, self.max_bytes // (dim * dtype.itemsize), 1):
+                x = torch.randn(rows, dim, generator=gen).to(device=device, dtype=dtype)
+                residual = torch.randn(rows, dim, generator=gen).to(device=device, dtype=dtype)
+                weight = torch.rand(dim, generator=torch.Generator().manual_seed(7)).to(
+                    device=device, dtype=dtype)
+                if not self.fits(x):
+                    return f"self-check: {rows} x {dim} {dtype} does not fit"
+                out, summed = self(x, residual, weight, 1e-6, calls % 2)
+                calls += 1
+                total = x.clone()
+                dist.all_reduce(total, group=state.device_group)
+                ref, ref_summed = rms_norm_ref(total, weight, 1e-6, residual)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                if not (torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
+                        and torch.allclose(summed.float(), ref_summed.float(), rtol=tol,
+                                           atol=tol)):
+                    return f"self-check: {rows} x {dim} {dtype} differs from NCCL + rms_norm"
+        torch.cuda.synchronize(device)
+        return None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype in self.DTYPES and x.dim() == 2 and x.is_contiguous()
+                and x.numel() * x.element_size() <= self.max_bytes and x.shape[1] <= 16384)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, slot: int):
+        """Sum x over the ranks, then RMSNorm(sum + residual). Consecutive calls must use
+        different slots (0, 1): the decoder's call sites alternate (reduce_in_norm)."""
+        from kvfleet_kernels.all_reduce import all_reduce_rms_norm
+        return all_reduce_rms_norm(x, weight, eps, residual, self.bases, self.rank, self.world,
+                                   slot * self.slot_bytes)
+
+
+def fused_norm_for(x: torch.Tensor, norm) -> FusedAllReduceNorm | None:
+    """The fused all-reduce + RMSNorm that serves `norm` on `x` (a row-parallel layer's
+    output), or None. The layer and the norm both ask, on the same tensor: the layer leaves
+    `x` unreduced exactly where the norm will reduce it."""
+    from kvfleet_runtime.layers.backend import use_triton
+    fused = get_state().fused_norm
+    if fused is None or norm.fp8_out or not fused.fits(x) or not use_triton(x):
+        return None
+    return fused
+
+
 def gather_to_first(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate every rank's `x` along the last dim on rank 0; other ranks get None."""
     state = get_state()

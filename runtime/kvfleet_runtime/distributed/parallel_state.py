@@ -33,6 +33,7 @@ class ParallelState:
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
     one_shot: object | None = None       # communication.OneShotAllReduce, on CUDA when it works
+    fused_norm: object | None = None     # communication.FusedAllReduceNorm, on CUDA when it works
 
 
 _state = ParallelState()
@@ -70,8 +71,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     _state = ParallelState(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
     if device.type == "cuda":
-        from kvfleet_runtime.distributed.communication import OneShotAllReduce
+        from kvfleet_runtime.distributed.communication import FusedAllReduceNorm, OneShotAllReduce
         _state.one_shot = OneShotAllReduce.create(device)
+        _state.fused_norm = FusedAllReduceNorm.create(device)
 
 
 _abandoned = False      # a group's teardown hung and was left behind (forget_tensor_parallel)

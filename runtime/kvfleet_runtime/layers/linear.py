@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_runtime.distributed.communication import all_reduce
+from kvfleet_runtime.distributed.communication import all_reduce, fused_norm_for
 from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
 from kvfleet_runtime.layers.backend import use_triton
 
@@ -152,6 +152,8 @@ class Linear(nn.Module):
             self.output_sizes, self.output_starts = _column_parts(
                 full_sizes, output_replicas or [1] * len(full_sizes), prefix)
         self.full_input_size, self.full_output_sizes = input_size, full_sizes
+        # [norm] for a row-parallel layer whose only reader is that RMSNorm (reduce_in_norm)
+        self.reduced_by: list = []
         input_size = self.input_size
         self.output_size = sum(self.output_sizes)
         dtype = dtype or torch.get_default_dtype()
@@ -170,7 +172,10 @@ class Linear(nn.Module):
             return self.linear_method.apply(self, x, self.bias)
         # every rank's partial sum goes into the all-reduce; the bias must enter it once
         bias = self.bias if get_tp_rank() == 0 else None
-        return all_reduce(self.linear_method.apply(self, x, bias))
+        out = self.linear_method.apply(self, x, bias)
+        if self.reduced_by and fused_norm_for(out, self.reduced_by[0]) is not None:
+            return out            # the norm that reads it sums it over the ranks
+        return all_reduce(out)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: int | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvfleet_runtime.distributed.communication import fused_norm_for
 from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.quantization.fp8 import FP8Activation, takes_fp8_activation
 
@@ -29,10 +30,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.fp8_out = False      # set at load time by an FP8 consumer (quantization.fp8.feeds_fp8)
+        self.reduces_input = False    # set by reduce_in_norm: x may be a rank's partial sum
+        self.reduce_site = 0          # its place among the model's fused all-reduces
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [T, D]; with residual returns (normed, x + residual); normed is an FP8Activation
         # where fp8_out and the consumer takes one
+        if self.reduces_input:
+            fused = fused_norm_for(x, self)
+            if fused is not None:     # the row-parallel layer left x unreduced
+                return fused(x, residual, self.weight, self.eps, self.reduce_site % 2)
         if self.fp8_out and takes_fp8_activation(x):
             from kvfleet_kernels.norm import rms_norm_fp8
             q, scale, summed = rms_norm_fp8(x, self.weight, self.eps, residual)
@@ -42,3 +49,17 @@ class RMSNorm(nn.Module):
             from kvfleet_kernels.norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         return rms_norm_torch(x, self.weight, self.eps, residual)
+
+
+def reduce_in_norm(layer: nn.Module, norm: RMSNorm, site: int) -> None:
+    """`norm` is the only reader of row-parallel `layer`'s output (decoder: o_proj ->
+    post_attention_layernorm, down_proj -> the next input_layernorm or the final norm): where
+    the fused all-reduce + RMSNorm serves a step (distributed.communication.fused_norm_for),
+    the layer skips its all-reduce and the norm does it. `site`: the pair's place in the
+    forward pass, 0, 1, 2, ... in call order, an even number of them in all; its parity picks
+    the buffer slot, so consecutive calls (across forward passes too) alternate slots as the
+    kernel requires (kvfleet_kernels.all_reduce). No-op without tensor parallelism."""
+    if getattr(layer, "parallel", None) == "row":
+        layer.reduced_by = [norm]       # a list: not registered as a submodule
+        norm.reduces_input = True
+        norm.reduce_site = site

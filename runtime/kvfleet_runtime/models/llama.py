@@ -22,7 +22,7 @@ from kvfleet_runtime.layers.activation import SiluAndMul
 from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.linear import Linear, cpu_packed_weight, packed_linear
-from kvfleet_runtime.layers.norm import RMSNorm
+from kvfleet_runtime.layers.norm import RMSNorm, reduce_in_norm
 from kvfleet_runtime.layers.quantization.fp8 import feeds_fp8
 from kvfleet_runtime.layers.rotary import RotaryEmbedding
 from kvfleet_runtime.models.config import ModelConfig
@@ -149,6 +149,12 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}", rotary_emb)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # under tensor parallelism each row-parallel projection's all-reduce may run fused
+        # with the norm that reads its output
+        readers = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, readers, strict=True)):
+            reduce_in_norm(layer.self_attn.o_proj, layer.post_attention_layernorm, 2 * i)
+            reduce_in_norm(layer.mlp.down_proj, next_norm, 2 * i + 1)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)                                   # [T, D]
