@@ -2,10 +2,9 @@
 
 Here the ranks' "symmetric" buffers are plain tensors of one process (in Triton's interpreter on
 CPU, or on one GPU): the rank under test runs the kernel while its peers are played by hand,
-their partial sums already in their slots and their flags already raised. The test checks the
-sum, the norm, the handshake (each peer's flag for this rank raised, this rank's flags taken)
-and that the other slot and the inputs are untouched. The kernel across real GPUs is
-tests/distributed/test_fused_norm_gpu.py.
+their partial sums already sent into its buffer. The test checks the sum, the norm, what it
+sent into each peer's buffer, that it emptied what it read, and that nothing else changed.
+The kernel across real GPUs is tests/distributed/test_fused_norm_gpu.py.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from kvfleet_kernels.all_reduce import (
-    FLAGS_BYTES,
     MAX_PROGRAMS,
     all_reduce_rms_norm,
     all_reduce_rms_norm_ref,
@@ -29,28 +27,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 class Ranks:
-    """world buffers laid out as the engine lays them out for one dtype: flags, then two slots,
-    each with every rank's part; in push mode every slot starts empty (-0.0's bits)."""
+    """world buffers laid out as the engine lays out one dtype's region: two slots, each with
+    every rank's part, all empty (-0.0's bits) at first."""
 
-    def __init__(self, world: int, slot_bytes: int, dtype: torch.dtype, push: bool) -> None:
-        self.world, self.slot_bytes, self.push = world, slot_bytes, push
-        self.buffers = [torch.zeros(FLAGS_BYTES + 2 * world * slot_bytes, dtype=torch.uint8,
-                                    device=DEVICE) for _ in range(world)]
-        if push:
-            view, mark = empty_mark(dtype)
-            for b in self.buffers:
-                b[FLAGS_BYTES:].view(view).fill_(mark)
+    def __init__(self, world: int, slot_bytes: int, dtype: torch.dtype) -> None:
+        self.world, self.slot_bytes = world, slot_bytes
+        view, mark = empty_mark(dtype)
+        self.buffers = [torch.full((2 * world * slot_bytes // view.itemsize,), mark, dtype=view,
+                                   device=DEVICE).view(torch.uint8) for _ in range(world)]
         self.bases = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64,
                                   device=DEVICE)
 
     def offset(self, slot: int) -> int:
-        return FLAGS_BYTES + slot * self.world * self.slot_bytes
-
-    def flags_of(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[:FLAGS_BYTES].view(torch.int32).view(MAX_PROGRAMS, -1)[:, :self.world]
-
-    def flags(self, rank: int) -> torch.Tensor:
-        return self.flags_of(self.buffers[rank])
+        return slot * self.world * self.slot_bytes
 
     def part_of(self, buffer: torch.Tensor, slot: int, source: int,
                 like: torch.Tensor) -> torch.Tensor:
@@ -59,15 +48,11 @@ class Ranks:
         raw = buffer[start:start + like.numel() * like.element_size()]
         return raw.view(like.dtype).view(like.shape)
 
-    def play_peers(self, rank: int, slot: int, parts: list[torch.Tensor], programs: int) -> None:
-        """Every peer has sent its part (push: into `rank`'s buffer; pull: into its own, and
-        raised its flag for `rank`, one per program)."""
+    def play_peers(self, rank: int, slot: int, parts: list[torch.Tensor]) -> None:
+        """Every peer has sent its part into `rank`'s buffer."""
         for peer in range(self.world):
             if peer != rank:
-                owner = rank if self.push else peer
-                self.part_of(self.buffers[owner], slot, peer, parts[peer]).copy_(parts[peer])
-                if not self.push:
-                    self.flags(rank)[:programs, peer] = 1
+                self.part_of(self.buffers[rank], slot, peer, parts[peer]).copy_(parts[peer])
 
 
 def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -75,21 +60,20 @@ def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
 
 
 def _check(world: int, rank: int, rows: int, dim: int, dtype: torch.dtype, slot: int,
-           with_residual: bool, push: bool, seed: int) -> None:
+           with_residual: bool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     parts = [_randn(rows, dim, dtype=dtype, gen=gen) for _ in range(world)]
-    parts[rank][0, :3] = -0.0          # sent as +0.0 in push mode (-0.0 marks "empty")
+    parts[rank][0, :3] = -0.0          # sent as +0.0 (-0.0 marks "empty")
     residual = _randn(rows, dim, dtype=dtype, gen=gen) if with_residual else None
     weight = (1 + 0.1 * _randn(dim, dtype=torch.float32, gen=gen)).to(dtype)
     slot_bytes = -(-rows * dim * dtype.itemsize // 128) * 128
-    ranks = Ranks(world, slot_bytes, dtype, push)
-    programs = min(rows, MAX_PROGRAMS)
-    ranks.play_peers(rank, slot, parts, programs)
+    ranks = Ranks(world, slot_bytes, dtype)
+    ranks.play_peers(rank, slot, parts)
     before = [b.clone() for b in ranks.buffers]
     x_before = parts[rank].clone()
 
     got = all_reduce_rms_norm(parts[rank], weight, 1e-6, residual, ranks.bases, rank, world,
-                              ranks.offset(slot), slot_bytes, push)
+                              ranks.offset(slot), slot_bytes)
     ref = all_reduce_rms_norm_ref(parts, weight, 1e-6, residual)
     tol = TOLERANCE[dtype]
     if with_residual:
@@ -100,81 +84,51 @@ def _check(world: int, rank: int, rows: int, dim: int, dtype: torch.dtype, slot:
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     assert torch.equal(parts[rank], x_before)
     # the buffers afterwards: `before` with exactly these changes, nothing else (not the other
-    # slot, not the other parts, not another flag)
+    # slot, not another rank's part)
     expected = [b.clone() for b in before]
     sent = torch.where(x_before == 0, torch.zeros_like(x_before), x_before)
     view, mark = empty_mark(dtype)
     emptied = torch.full(sent.shape, mark, dtype=view, device=DEVICE).view(dtype)
     for peer in range(world):
-        if peer == rank:
-            continue
-        if push:
+        if peer != rank:
             ranks.part_of(expected[peer], slot, rank, sent).copy_(sent)   # into every peer's
             ranks.part_of(expected[rank], slot, peer, sent).copy_(emptied)    # read, emptied
-        else:
-            ranks.part_of(expected[rank], slot, rank, sent).copy_(sent)   # its own copy
-            # handshake: its flags from the peers taken, its flag raised at every peer
-            ranks.flags_of(expected[rank])[:programs, peer] = 0
-            ranks.flags_of(expected[peer])[:programs, rank] = 1
     for owner, (b, e) in enumerate(zip(ranks.buffers, expected, strict=True)):
         assert torch.equal(b, e), f"rank {owner}'s buffer"
 
 
-MODES = [pytest.param(False, id="pull"), pytest.param(True, id="push")]
-
-
-@pytest.mark.parametrize("push", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world, rank", [(2, 0), (2, 1), (3, 2)])
-def test_one_row_sums_every_rank_then_normalises(world, rank, dtype, push):
+def test_one_row_sums_every_rank_then_normalises(world, rank, dtype):
     _check(world, rank, rows=1, dim=96, dtype=dtype, slot=rank % 2, with_residual=True,
-           push=push, seed=10 * world + rank)
+           seed=10 * world + rank)
 
 
-@pytest.mark.parametrize("push", MODES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rows_beyond_the_program_count_are_looped_over(with_residual, push):
+def test_rows_beyond_the_program_count_are_looped_over(with_residual):
     # MAX_PROGRAMS programs, each taking several rows, and a width that is not a power of two
     _check(2, 1, rows=MAX_PROGRAMS + 7, dim=48, dtype=torch.float32, slot=1,
-           with_residual=with_residual, push=push, seed=3)
-
-
-def test_a_peer_whose_part_is_missing_changes_the_sum():
-    # pull: the peers' parts do enter: with peer 1's flag up but its copy never written, the
-    # result is rank 0's part alone
-    gen = torch.Generator().manual_seed(5)
-    parts = [_randn(2, 64, dtype=torch.float32, gen=gen) for _ in range(2)]
-    weight = torch.ones(64, dtype=torch.float32, device=DEVICE)
-    ranks = Ranks(2, 1024, torch.float32, push=False)
-    ranks.flags(0)[:2, 1] = 1
-    got = all_reduce_rms_norm(parts[0], weight, 1e-6, None, ranks.bases, 0, 2, ranks.offset(0),
-                              1024, False)
-    torch.testing.assert_close(got, all_reduce_rms_norm_ref([parts[0]], weight, 1e-6))
-    assert not torch.allclose(got, all_reduce_rms_norm_ref(parts, weight, 1e-6))
+           with_residual=with_residual, seed=3)
 
 
 def test_bad_arguments_are_named():
     x = torch.zeros(1, 64, device=DEVICE)
     bases = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="rank 2 of 2"):
-        all_reduce_rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, None, bases, 2, 2, 0, 256,
-                            True)
+        all_reduce_rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, None, bases, 2, 2, 0, 256)
     with pytest.raises(ValueError, match=r"weight must have shape \(64,\)"):
-        all_reduce_rms_norm(x, torch.ones(32, device=DEVICE), 1e-6, None, bases, 0, 2, 0, 256,
-                            True)
+        all_reduce_rms_norm(x, torch.ones(32, device=DEVICE), 1e-6, None, bases, 0, 2, 0, 256)
     with pytest.raises(ValueError, match="residual must have x's shape"):
         all_reduce_rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, torch.zeros(2, 64), bases,
-                            0, 2, 0, 256, True)
+                            0, 2, 0, 256)
     with pytest.raises(ValueError, match="does not fit a slot of 128 bytes"):
-        all_reduce_rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, None, bases, 0, 2, 0, 128,
-                            True)
+        all_reduce_rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, None, bases, 0, 2, 0, 128)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("push", MODES)
 @pytest.mark.parametrize("rows", [1, 64])
-def test_gpu_llama_width_in_bf16(rows, push):
+def test_gpu_llama_width_in_bf16(rows):
     for rank in range(2):
         _check(2, rank, rows=rows, dim=4096, dtype=torch.bfloat16, slot=rank, with_residual=True,
-               push=push, seed=rows + rank)
+               seed=rows + rank)

@@ -156,9 +156,6 @@ class FusedAllReduceNorm:
     all_reduce then the norm. The row-parallel layers hand their unreduced output to the norm
     (`reduce_in_norm`) only where `fits` says this path serves it.
 
-    KVFLEET_TP_FUSED_NORM_MODE: push (default) or pull, how the ranks' parts meet (see
-    kvfleet_kernels.all_reduce).
-
     `create` returns None (the unfused path) off CUDA, where KVFLEET_TP_FUSED_NORM_MAX_BYTES=0,
     or where symmetric memory or the self-check against NCCL + rms_norm fails on any rank;
     every rank takes the same decision.
@@ -166,27 +163,25 @@ class FusedAllReduceNorm:
 
     DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-    def __init__(self, device: torch.device, max_bytes: int, push: bool = True) -> None:
+    def __init__(self, device: torch.device, max_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
-        from kvfleet_kernels.all_reduce import FLAGS_BYTES, empty_mark
+        from kvfleet_kernels.all_reduce import empty_mark
         state = get_state()
-        self.rank, self.world, self.push = state.rank, state.size, push
+        self.rank, self.world = state.rank, state.size
         self.max_bytes = max_bytes
         self.slot_bytes = -(-max_bytes // 128) * 128
-        # flags, then per dtype two slots (alternate calls) of every rank's part
+        # per dtype, two slots (consecutive calls alternate) of every rank's part, all empty
         self.region_bytes = 2 * self.world * self.slot_bytes
-        self.buffer = symm_mem.empty(FLAGS_BYTES + len(self.DTYPES) * self.region_bytes,
-                                     dtype=torch.uint8, device=device)
-        self.buffer[:FLAGS_BYTES].zero_()
+        self.buffer = symm_mem.empty(len(self.DTYPES) * self.region_bytes, dtype=torch.uint8,
+                                     device=device)
+        self.offsets = {}
         for i, dtype in enumerate(self.DTYPES):
-            start = FLAGS_BYTES + i * self.region_bytes
+            self.offsets[dtype] = start = i * self.region_bytes
             view, mark = empty_mark(dtype)
             self.buffer[start:start + self.region_bytes].view(view).fill_(mark)
         handle = symm_mem.rendezvous(self.buffer, state.device_group.group_name)
         self.bases = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64,
                                   device=device)
-        self.offsets = {dtype: FLAGS_BYTES + i * self.region_bytes
-                        for i, dtype in enumerate(self.DTYPES)}
         torch.cuda.synchronize(device)
 
     @classmethod
@@ -196,23 +191,20 @@ class FusedAllReduceNorm:
             log.info("tensor-parallel all-reduce + RMSNorm: not fused%s",
                      " (KVFLEET_TP_FUSED_NORM_MAX_BYTES=0)" if max_bytes <= 0 else "")
             return None
-        mode = os.environ.get("KVFLEET_TP_FUSED_NORM_MODE", "push")
-        if mode not in ("push", "pull"):
-            raise ValueError(f"KVFLEET_TP_FUSED_NORM_MODE must be push or pull; got {mode!r}")
         fused, reason = None, "failed on another rank"
         try:
-            fused = cls(device, max_bytes, push=mode == "push")
+            fused = cls(device, max_bytes)
         except Exception as e:    # no P2P access, a torch without symm_mem, ...
             reason = f"unavailable: {type(e).__name__}: {e}"
-        # every rank's flags are zero before any rank's first handshake
+        # every rank's slots are empty before any rank's first call
         if min_over_ranks(int(fused is not None)):
             try:
                 reason = fused._self_check(device)
             except Exception as e:
                 reason = f"self-check raised {type(e).__name__}: {e}"
             if min_over_ranks(int(reason is None)):
-                log.info("tensor-parallel all-reduce + RMSNorm fused up to %d KiB (%s)",
-                         max_bytes // 1024, mode)
+                log.info("tensor-parallel all-reduce + RMSNorm fused up to %d KiB",
+                         max_bytes // 1024)
                 return fused
             reason = reason or "self-check failed on another rank"
         log.info("tensor-parallel all-reduce + RMSNorm: not fused (%s)", reason)
@@ -259,7 +251,7 @@ class FusedAllReduceNorm:
         from kvfleet_kernels.all_reduce import all_reduce_rms_norm
         offset = self.offsets[x.dtype] + slot * self.world * self.slot_bytes
         return all_reduce_rms_norm(x, weight, eps, residual, self.bases, self.rank, self.world,
-                                   offset, self.slot_bytes, self.push)
+                                   offset, self.slot_bytes)
 
 
 def fused_norm_for(x: torch.Tensor, norm) -> FusedAllReduceNorm | None:
