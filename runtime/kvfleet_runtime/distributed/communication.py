@@ -24,6 +24,27 @@ from kvfleet_runtime.layers.attention import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
+def _set_up_on_every_rank(make, device: torch.device) -> tuple[Any, str | None]:
+    """Build a symmetric-memory path (`make()`) and run its `_self_check(device)` on every
+    rank, agreeing after each step that can fail on one rank alone, so that no rank enters a
+    collective (the self-check) that another skips: (the path, None) where every rank
+    succeeded, else (None, why not)."""
+    made, reason = None, "failed on another rank"
+    try:
+        made = make()
+    except Exception as e:    # no P2P access, a torch without symm_mem, ...
+        reason = f"unavailable: {type(e).__name__}: {e}"
+    if min_over_ranks(int(made is not None)):
+        try:
+            reason = made._self_check(device)
+        except Exception as e:
+            reason = f"self-check raised {type(e).__name__}: {e}"
+        if min_over_ranks(int(reason is None)):
+            return made, None
+        reason = reason or "self-check failed on another rank"
+    return None, reason
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks; returns the sum (`x` itself, summed in place, or a new tensor)."""
     state = get_state()
@@ -77,25 +98,14 @@ class OneShotAllReduce:
             log.info("tensor-parallel all-reduce: NCCL for every size "
                      "(KVFLEET_TP_ONE_SHOT_MAX_BYTES=0)")
             return None
-        # agree after each step that can fail on its own, so no rank enters a collective
-        # (the self-check) that another rank skips
         two_shot_max = int(os.environ.get("KVFLEET_TP_TWO_SHOT_MAX_BYTES", "0"))
-        one_shot, reason = None, "failed on another rank"
-        try:
-            one_shot = cls(device, max_bytes, two_shot_max)
-        except Exception as e:    # no P2P access, a torch without symm_mem, ...
-            reason = f"unavailable: {type(e).__name__}: {e}"
-        if min_over_ranks(int(one_shot is not None)):
-            try:
-                reason = one_shot._self_check(device)
-            except Exception as e:
-                reason = f"self-check raised {type(e).__name__}: {e}"
-            if min_over_ranks(int(reason is None)):
-                log.info("tensor-parallel all-reduce: one-shot symmetric memory up to %d KiB, "
-                         "two-shot up to %d KiB, NCCL above", max_bytes // 1024,
-                         one_shot.two_shot_max_bytes // 1024)
-                return one_shot
-            reason = reason or "self-check failed on another rank"
+        one_shot, reason = _set_up_on_every_rank(lambda: cls(device, max_bytes, two_shot_max),
+                                                 device)
+        if one_shot is not None:
+            log.info("tensor-parallel all-reduce: one-shot symmetric memory up to %d KiB, "
+                     "two-shot up to %d KiB, NCCL above", max_bytes // 1024,
+                     one_shot.two_shot_max_bytes // 1024)
+            return one_shot
         log.info("tensor-parallel all-reduce: NCCL for every size (one-shot %s)", reason)
         return None
 
@@ -191,22 +201,12 @@ class FusedAllReduceNorm:
             log.info("tensor-parallel all-reduce + RMSNorm: not fused%s",
                      " (KVFLEET_TP_FUSED_NORM_MAX_BYTES=0)" if max_bytes <= 0 else "")
             return None
-        fused, reason = None, "failed on another rank"
-        try:
-            fused = cls(device, max_bytes)
-        except Exception as e:    # no P2P access, a torch without symm_mem, ...
-            reason = f"unavailable: {type(e).__name__}: {e}"
-        # every rank's slots are empty before any rank's first call
-        if min_over_ranks(int(fused is not None)):
-            try:
-                reason = fused._self_check(device)
-            except Exception as e:
-                reason = f"self-check raised {type(e).__name__}: {e}"
-            if min_over_ranks(int(reason is None)):
-                log.info("tensor-parallel all-reduce + RMSNorm fused up to %d KiB",
-                         max_bytes // 1024)
-                return fused
-            reason = reason or "self-check failed on another rank"
+        # (the agreement after construction also means every rank's slots are empty before
+        # any rank's first call)
+        fused, reason = _set_up_on_every_rank(lambda: cls(device, max_bytes), device)
+        if fused is not None:
+            log.info("tensor-parallel all-reduce + RMSNorm fused up to %d KiB", max_bytes // 1024)
+            return fused
         log.info("tensor-parallel all-reduce + RMSNorm: not fused (%s)", reason)
         return None
 
