@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from kvfleet_runtime.distributed.parallel_state import get_state
 from kvfleet_runtime.layers.attention import AttentionMetadata
+from kvfleet_runtime.layers.backend import use_triton
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +213,8 @@ class FusedAllReduceNorm:
 
     def _self_check(self, device: torch.device) -> str | None:
         """Fused vs NCCL's all-reduce and then rms_norm_ref, on rank-dependent values (every
-        dtype, a row and the largest batch, each twice: both slots); the reason not to use
-        it, or None."""
+        dtype: a row, the largest batch, a row again; consecutive calls on alternate slots);
+        the reason not to use it, or None."""
         from kvfleet_kernels.norm import rms_norm_ref
         state = get_state()
         gen = torch.Generator(device="cpu").manual_seed(4321 + state.rank)
@@ -258,7 +259,6 @@ def fused_norm_for(x: torch.Tensor, norm) -> FusedAllReduceNorm | None:
     """The fused all-reduce + RMSNorm that serves `norm` on `x` (a row-parallel layer's
     output), or None. The layer and the norm both ask, on the same tensor: the layer leaves
     `x` unreduced exactly where the norm will reduce it."""
-    from kvfleet_runtime.layers.backend import use_triton
     fused = get_state().fused_norm
     if fused is None or norm.fp8_out or not fused.fits(x) or not use_triton(x):
         return None
