@@ -35,9 +35,10 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _silu_mul(x_row, i, mask, INTER: tl.constexpr, FAST: tl.constexpr = False):
-    # columns i of one row's SiLU(gate) * up, in fp32, rounded to x's dtype. FAST: the
-    # approximate division (div.full, <= 2 ulp) instead of IEEE's
+def silu_mul_row(x_row, i, mask, INTER, FAST: tl.constexpr = False):
+    # columns i of one row's SiLU(gate) * up (the up half starts INTER elements in), in fp32,
+    # rounded to x's dtype; also the input of gemv's gated GEMV. FAST: the approximate
+    # division (div.full, <= 2 ulp) instead of IEEE's
     gate = tl.load(x_row + i, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + INTER + i, mask=mask, other=0.0).to(tl.float32)
     if FAST:
@@ -54,7 +55,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
-    tl.store(out_ptr + row * stride_o + i, _silu_mul(x_ptr + row * stride_x, i, mask, INTER),
+    tl.store(out_ptr + row * stride_o + i, silu_mul_row(x_ptr + row * stride_x, i, mask, INTER),
              mask=mask)
 
 
@@ -71,7 +72,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = offs < INTER
-        y = _silu_mul(x_row, offs, mask, INTER, FAST).to(tl.float32)
+        y = silu_mul_row(x_row, offs, mask, INTER, FAST).to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(y), 0))
         if FAST:        # one division a row, a multiplication a value
             q = tl.clamp(y * (1.0 / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
@@ -82,12 +83,12 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, INTER, BLOCK):
             mask = start + offs < INTER
-            y = _silu_mul(x_row, start + offs, mask, INTER).to(tl.float32)
+            y = silu_mul_row(x_row, start + offs, mask, INTER).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
         scale = fp8_scale(tl.max(amax, 0))
         for start in range(0, INTER, BLOCK):
             mask = start + offs < INTER
-            y = _silu_mul(x_row, start + offs, mask, INTER).to(tl.float32)
+            y = silu_mul_row(x_row, start + offs, mask, INTER).to(tl.float32)
             tl.store(q_row + start + offs, fp8_quantize(y, scale).to(q_ptr.dtype.element_ty),
                      mask=mask)
     tl.store(s_ptr + row, scale)

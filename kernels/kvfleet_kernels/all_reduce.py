@@ -26,10 +26,16 @@ arrived, and they only send those after they finished call i (read its slot, mar
 empty). Under CUDA graphs the slot of each call is fixed at capture; the decoder's calls
 alternate, across forward passes too (layers.norm.reduce_in_norm).
 
+A batch-1 GEMV can do the sending itself (kvfleet_kernels.gemv, `push=`): each of its programs
+stores its outputs into the peers' slots as it finishes them, and this kernel, called with
+`pushed=True`, only waits for the peers' parts, sums and normalises.
+
 `all_reduce_rms_norm_ref` is the reference: the sum of the parts, rounded, then rms_norm_ref.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,8 +57,33 @@ def all_reduce_rms_norm_ref(parts: list[torch.Tensor], weight: torch.Tensor, eps
     return rms_norm_ref(total, weight, eps, residual)
 
 
+@dataclass(frozen=True)
+class PeerSlots:
+    """Where one call's parts go: rank q's part lies `offset + q * slot_bytes` bytes into every
+    other rank's symmetric buffer; `bases`: the buffers' addresses (int64 [world], on the GPU)."""
+
+    bases: torch.Tensor
+    rank: int
+    world: int
+    offset: int
+    slot_bytes: int
+
+    def part_offset(self) -> int:
+        """Where this rank's part goes in its peers' buffers, in bytes."""
+        return self.offset + self.rank * self.slot_bytes
+
+    def check(self, rows: int, dim: int, dtype: torch.dtype) -> None:
+        if (not 1 < self.world <= MAX_WORLD or not 0 <= self.rank < self.world
+                or self.bases.shape != (self.world,)):
+            raise ValueError(f"rank {self.rank} of {self.world} (at most {MAX_WORLD}) with "
+                             f"{self.bases.numel()} buffer addresses")
+        if rows * dim * dtype.itemsize > self.slot_bytes:
+            raise ValueError(f"{rows} x {dim} {dtype} does not fit a slot of {self.slot_bytes} "
+                             "bytes")
+
+
 @triton.jit
-def _clean(x):
+def clean_zero(x):
     # -0.0 -> +0.0: a 16/32-bit -0.0 marks an empty element of a slot
     return tl.where(x == 0.0, 0.0, x)
 
@@ -80,28 +111,30 @@ def _all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_pt
                                 stride_x, stride_r, stride_o, stride_s,
                                 D: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr,
                                 BITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                                PDL: tl.constexpr = False):
+                                PUSHED: tl.constexpr = False, PDL: tl.constexpr = False):
     # bases_ptr: int64 [WORLD], each rank's symmetric buffer as an address; rank q's part of
-    # this call goes `offset + q * slot_bytes` bytes into every other rank's buffer
+    # this call goes `offset + q * slot_bytes` bytes into every other rank's buffer. PUSHED:
+    # the kernel that wrote x has already sent it there (gemv's push=)
     pdl_wait(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
     dtype = x_ptr.dtype.element_ty
-    for row in range(pid, num_rows, nprog):
-        x = _clean(tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0))
-        for peer in tl.static_range(WORLD):
-            if peer != rank:
-                dst = (tl.load(bases_ptr + peer) + offset + rank * slot_bytes).to(
-                    tl.pointer_type(dtype))
-                tl.store(dst + row * D + d, x, mask=mask)
+    if not PUSHED:
+        for row in range(pid, num_rows, nprog):
+            x = clean_zero(tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0))
+            for peer in tl.static_range(WORLD):
+                if peer != rank:
+                    dst = (tl.load(bases_ptr + peer) + offset + rank * slot_bytes).to(
+                        tl.pointer_type(dtype))
+                    tl.store(dst + row * D + d, x, mask=mask)
     own_base = tl.load(bases_ptr + rank) + offset
     for row in range(pid, num_rows, nprog):
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for q in tl.static_range(WORLD):
             if q == rank:
-                acc += _clean(tl.load(x_ptr + row * stride_x + d, mask=mask,
+                acc += clean_zero(tl.load(x_ptr + row * stride_x + d, mask=mask,
                                       other=0.0)).to(tl.float32)
             else:
                 acc += _take(own_base + q * slot_bytes, row, D, d, mask, dtype, BITS)
@@ -117,25 +150,22 @@ def empty_mark(dtype: torch.dtype) -> tuple[torch.dtype, int]:
 
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                         residual: torch.Tensor | None, bases: torch.Tensor, rank: int,
-                        world: int, offset: int, slot_bytes: int):
+                        world: int, offset: int, slot_bytes: int, pushed: bool = False):
     """Sum `x` ([T, D], this rank's partial) over the ranks whose symmetric buffers start at
     `bases` (int64 addresses on x's device, [world]), then RMSNorm as rms_norm does: returns
     out, or (out, sum + residual). Rank q's part goes `offset + q * slot_bytes` bytes into
     the other ranks' buffers (slot_bytes >= T * D * itemsize). Every rank calls it with its
     own rank and the same shapes and offsets; the slots (a region per dtype) hold
-    empty_mark(dtype) on every rank before the first call, and the kernel leaves them so."""
+    empty_mark(dtype) on every rank before the first call, and the kernel leaves them so.
+    pushed: x's kernel already sent x to the peers (gemv's push= with the same slots)."""
     num_rows, dim = x.shape
-    if not 1 < world <= MAX_WORLD or not 0 <= rank < world or bases.shape != (world,):
-        raise ValueError(f"rank {rank} of {world} (at most {MAX_WORLD}) with {bases.numel()} "
-                         f"buffer addresses")
+    PeerSlots(bases, rank, world, offset, slot_bytes).check(num_rows, dim, x.dtype)
     if weight.shape != (dim,):
         raise ValueError(f"weight must have shape ({dim},) to match x [T, {dim}]; "
                          f"got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}; "
                          f"got {tuple(residual.shape)}")
-    if num_rows * dim * x.element_size() > slot_bytes:
-        raise ValueError(f"{num_rows} x {dim} {x.dtype} does not fit a slot of {slot_bytes} bytes")
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension; "
@@ -149,6 +179,6 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, residual_arg, weight, out, summed_arg, bases, rank, num_rows, eps, offset,
             slot_bytes, x.stride(0), residual_arg.stride(0), out.stride(0), summed_arg.stride(0),
             D=dim, BLOCK_D=triton.next_power_of_2(dim), WORLD=world,
-            BITS=8 * x.element_size(), HAS_RESIDUAL=residual is not None,
+            BITS=8 * x.element_size(), HAS_RESIDUAL=residual is not None, PUSHED=pushed,
             num_warps=8 if dim >= 4096 else 4, **pdl_args(x.device))
     return out if residual is None else (out, summed)

@@ -7,6 +7,16 @@ meet through split_k.store_or_reduce. The engine's linear layers use it at batch
 weights (W8A16, `scale=`) and for the bf16/fp16 (device, shape) pairs in TUNED, where an H200
 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md); `KVFLEET_TRITON_GEMV=1` sends every
 batch-1 shape here, `=0` none.
+
+Two fusions spare a decode step a launch each (one K slice only):
+- `gated=True`: x is a gated MLP's [M, 2K] = [gate | up] and the GEMV's input is SiLU(gate) * up,
+  computed as kvfleet_kernels.activation's kernel computes it (same rounding, the same bits)
+  while the K tiles are loaded; the down projection then needs no activation kernel.
+- `push=`: tensor parallelism. Besides its own output, each program sends its outputs into
+  every peer's slot of the fused all-reduce + RMSNorm (kvfleet_kernels.all_reduce, whose
+  protocol this keeps: cleaned of -0.0, written once, no reply awaited), so the norm kernel
+  only waits for the peers' parts (`all_reduce_rms_norm(..., pushed=True)`) and the parts
+  cross NVLink while the GEMV's last tiles are still being computed.
 """
 
 from __future__ import annotations
@@ -21,13 +31,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.activation import silu_and_mul_ref, silu_mul_row
+from kvfleet_kernels.all_reduce import PeerSlots, clean_zero
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import split_for, store_or_reduce, workspace
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] * scale [N, 1])^T (+ bias) in fp32, cast to x's dtype."""
+             scale: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] * scale [N, 1])^T (+ bias) in fp32, cast to x's dtype; gated:
+    x is [M, 2K] and silu_and_mul_ref(x) takes its place."""
+    if gated:
+        x = silu_and_mul_ref(x)
     w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
     out = x.float() @ w.t()
     if bias is not None:
@@ -36,9 +51,11 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 @triton.jit
-def _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K: tl.constexpr):
-    """x's K tile, in fp32."""
+def _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """x's K tile, in fp32 (GATED: SiLU(gate) * up of row m's [gate | up], rounded as stored)."""
     offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    if GATED:
+        return silu_mul_row(x_ptr + m * stride_xm, offs_k, offs_k < K, K).to(tl.float32)
     return tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
 
 
@@ -52,13 +69,16 @@ def _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K: tl.constexp
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
-                 stride_xm, stride_wn,
+                 stride_xm, stride_wn, bases_ptr, rank, push_offset,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
+                 PUSH_WORLD: tl.constexpr = 0, PDL: tl.constexpr = False):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
     # PREFETCH: the slice's next tile is loaded before the current one is multiplied; its first
     # weight tile is loaded before the PDL wait (weights are no earlier kernel's output).
+    # PUSH_WORLD > 0 (one K slice, no bias): the outputs also go to every other rank's buffer
+    # (bases_ptr: int64 addresses), push_offset bytes in (this rank's part of the slot).
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -70,9 +90,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
         w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
         pdl_wait(PDL)
         if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
-            x = _gemv_load_x(x_ptr, m, pid_k, K, stride_xm, BLOCK_K)
+            x = _gemv_load_x(x_ptr, m, pid_k, K, stride_xm, BLOCK_K, GATED)
             for tile in range(pid_k, n_tiles - split_k, split_k):
-                xn = _gemv_load_x(x_ptr, m, tile + split_k, K, stride_xm, BLOCK_K)
+                xn = _gemv_load_x(x_ptr, m, tile + split_k, K, stride_xm, BLOCK_K, GATED)
                 wn = _gemv_load_w(w_ptr, offs_n, mask_n, tile + split_k, K, stride_wn, BLOCK_K)
                 acc += w.to(tl.float32) * x[None, :]
                 x, w = xn, wn
@@ -80,7 +100,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
     else:
         pdl_wait(PDL)
         for tile in range(pid_k, n_tiles, split_k):
-            x = _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K)
+            x = _gemv_load_x(x_ptr, m, tile, K, stride_xm, BLOCK_K, GATED)
             w = _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K)
             acc += w.to(tl.float32) * x[None, :]
     total = tl.sum(acc, axis=1)
@@ -88,6 +108,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
         total *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     store_or_reduce(total, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n,
                     mask_n, pid_n, pid_k, split_k, HAS_BIAS)
+    if PUSH_WORLD > 0:
+        dtype = out_ptr.dtype.element_ty
+        sent = clean_zero(total.to(dtype))
+        for peer in tl.static_range(PUSH_WORLD):
+            if peer != rank:
+                dst = (tl.load(bases_ptr + peer) + push_offset).to(tl.pointer_type(dtype))
+                tl.store(dst + m * N + offs_n, sent, mask=mask_n)
 
 
 @dataclass(frozen=True)
@@ -166,13 +193,21 @@ def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None,
+         gated: bool = False, push: PeerSlots | None = None) -> torch.Tensor:
     """Triton twin of gemv_ref: x [M, K] (M small), weight [N, K] -> [M, N] in x's dtype.
-    `scale` [N] (fp32): weight holds fp8 values of per-row scales (W8A16: x stays unquantized)."""
+    `scale` [N] (fp32): weight holds fp8 values of per-row scales (W8A16: x stays unquantized).
+    `gated`: x is [M, 2K] = [gate | up] and the input is SiLU(gate) * up. `push`: the output
+    also goes into this rank's part of every peer's slot (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
+    if gated:
+        if k % 2:
+            raise ValueError(f"gated: x is [{m}, {k}], not [M, 2K] = [gate | up]")
+        k //= 2
     if weight.shape[1] != k:
-        raise ValueError(f"x is [{m}, {k}] but weight is {tuple(weight.shape)}: expected [N, {k}]")
+        raise ValueError(f"x is [{m}, {x.shape[1]}] but weight is {tuple(weight.shape)}: expected "
+                         f"[N, {k}]")
     if weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
         raise ValueError("weight (and bias) need a contiguous last dimension")
     if scale is not None and (scale.shape != (n,) or scale.stride(0) != 1):
@@ -180,6 +215,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{tuple(scale.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or pick_config(m, n, k, x.device)
+    if (gated or push is not None) and cfg.split_k != 1:
+        raise ValueError(f"gated and push= need one K slice; the tiles have {cfg.split_k}")
+    if push is not None:
+        if bias is not None:
+            raise ValueError("push= takes no bias (a row-parallel bias is added once, after the sum)")
+        push.check(m, n, x.dtype)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -188,7 +229,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[grid](x, weight, scale if scale is not None else out,
                        bias if bias is not None else out, out, part, count,
                        m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
+                       push.bases if push is not None else count,
+                       push.rank if push is not None else 0,
+                       push.part_offset() if push is not None else 0,
                        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
+                       GATED=gated, PUSH_WORLD=push.world if push is not None else 0,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     return out

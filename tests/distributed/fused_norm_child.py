@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from kvfleet_kernels import gemv as gemv_module
 from kvfleet_kernels.all_reduce import all_reduce_rms_norm_ref
 from kvfleet_kernels.norm import rms_norm
 from kvfleet_runtime.distributed.communication import all_reduce
@@ -111,14 +112,69 @@ def main(rank: int, world: int, init_method: str) -> int:
                   graph_same_on_every_rank=_same_on_every_rank(outs[-2]))
 
     _quiesce(device)
-    # batch-1 time per call, from graphs of 64 calls: fused vs all_reduce + rms_norm
+    # the batch-1 GEMVs that send their output themselves (gemv's push=), each followed by the
+    # fused norm that only waits (pushed=True): a CUDA graph of four such pairs, replayed
+    k = DIM // 2
+    gen = torch.Generator().manual_seed(99)
+    weights = [(0.02 * torch.randn(DIM, k, generator=gen)).to(device=device, dtype=torch.bfloat16)
+               for _ in range(world)]
+    static_in = [torch.empty(1, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    cfg = gemv_module.pick_config(1, DIM, k, device)
+    cfg = gemv_module.GemvConfig(**{**cfg.__dict__, "split_k": 1})
+
+    def pushed_chain(residual: torch.Tensor):
+        outs = []
+        for c in range(4):
+            part = gemv_module.gemv(static_in[c], weights[rank], None, cfg,
+                                    push=fused.slots(torch.bfloat16, c % 2))
+            out, residual = fused(part, residual, weight, 1e-5, c % 2, pushed=True)
+            outs += [out, residual]
+        return outs
+
+    with torch.cuda.stream(stream):
+        _quiesce(device)
+        pushed_chain(static_r)                 # warm (compiled) before capture
+        _quiesce(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = pushed_chain(static_r)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    pushed_errors = []
+    for i in range(20):
+        g = torch.Generator().manual_seed(5000 + i)
+        ins = [[torch.randn(1, k, generator=g).to(device=device, dtype=torch.bfloat16)
+                for _ in range(world)] for _ in range(4)]
+        r0 = torch.randn(1, DIM, generator=g).to(device=device, dtype=torch.bfloat16)
+        for c in range(4):
+            static_in[c].copy_(ins[c][rank])
+        static_r.copy_(r0)
+        graph.replay()
+        refs, summed = [], r0
+        for c in range(4):
+            parts_c = [gemv_module.gemv_ref(ins[c][q], weights[q]) for q in range(world)]
+            ref_out, summed = all_reduce_rms_norm_ref(parts_c, weight, 1e-5, summed)
+            refs += [ref_out, summed]
+        pushed_errors.append(_max_err(outs, refs))
+    result.update(pushed_max_error=max(pushed_errors),
+                  pushed_same_on_every_rank=_same_on_every_rank(outs[-2]))
+
+    _quiesce(device)
+    # batch-1 time per call, from graphs of 64 calls: fused vs all_reduce + rms_norm; and
+    # o_proj's GEMV (TP=2 shape) + fused norm with and without the GEMV sending its output
     x, r = parts[rank].clone(), residual.clone()
     timings = {}
-    for name in ("fused", "unfused"):
+    for name in ("fused", "unfused", "gemv+fused", "gemv_push+fused"):
         slots = [0]
 
         def call(x=x, r=r, name=name, slots=slots):
             slots[0] ^= 1
+            if name == "gemv_push+fused":
+                part = gemv_module.gemv(static_in[0], weights[rank], None, cfg,
+                                        push=fused.slots(torch.bfloat16, slots[0]))
+                return fused(part, r, weight, 1e-5, slots[0], pushed=True)
+            if name == "gemv+fused":
+                part = gemv_module.gemv(static_in[0], weights[rank], None, cfg)
+                return fused(part, r, weight, 1e-5, slots[0])
             if name == "fused":
                 return fused(x, r, weight, 1e-5, slots[0])
             return rms_norm(all_reduce(x), weight, 1e-5, r)

@@ -53,6 +53,8 @@ def test_two_gpus_fused_all_reduce_norm_matches_the_reference(capsys):
             assert err <= TOLERANCE[dtype], (dtype, rows, err)
         assert {rows for _, rows, _ in r["eager_errors"]} >= {1, 2, 7, 32, 64}
         assert r["graph_max_error"] <= TOLERANCE["torch.bfloat16"]
+        assert r["pushed_same_on_every_rank"]
+        assert r["pushed_max_error"] <= TOLERANCE["torch.bfloat16"]
     with capsys.disabled():
-        print("\nus per batch-1 call on rank 0 (CUDA graph of 64):",
+        print("\nus per batch-1 call on rank 0 (CUDA graph of 64; gemv: 4096 x 2048 bf16):",
               results[0]["us_per_call"])

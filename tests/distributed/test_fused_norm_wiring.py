@@ -20,16 +20,30 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 
 
 
 class FakeFused:
-    """Stands in for communication.FusedAllReduceNorm: serves every tensor of up to max_rows."""
+    """Stands in for communication.FusedAllReduceNorm: serves every tensor of up to max_rows;
+    its slots are one fp32 buffer per rank of two, in this process (the GEMV pushes into the
+    peer's for real)."""
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows, self.calls = max_rows, []
+        self.slot_bytes = 4096
+        self.buffers = [torch.zeros(2 * 2 * self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.max_rows
+    def fits_output(self, rows, cols, dtype, device) -> bool:
+        return rows <= self.max_rows
 
-    def __call__(self, x, residual, weight, eps, slot):
-        self.calls.append((x.shape[0], slot))
+    def slots(self, dtype, slot):
+        from kvfleet_kernels.all_reduce import PeerSlots
+        bases = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64)
+        return PeerSlots(bases, 0, 2, slot * 2 * self.slot_bytes, self.slot_bytes)
+
+    def sent(self, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """What rank 0 pushed into rank 1's buffer on `slot`."""
+        start = slot * 2 * self.slot_bytes
+        return self.buffers[1][start:start + like.numel() * 4].view(torch.float32).view(like.shape)
+
+    def __call__(self, x, residual, weight, eps, slot, pushed=False):
+        self.calls.append((x.shape[0], slot, pushed))
         return (x + 1, x + residual)
 
 
@@ -85,7 +99,7 @@ def test_where_it_fits_the_projection_skips_its_all_reduce_and_the_norm_does_it(
     partial = proj(x)
     torch.testing.assert_close(partial, x @ proj.weight.t())    # this rank's part, unreduced
     out, summed = norm(partial, residual)
-    assert reduced == [] and fused.calls == [(2, 1)]            # slot = site % 2
+    assert reduced == [] and fused.calls == [(2, 1, False)]     # slot = site % 2
     torch.testing.assert_close(out, partial + 1)
     torch.testing.assert_close(summed, partial + residual)
 
@@ -105,3 +119,73 @@ def test_where_it_does_not_serve_the_projection_reduces_and_the_norm_just_normal
     if why != "fp8-norm":      # (an fp8 norm needs an FP8 consumer to quantize for)
         norm(partial, torch.randn(2, 6))
     assert fused.calls == []
+
+
+@pytest.fixture
+def batch_one_gemv_on(monkeypatch):
+    """Every batch-1 projection on kvfleet_kernels.gemv (KVFLEET_TRITON_GEMV=1), as the tuned
+    shapes are on an H200."""
+    monkeypatch.setattr(linear_module, "_TRITON_GEMV", True)
+
+
+@pytest.mark.parametrize("site", [2, 5])
+def test_at_batch_one_the_gemv_sends_its_output_and_the_norm_only_waits(
+        rank0_of_2, batch_one_gemv_on, site):
+    state, reduced = rank0_of_2
+    state.fused_norm = fused = FakeFused(max_rows=4)
+    proj, norm = _pair(site=site)
+    x, residual = torch.randn(1, 4), torch.randn(1, 6)
+    partial = proj(x)
+    torch.testing.assert_close(partial, x @ proj.weight.t())
+    assert torch.equal(fused.sent(site % 2, partial), partial)     # into the peer's slot
+    norm(partial, residual)
+    assert reduced == [] and fused.calls == [(1, site % 2, True)]
+
+
+@pytest.mark.parametrize("why", ["two-rows", "bias", "push-off", "gemv-off"])
+def test_where_the_gemv_does_not_send_the_norm_does(rank0_of_2, batch_one_gemv_on,
+                                                     monkeypatch, why):
+    state, reduced = rank0_of_2
+    state.fused_norm = fused = FakeFused(max_rows=4)
+    if why == "push-off":
+        monkeypatch.setattr(linear_module, "_PUSH_GEMV", False)
+    if why == "gemv-off":
+        monkeypatch.setattr(linear_module, "_TRITON_GEMV", False)
+    proj, norm = _pair(site=1)
+    if why == "bias":        # (rank 0 adds it; every rank must decide alike: none pushes)
+        proj.bias = torch.nn.Parameter(torch.randn(6), requires_grad=False)
+    x = torch.randn(2 if why == "two-rows" else 1, 4)
+    partial = proj(x)
+    assert torch.count_nonzero(fused.sent(1, partial)) == 0
+    norm(partial, torch.randn_like(partial))
+    assert reduced == [] and fused.calls == [(x.shape[0], 1, False)]
+
+
+@pytest.mark.parametrize("tp", [False, True])
+def test_the_mlp_computes_its_activation_inside_the_down_gemv_at_batch_one(
+        rank0_of_2, batch_one_gemv_on, monkeypatch, tp):
+    from kvfleet_runtime.layers import activation as activation_module
+    from kvfleet_runtime.models.llama import DecoderMLP
+    state, reduced = rank0_of_2
+    if not tp:
+        monkeypatch.setattr(parallel_state, "_state", parallel_state.ParallelState())
+    else:
+        state.fused_norm = FakeFused(max_rows=4)
+    mlp = DecoderMLP(ModelConfig.from_hf(TINY), torch.float32, None, "mlp")
+    for p in mlp.parameters():
+        p.data.normal_()
+    if tp:
+        _, norm = _pair(site=0)
+        reduce_in_norm(mlp.down_proj, norm, 3)
+    x = torch.randn(1, 16)
+    expected = mlp.down_proj.forward(mlp.act_fn(mlp.gate_up_proj(x)))
+    acts = []
+    real = activation_module.SiluAndMul.forward
+    monkeypatch.setattr(activation_module.SiluAndMul, "forward",
+                        lambda self, t: acts.append(t.shape) or real(self, t))
+    assert torch.equal(mlp(x), expected)
+    assert acts == []                                   # no activation kernel at batch 1
+    mlp(torch.randn(2, 16))
+    assert acts == [(2, 64 // (2 if tp else 1))]        # above it, the activation runs
+    monkeypatch.setattr(linear_module, "_GATED_GEMV", False)
+    assert torch.equal(mlp(x), expected) and len(acts) == 2

@@ -135,18 +135,26 @@ def test_heads_not_divisible_by_ranks_is_a_clear_error_and_leaves_no_worker(tp_m
 @pytest.mark.gpu
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("case", ["llama3-gqa", "llama3-one-kv-head", "qwen2"])
-def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, tp_model_dir):
+@pytest.mark.parametrize("case, every_gemv", [("llama3-gqa", False), ("llama3-one-kv-head", False),
+                                              ("qwen2", False), ("llama3-gqa", True)])
+def test_two_gpus_greedy_matches_one_gpu_with_cuda_graphs(case, every_gemv, tp_model_dir):
     # in a process of its own (tp_gpu_child.py): a hung NCCL teardown stays there. If a rank
     # hangs anyway, its stacks are dumped every 80 s and the child is killed at the timeout.
+    # every_gemv: KVFLEET_TRITON_GEMV=1 puts these tiny shapes' batch-1 projections on the GEMV
+    # (as Llama-3.1-8B's are on an H200): down_proj computes the SiLU, and the row-parallel
+    # GEMVs send their outputs to the peer themselves
     here = Path(__file__).resolve().parent
     env = {**os.environ, "KVFLEET_WORKER_STACKS_AFTER_S": "80",
            "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    if every_gemv:
+        env["KVFLEET_TRITON_GEMV"] = "1"
     done = subprocess.run([sys.executable, str(here / "tp_gpu_child.py"), tp_model_dir(case)],
                           env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["tp"] == result["ref"]
+    if every_gemv:
+        assert result["gemv_pushes"] > 0 and result["gated_gemvs"] > 0, result
     assert result["graphs"]                      # decode steps replayed graphs
     # the small all-reduces went through symmetric memory (one-shot), inside the graphs too
     assert result["one_shot"], done.stderr[-4000:]

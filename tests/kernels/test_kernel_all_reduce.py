@@ -60,7 +60,9 @@ def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
 
 
 def _check(world: int, rank: int, rows: int, dim: int, dtype: torch.dtype, slot: int,
-           with_residual: bool, seed: int) -> None:
+           with_residual: bool, seed: int, pushed: bool = False) -> None:
+    # pushed: the GEMV that wrote x sent it (gemv's push=, tests/kernels/test_kernel_gemv.py):
+    # the kernel must not send it again
     gen = torch.Generator().manual_seed(seed)
     parts = [_randn(rows, dim, dtype=dtype, gen=gen) for _ in range(world)]
     parts[rank][0, :3] = -0.0          # sent as +0.0 (-0.0 marks "empty")
@@ -73,7 +75,7 @@ def _check(world: int, rank: int, rows: int, dim: int, dtype: torch.dtype, slot:
     x_before = parts[rank].clone()
 
     got = all_reduce_rms_norm(parts[rank], weight, 1e-6, residual, ranks.bases, rank, world,
-                              ranks.offset(slot), slot_bytes)
+                              ranks.offset(slot), slot_bytes, pushed)
     ref = all_reduce_rms_norm_ref(parts, weight, 1e-6, residual)
     tol = TOLERANCE[dtype]
     if with_residual:
@@ -91,7 +93,8 @@ def _check(world: int, rank: int, rows: int, dim: int, dtype: torch.dtype, slot:
     emptied = torch.full(sent.shape, mark, dtype=view, device=DEVICE).view(dtype)
     for peer in range(world):
         if peer != rank:
-            ranks.part_of(expected[peer], slot, rank, sent).copy_(sent)   # into every peer's
+            if not pushed:
+                ranks.part_of(expected[peer], slot, rank, sent).copy_(sent)   # into every peer's
             ranks.part_of(expected[rank], slot, peer, sent).copy_(emptied)    # read, emptied
     for owner, (b, e) in enumerate(zip(ranks.buffers, expected, strict=True)):
         assert torch.equal(b, e), f"rank {owner}'s buffer"
@@ -99,9 +102,10 @@ def _check(world: int, rank: int, rows: int, dim: int, dtype: torch.dtype, slot:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world, rank", [(2, 0), (2, 1), (3, 2)])
-def test_one_row_sums_every_rank_then_normalises(world, rank, dtype):
+@pytest.mark.parametrize("pushed", [False, True])
+def test_one_row_sums_every_rank_then_normalises(world, rank, dtype, pushed):
     _check(world, rank, rows=1, dim=96, dtype=dtype, slot=rank % 2, with_residual=True,
-           seed=10 * world + rank)
+           seed=10 * world + rank, pushed=pushed)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -109,6 +113,53 @@ def test_rows_beyond_the_program_count_are_looped_over(with_residual):
     # MAX_PROGRAMS programs, each taking several rows, and a width that is not a power of two
     _check(2, 1, rows=MAX_PROGRAMS + 7, dim=48, dtype=torch.float32, slot=1,
            with_residual=with_residual, seed=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemvs_that_push_then_norms_that_only_wait_reduce_like_the_reference(dtype, gated):
+    # Both ranks of two played in one process, in the order the GPUs may run them: each
+    # rank's batch-1 GEMV (gemv's push=) sends its output into the other's slot, then each
+    # rank's norm (pushed=True) sums. Same result on both ranks, the reference's, and every
+    # slot empty again afterwards.
+    from kvfleet_kernels.all_reduce import PeerSlots
+    from kvfleet_kernels.gemv import GemvConfig, gemv, gemv_ref
+    world, rows, dim, k, slot = 2, 1, 80, 96, 1
+    gen = torch.Generator().manual_seed(5 + gated)
+    xs = [_randn(rows, 2 * k if gated else k, dtype=dtype, gen=gen) for _ in range(world)]
+    ws = [_randn(dim, k, dtype=dtype, gen=gen) * 0.1 for _ in range(world)]
+    if dtype != torch.float32:
+        ws[0][3] = 0.0             # output column 3 of rank 0: a tiny negative sum, rounded
+        ws[0][3, 0] = -1e-5        # to -0.0 in 16 bits (sent as +0.0)
+        xs[0][0, 0] = 1e-3 if gated else 1e-4
+        if gated:
+            xs[0][0, k] = 1e-3
+    residual = _randn(rows, dim, dtype=dtype, gen=gen)
+    weight = (1 + 0.1 * _randn(dim, dtype=torch.float32, gen=gen)).to(dtype)
+    slot_bytes = 512
+    ranks = Ranks(world, slot_bytes, dtype)
+    empty = [b.clone() for b in ranks.buffers]
+    cfg = GemvConfig(16, 32, 1, 4, 1, prefetch=True)
+    parts = []
+    for rank in range(world):
+        to = PeerSlots(ranks.bases, rank, world, ranks.offset(slot), slot_bytes)
+        parts.append(gemv(xs[rank], ws[rank], None, cfg, gated=gated, push=to))
+        assert torch.equal(parts[rank], gemv(xs[rank], ws[rank], None, cfg, gated=gated))
+        torch.testing.assert_close(parts[rank].float(),
+                                   gemv_ref(xs[rank], ws[rank], gated=gated).float(),
+                                   rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    if dtype != torch.float32:
+        assert str(parts[0][0, 3].item()) == "-0.0"
+    got = [all_reduce_rms_norm(parts[r], weight, 1e-6, residual, ranks.bases, r, world,
+                               ranks.offset(slot), slot_bytes, pushed=True)
+           for r in range(world)]
+    ref = all_reduce_rms_norm_ref(parts, weight, 1e-6, residual)
+    for out, summed in got:
+        assert torch.equal(out, got[0][0]) and torch.equal(summed, got[0][1])
+        torch.testing.assert_close(out, ref[0], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+        torch.testing.assert_close(summed, ref[1], rtol=0, atol=0)
+    for b, e in zip(ranks.buffers, empty, strict=True):
+        assert torch.equal(b, e)
 
 
 def test_bad_arguments_are_named():

@@ -57,6 +57,49 @@ def test_split_k_counters_are_back_at_zero_and_the_workspace_is_reused():
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match=r"expected \[N, 8\]"):
         gemv(torch.zeros(1, 8), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match=r"expected \[N, 4\]"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 8), gated=True)
+    with pytest.raises(ValueError, match=r"not \[M, 2K\]"):
+        gemv(torch.zeros(1, 7), torch.zeros(4, 3), gated=True)
+    with pytest.raises(ValueError, match="one K slice"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 4), None, GemvConfig(16, 32, 2, 4, 1), gated=True)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gated_input_is_the_activation_kernels_output_bit_for_bit(m, dtype, prefetch):
+    # gated=True: x = [gate | up] and the GEMV's input is SiLU(gate) * up, rounded as
+    # silu_and_mul rounds it: the same bits as the activation kernel and then the GEMV
+    from kvfleet_kernels.activation import silu_and_mul
+    g = torch.Generator().manual_seed(m + 2 * prefetch)
+    k, n = 72, 40                       # K not a multiple of the K tile
+    x = (torch.randn(m, 2 * k, generator=g) * 3).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    cfg = GemvConfig(16, 32, 1, 4, 1, prefetch=prefetch)
+    out = gemv(x, w, b, cfg, gated=True)
+    assert torch.equal(out, gemv(silu_and_mul(x), w, b, cfg))
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    ref = gemv_ref(x, w, b, gated=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    # a gate|up row that is not contiguous in memory (a slice of a wider tensor)
+    wide = torch.zeros(m, 2 * k + 8, dtype=dtype)
+    wide[:, :2 * k] = x
+    assert torch.equal(gemv(wide[:, :2 * k], w, b, cfg, gated=True), out)
+
+
+def test_push_arguments_are_checked():
+    from kvfleet_kernels.all_reduce import PeerSlots
+    x, w = torch.zeros(1, 8), torch.zeros(16, 8)
+    cfg = GemvConfig(16, 32, 1, 4, 1)
+    bases = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="takes no bias"):
+        gemv(x, w, torch.zeros(16), cfg, push=PeerSlots(bases, 0, 2, 0, 1024))
+    with pytest.raises(ValueError, match="does not fit a slot of 32 bytes"):
+        gemv(x, w, None, cfg, push=PeerSlots(bases, 0, 2, 0, 32))
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        gemv(x, w, None, cfg, push=PeerSlots(bases, 2, 2, 0, 1024))
 
 
 @pytest.mark.gpu
@@ -87,6 +130,21 @@ def test_gpu_gemv_at_its_tuned_tiles(key):
     w = (torch.randn(n, k, generator=g) * 0.02).to(device="cuda", dtype=torch.bfloat16)
     ref = gemv_ref(x, w)
     torch.testing.assert_close(gemv(x, w, None, TUNED[key]).float(), ref.float(), rtol=1.6e-2,
+                               atol=1e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [14336, 7168])         # down_proj at TP=1 and on a TP=2 rank
+def test_gpu_gated_down_projection_is_the_unfused_pair_bit_for_bit(k):
+    from kvfleet_kernels.activation import silu_and_mul
+    g = torch.Generator().manual_seed(k)
+    x = (2 * torch.randn(1, 2 * k, generator=g)).to(device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(4096, k, generator=g) * 0.02).to(device="cuda", dtype=torch.bfloat16)
+    cfg = gemv_module.tuned_config(4096, k, x.device) or GemvConfig(8, 512, 1, 8, 1, True)
+    out = gemv(x, w, None, cfg, gated=True)
+    assert torch.equal(out, gemv(silu_and_mul(x), w, None, cfg))
+    ref = gemv_ref(x, w, gated=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2,
                                atol=1e-2 * ref.float().abs().max().item())
 
 

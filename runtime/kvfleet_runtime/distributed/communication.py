@@ -57,6 +57,26 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+
+# the byte limits of the symmetric-memory paths (0 turns one off)
+SIZE_SETTINGS = {"KVFLEET_TP_ONE_SHOT_MAX_BYTES": 512 * 1024, "KVFLEET_TP_TWO_SHOT_MAX_BYTES": 0,
+                 "KVFLEET_TP_FUSED_NORM_MAX_BYTES": 512 * 1024}
+
+
+def size_setting(name: str) -> int:
+    """One of SIZE_SETTINGS from the environment: an integer >= 0, or its default if unset."""
+    value = os.environ.get(name, "")
+    if value == "":
+        return SIZE_SETTINGS[name]
+    try:
+        size = int(value)
+    except ValueError:
+        size = -1
+    if size < 0:
+        raise ValueError(f"{name} must be a number of bytes (an integer >= 0); got {value!r}")
+    return size
+
+
 class OneShotAllReduce:
     """Small all-reduces through symmetric memory (`torch.ops.symm_mem`): each rank copies its
     tensor into a buffer every peer can read over NVLink, and one kernel sums all ranks' copies.
@@ -94,12 +114,12 @@ class OneShotAllReduce:
 
     @classmethod
     def create(cls, device: torch.device) -> OneShotAllReduce | None:
-        max_bytes = int(os.environ.get("KVFLEET_TP_ONE_SHOT_MAX_BYTES", str(512 * 1024)))
+        max_bytes = size_setting("KVFLEET_TP_ONE_SHOT_MAX_BYTES")
         if max_bytes <= 0:
             log.info("tensor-parallel all-reduce: NCCL for every size "
                      "(KVFLEET_TP_ONE_SHOT_MAX_BYTES=0)")
             return None
-        two_shot_max = int(os.environ.get("KVFLEET_TP_TWO_SHOT_MAX_BYTES", "0"))
+        two_shot_max = size_setting("KVFLEET_TP_TWO_SHOT_MAX_BYTES")
         one_shot, reason = _set_up_on_every_rank(lambda: cls(device, max_bytes, two_shot_max),
                                                  device)
         if one_shot is not None:
@@ -197,7 +217,7 @@ class FusedAllReduceNorm:
 
     @classmethod
     def create(cls, device: torch.device) -> FusedAllReduceNorm | None:
-        max_bytes = int(os.environ.get("KVFLEET_TP_FUSED_NORM_MAX_BYTES", str(512 * 1024)))
+        max_bytes = size_setting("KVFLEET_TP_FUSED_NORM_MAX_BYTES")
         if max_bytes <= 0 or device.type != "cuda":
             log.info("tensor-parallel all-reduce + RMSNorm: not fused%s",
                      " (KVFLEET_TP_FUSED_NORM_MAX_BYTES=0)" if max_bytes <= 0 else "")
@@ -242,27 +262,65 @@ class FusedAllReduceNorm:
         return None
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype in self.DTYPES and x.dim() == 2 and x.is_contiguous()
-                and x.numel() * x.element_size() <= self.max_bytes and x.shape[1] <= 16384)
+        return (x.dim() == 2 and x.is_contiguous()
+                and self.fits_output(x.shape[0], x.shape[1], x.dtype, x.device))
+
+    def fits_output(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a contiguous [rows, cols] output of this dtype and device fits."""
+        return (device.type == "cuda" and dtype in self.DTYPES
+                and rows * cols * dtype.itemsize <= self.max_bytes and cols <= 16384)
+
+    def slots(self, dtype: torch.dtype, slot: int):
+        """Where a call on `slot` (0, 1) sends this dtype's parts (kvfleet_kernels.all_reduce's
+        PeerSlots): what a GEMV pushing its output there needs (gemv's push=)."""
+        from kvfleet_kernels.all_reduce import PeerSlots
+        return PeerSlots(self.bases, self.rank, self.world,
+                         self.offsets[dtype] + slot * self.world * self.slot_bytes,
+                         self.slot_bytes)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, slot: int):
+                 eps: float, slot: int, pushed: bool = False):
         """Sum x over the ranks, then RMSNorm(sum + residual). Consecutive calls must use
-        different slots (0, 1): the decoder's call sites alternate (reduce_in_norm)."""
+        different slots (0, 1): the decoder's call sites alternate (reduce_in_norm).
+        pushed: the GEMV that wrote x sent it to the peers' `slots(x.dtype, slot)` already."""
         from kvfleet_kernels.all_reduce import all_reduce_rms_norm
-        offset = self.offsets[x.dtype] + slot * self.world * self.slot_bytes
-        return all_reduce_rms_norm(x, weight, eps, residual, self.bases, self.rank, self.world,
-                                   offset, self.slot_bytes)
+        to = self.slots(x.dtype, slot)
+        return all_reduce_rms_norm(x, weight, eps, residual, to.bases, to.rank, to.world,
+                                   to.offset, to.slot_bytes, pushed)
 
 
 def fused_norm_for(x: torch.Tensor, norm) -> FusedAllReduceNorm | None:
     """The fused all-reduce + RMSNorm that serves `norm` on `x` (a row-parallel layer's
-    output), or None. The layer and the norm both ask, on the same tensor: the layer leaves
-    `x` unreduced exactly where the norm will reduce it."""
+    output), or None. The layer (before it computes x: fused_norm_for_output) and the norm
+    both ask about the same tensor: the layer leaves `x` unreduced exactly where the norm
+    will reduce it."""
+    if x.dim() != 2 or not x.is_contiguous():
+        return None
+    return fused_norm_for_output(x, x.shape[0], x.shape[1], norm)
+
+
+def fused_norm_for_output(like: torch.Tensor, rows: int, cols: int,
+                          norm) -> FusedAllReduceNorm | None:
+    """fused_norm_for of a contiguous [rows, cols] output of `like`'s dtype and device."""
     fused = get_state().fused_norm
-    if fused is None or norm.fp8_out or not fused.fits(x) or not use_triton(x):
+    if (fused is None or norm.fp8_out or not fused.fits_output(rows, cols, like.dtype, like.device)
+            or not use_triton(like)):
         return None
     return fused
+
+
+_PUSHED = "_kvfleet_pushed_to_peers"
+
+
+def mark_pushed(x: torch.Tensor) -> torch.Tensor:
+    """Record that the GEMV that wrote `x` also sent it into the peers' slots of the fused
+    all-reduce + RMSNorm (gemv's push=), so the norm only waits for theirs."""
+    setattr(x, _PUSHED, True)
+    return x
+
+
+def was_pushed(x: torch.Tensor) -> bool:
+    return getattr(x, _PUSHED, False)
 
 
 def gather_to_first(x: torch.Tensor) -> torch.Tensor | None:

@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_runtime.distributed.communication import all_reduce, fused_norm_for
+from kvfleet_runtime.distributed.communication import (
+    all_reduce,
+    fused_norm_for,
+    fused_norm_for_output,
+    mark_pushed,
+)
 from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
 from kvfleet_runtime.layers.backend import use_triton
 
@@ -43,6 +48,21 @@ def gemv_modes(value: str) -> tuple[bool, bool, bool]:
 
 
 _TRITON_GEMV, _TUNED_GEMV, _FP8_GEMV = gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
+
+
+def on_off(name: str, value: str) -> bool:
+    """An on-by-default switch: unset or 1 -> on, 0 -> off."""
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be unset, 0 or 1; got {value!r}")
+    return value != "0"
+
+
+# what the batch-1 GEMV of plain weights takes over (kvfleet_kernels.gemv: gated=, push=):
+# KVFLEET_GEMV_SILU: the gated MLP's SiLU(gate) * up, computed inside the down projection's GEMV;
+# KVFLEET_GEMV_PUSH: under tensor parallelism, sending its output to the peers for the fused
+# all-reduce + RMSNorm that reads it. Both on by default; =0 turns one off (to measure it).
+_GATED_GEMV = on_off("KVFLEET_GEMV_SILU", os.environ.get("KVFLEET_GEMV_SILU", ""))
+_PUSH_GEMV = on_off("KVFLEET_GEMV_PUSH", os.environ.get("KVFLEET_GEMV_PUSH", ""))
 
 
 def batch_one_gemv(x: torch.Tensor) -> bool:
@@ -72,6 +92,22 @@ def _batch_one_choice(owner: nn.Module, weight: torch.Tensor, device: torch.devi
         config = tuned_config(*weight.shape, device)
         choice = owner.__dict__["_batch_one_gemv"] = (config is not None or _TRITON_GEMV, config)
     return choice
+
+
+def fusing_gemv_config(layer: Linear, x: torch.Tensor):
+    """The tiles of the batch-1 GEMV where it serves `layer` (plain weights) on x in one K
+    slice, i.e. where it can also take SiLU(gate) * up as its input and push its output to
+    the peers (kvfleet_kernels.gemv); None elsewhere. The same answer on every rank."""
+    if (type(layer.linear_method) is not LinearMethod or layer.weight.is_mkldnn
+            or not (_TRITON_GEMV or _TUNED_GEMV) or not batch_one_gemv(x)):
+        return None
+    take, config = _batch_one_choice(layer, layer.weight, x.device)
+    if not take:
+        return None
+    if config is None:
+        from kvfleet_kernels.gemv import pick_config
+        config = pick_config(1, *layer.weight.shape, x.device)
+    return config if config.split_k == 1 else None
 
 
 class LinearMethod:
@@ -166,16 +202,47 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        # x: [T, in] -> [T, out]. gated (only where takes_gated(x) said so): x is [T, 2 * in] =
+        # [gate | up] of a gated MLP and the layer's input is SiLU(gate) * up
         if self.parallel != "row":
-            return self.linear_method.apply(self, x, self.bias)
+            return self._apply(x, self.bias, gated)
+        if self.reduced_by and _PUSH_GEMV and self.bias is None:
+            pushed = self._pushing_gemv(x, gated)
+            if pushed is not None:
+                return pushed     # the norm that reads it only waits for the peers' parts
         # every rank's partial sum goes into the all-reduce; the bias must enter it once
         bias = self.bias if get_tp_rank() == 0 else None
-        out = self.linear_method.apply(self, x, bias)
+        out = self._apply(x, bias, gated)
         if self.reduced_by and fused_norm_for(out, self.reduced_by[0]) is not None:
             return out            # the norm that reads it sums it over the ranks
         return all_reduce(out)
+
+    def takes_gated(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, gated=True) computes SiLU(gate) * up of x = [gate | up] inside
+        this layer's batch-1 GEMV (the gated MLP asks; otherwise it runs its activation)."""
+        return _GATED_GEMV and fusing_gemv_config(self, x) is not None
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+        if gated:
+            from kvfleet_kernels.gemv import gemv
+            return gemv(x, self.weight, bias, fusing_gemv_config(self, x), gated=True)
+        return self.linear_method.apply(self, x, bias)
+
+    def _pushing_gemv(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """A row-parallel layer at batch 1 whose norm takes the fused all-reduce + RMSNorm: the
+        GEMV that also sends its output into the peers' slots of that norm's call (gemv's
+        push=); None where that does not serve (every rank decides the same)."""
+        config = fusing_gemv_config(self, x)
+        norm = self.reduced_by[0]
+        fused = (fused_norm_for_output(x, x.shape[0], self.output_size, norm)
+                 if config is not None else None)
+        if fused is None:
+            return None
+        from kvfleet_kernels.gemv import gemv
+        out = gemv(x, self.weight, None, config, gated=gated,
+                   push=fused.slots(x.dtype, norm.reduce_site % 2))
+        return mark_pushed(out)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: int | None = None) -> None:

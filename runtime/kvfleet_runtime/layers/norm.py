@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvfleet_runtime.distributed.communication import fused_norm_for
+from kvfleet_runtime.distributed.communication import fused_norm_for, was_pushed
 from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.quantization.fp8 import FP8Activation, takes_fp8_activation
 
@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
         if self.reduces_input:
             fused = fused_norm_for(x, self)
             if fused is not None:     # the row-parallel layer left x unreduced
-                return fused(x, residual, self.weight, self.eps, self.reduce_site % 2)
+                return fused(x, residual, self.weight, self.eps, self.reduce_site % 2,
+                             was_pushed(x))
         if self.fp8_out and takes_fp8_activation(x):
             from kvfleet_kernels.norm import rms_norm_fp8
             q, scale, summed = rms_norm_fp8(x, self.weight, self.eps, residual)

@@ -112,7 +112,10 @@ class DecoderMLP(nn.Module):
         feeds_fp8(self.act_fn, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.takes_gated(gate_up):     # SiLU(gate) * up inside the down GEMV
+            return self.down_proj(gate_up, gated=True)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class DecoderLayer(nn.Module):

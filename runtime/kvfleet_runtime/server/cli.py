@@ -66,6 +66,11 @@ def check_kernel_environment() -> None:
 
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
+    for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH"):
+        linear.on_off(name, os.environ.get(name, ""))
+    from kvfleet_runtime.distributed import communication
+    for name in communication.SIZE_SETTINGS:
+        communication.size_setting(name)
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
     paged_attention.decode_env()
     fp8.fast_accum_default()
