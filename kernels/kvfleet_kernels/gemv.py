@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kvfleet_kernels.activation import silu_and_mul_ref, silu_mul_row
 from kvfleet_kernels.all_reduce import PeerSlots, clean_zero
-from kvfleet_kernels.pdl import l2_prefetch, l2_prefetch_enabled, pdl_args, pdl_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import split_for, store_or_reduce, workspace
 
 
@@ -72,16 +72,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
                  stride_xm, stride_wn, bases_ptr, rank, push_offset,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
-                 PUSH_WORLD: tl.constexpr = 0, L2_PREFETCH: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 PUSH_WORLD: tl.constexpr = 0, PDL: tl.constexpr = False):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
     # PREFETCH: the slice's next tile is loaded before the current one is multiplied; its first
     # weight tile is loaded before the PDL wait (weights are no earlier kernel's output).
     # PUSH_WORLD > 0 (one K slice, no bias): the outputs also go to every other rank's buffer
     # (bases_ptr: int64 addresses), push_offset bytes in (this rank's part of the slot).
-    # L2_PREFETCH: before the PDL wait, the program's whole weight slice is requested into L2
-    # (pdl.l2_prefetch), to be read from there by the tile loads.
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -89,11 +86,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
     mask_n = offs_n < N
     n_tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if L2_PREFETCH:     # one K slice, rows of K contiguous: the tile's rows are one range
-        if m == 0:
-            rows = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N)
-            l2_prefetch(w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn,
-                        rows * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
     if PREFETCH:
         w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
         pdl_wait(PDL)
@@ -200,22 +192,6 @@ def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
     return found if found is not None else TUNED.get(key)
 
 
-# Weights up to this size are requested into L2 whole before the PDL wait (H200: 50 MB of L2).
-# Larger ones are not: their programs resident at the start alone would ask for more than L2
-# holds (gate_up's at 1792 x 128 KB), evicting each other's rows before they are read.
-L2_PREFETCH_MAX_BYTES = 40 << 20
-
-
-def _l2_prefetch(weight: torch.Tensor, cfg: GemvConfig) -> bool:
-    """Whether each program asks L2 for its weight rows, one range (pdl.l2_prefetch): the
-    prefetching tiles in one K slice, rows contiguous and 16-byte aligned, the weight small
-    enough for L2."""
-    return (cfg.prefetch and cfg.split_k == 1 and weight.is_contiguous()
-            and weight.numel() * weight.element_size() <= L2_PREFETCH_MAX_BYTES
-            and weight.data_ptr() % 16 == 0 and weight.shape[1] * weight.element_size() % 16 == 0
-            and l2_prefetch_enabled(weight.device))
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
          gated: bool = False, push: PeerSlots | None = None) -> torch.Tensor:
@@ -259,6 +235,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
                        GATED=gated, PUSH_WORLD=push.world if push is not None else 0,
-                       L2_PREFETCH=_l2_prefetch(weight, cfg),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     return out

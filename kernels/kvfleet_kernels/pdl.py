@@ -17,13 +17,7 @@ What a kernel loads before its wait must not be written by the kernel right befo
 GEMVs' weights are written once, at load time, many kernels before any forward pass.
 
 On by default on sm_90 and newer (KVFLEET_PDL unset or =1; =0 turns it off; the interpreter
-never uses it).
-
-`l2_prefetch` goes one step further for a GEMV's weights: before its wait, each program asks
-L2 for its whole weight slice (`cp.async.bulk.prefetch.L2`, one instruction per 64 KB, no
-registers and no wait), so the weights stream from HBM while the kernel before it (a norm, the
-attention's reduction) is still running, and the GEMV then reads them from L2.
-KVFLEET_L2_PREFETCH (unset or 1: on where PDL is; 0: off). Measured on an H200 in one call (docs/PERFORMANCE.md): batch-1 decode of the
+never uses it). Measured on an H200 in one call (docs/PERFORMANCE.md): batch-1 decode of the
 Llama-3.1-8B shape 214.1 -> 226.5 tok/s in bf16, 331.8 -> 359.3 with GPTQ 4-bit, TP=2 285.1 ->
 299.1; 128/128 at 1024 running unchanged (17,766 vs 17,787).
 """
@@ -45,16 +39,8 @@ def pdl_mode(value: str) -> bool:
     return value != "0"
 
 
-def l2_prefetch_mode(value: str) -> bool:
-    """KVFLEET_L2_PREFETCH's value -> on/off."""
-    if value not in ("", "0", "1"):
-        raise ValueError(f"KVFLEET_L2_PREFETCH must be unset, 0 or 1; got {value!r}")
-    return value != "0"
-
-
 # read once: the eager decode loop launches ~300 kernels a step
 _ON = pdl_mode(os.environ.get("KVFLEET_PDL", ""))
-_L2_PREFETCH = l2_prefetch_mode(os.environ.get("KVFLEET_L2_PREFETCH", ""))
 _OFF_ARGS = {"PDL": False}
 _ON_ARGS = {"PDL": True, "launch_pdl": True}
 
@@ -64,11 +50,6 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on `device` use PDL (an sm_90+ GPU, KVFLEET_PDL not 0)."""
     return (_ON and device.type == "cuda" and not triton.knobs.runtime.interpret
             and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def l2_prefetch_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` issue l2_prefetch (where PDL runs: sm_90+, compiled)."""
-    return _L2_PREFETCH and pdl_enabled(device)
 
 
 def pdl_args(device: torch.device) -> dict:
@@ -82,26 +63,3 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-# thread 0 of the program asks L2 for $2 bytes from address $1; $0 is a dummy result
-_L2_PREFETCH_ASM = tl.constexpr("""{
-.reg .pred %p_l2;
-.reg .u32 %t_l2;
-mov.u32 %t_l2, %tid.x;
-setp.eq.u32 %p_l2, %t_l2, 0;
-@%p_l2 cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def l2_prefetch(ptr, nbytes, CHUNK: tl.constexpr = 65536):
-    """Start loading `nbytes` (a multiple of 16) from `ptr` (16-byte aligned) into L2 without
-    waiting for them (sm_90+; only where l2_prefetch_enabled). A hint: what arrives in time
-    is read from L2 by the loads that follow, the rest from memory as usual."""
-    addr = ptr.to(tl.int64)
-    for start in range(0, nbytes, CHUNK):
-        size = tl.minimum(nbytes - start, CHUNK)
-        tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [addr + start, size],
-                                  dtype=tl.int32, is_pure=False, pack=1)

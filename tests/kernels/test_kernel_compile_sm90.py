@@ -58,14 +58,12 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bo
                  PDL=pdl))
 
 
-def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False,
-               **flags: bool | int) -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "bases_ptr": "*i64",
-           "push_offset": "i64"}
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
-            dict(HAS_BIAS=not flags.get("PUSH_WORLD"), HAS_SCALE=weight == "*fp8e4nv",
-                 BLOCK_N=16, BLOCK_K=512, PREFETCH=prefetch, PDL=pdl, **flags))
+            dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512,
+                 PREFETCH=prefetch, PDL=pdl))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -138,12 +136,6 @@ CASES = {
     "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),
     "gemv_bf16_prefetch": (_gemv_bf16(prefetch=True), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     "gemv_fp8_weight_prefetch": (_gemv_bf16("*fp8e4nv", prefetch=True), ["cvt.rn.f16x2.e4m3x2"]),
-    # SiLU(gate) * up computed as the input tiles are loaded, with the instructions of the
-    # activation kernel (silu_mul_row: its exp and division, rounded to bf16)
-    "gemv_bf16_gated": (_gemv_bf16(prefetch=True, GATED=True),
-                        ["ex2.approx.f32", "div.full.f32", "cvt.rn.bf16"]),
-    # the outputs also stored into the peers' buffers, at addresses loaded from bases_ptr
-    "gemv_bf16_push": (_gemv_bf16(prefetch=True, PUSH_WORLD=2), ["ld.global.b64", "st.global"]),
     # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
     "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),
                               ["cvt.rn.satfinite.e4m3x2"]),
@@ -181,8 +173,6 @@ _PDL = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
 PDL_CASES = {
     "gemv_bf16_pdl": (_gemv_bf16(pdl=True), _PDL),
     "gemv_bf16_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True), _PDL),
-    "gemv_bf16_l2_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True, L2_PREFETCH=True),
-                                  _PDL + ["cp.async.bulk.prefetch.L2.global"]),
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
@@ -198,8 +188,6 @@ PDL_CASES = {
 }
 _PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
                     "w4a16_gemv_f16x2_prefetch_pdl"]
-# and these ask L2 for their weights before that wait too
-_PDL_L2_FIRST = ["gemv_bf16_l2_prefetch_pdl"]
 
 
 def _compile_in_child(loop: str) -> str:
@@ -239,17 +227,13 @@ def test_pdl_kernels_compile_for_sm90() -> None:
         "    for n in needles:\n"
         "        print(case, repr(n), n in ptx)\n"
         "    if case in t._PDL_LOADS_FIRST:\n"
-        "        print(case, 'load-first', ptx.index('ld.global') < ptx.index('griddepcontrol.wait'))\n"
-        "    if case in t._PDL_L2_FIRST:\n"
-        "        print(case, 'l2-first', ptx.index('cp.async.bulk.prefetch') < ptx.index('griddepcontrol.wait'))\n")
+        "        print(case, 'load-first', ptx.index('ld.global') < ptx.index('griddepcontrol.wait'))\n")
     for case, (_, needles) in PDL_CASES.items():
         assert f"{case} griddepcontrol {bool(needles)}" in out, out
         for n in needles:
             assert f"{case} {n!r} True" in out, out
     for case in _PDL_LOADS_FIRST:
         assert f"{case} load-first True" in out, out
-    for case in _PDL_L2_FIRST:
-        assert f"{case} l2-first True" in out, out
 
 
 @pytest.mark.slow

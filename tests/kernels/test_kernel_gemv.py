@@ -166,20 +166,3 @@ def test_tuned_tiles_from_a_sweep_file(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLEET_GEMV_TUNED", str(path2))
     with pytest.raises(ValueError, match="KVFLEET_GEMV_TUNED=.*bad.json"):
         gemv_module.tuned_config(48, 256, cpu)
-
-
-def test_which_weights_are_requested_into_l2_before_the_wait(monkeypatch):
-    # (the instruction itself: test_kernel_compile_sm90.py; on the GPU every gpu test above
-    # runs with it where it applies)
-    monkeypatch.setattr(gemv_module, "l2_prefetch_enabled", lambda device: True)
-    one_slice = GemvConfig(8, 512, 1, 4, 1, prefetch=True)
-    w = torch.zeros(3072, 4096, dtype=torch.bfloat16)             # a TP=2 rank's qkv: 24 MiB
-    assert gemv_module._l2_prefetch(w, one_slice)
-    assert not gemv_module._l2_prefetch(w, GemvConfig(8, 512, 2, 4, 1, prefetch=True))
-    assert not gemv_module._l2_prefetch(w, GemvConfig(8, 512, 1, 4, 1, prefetch=False))
-    assert not gemv_module._l2_prefetch(w[:, :2048], one_slice)   # rows not contiguous
-    big = torch.zeros(gemv_module.L2_PREFETCH_MAX_BYTES // (2 * 4096) + 8, 4096,
-                      dtype=torch.bfloat16)
-    assert not gemv_module._l2_prefetch(big, one_slice)           # more than L2 would hold
-    monkeypatch.setattr(gemv_module, "l2_prefetch_enabled", lambda device: False)
-    assert not gemv_module._l2_prefetch(w, one_slice)

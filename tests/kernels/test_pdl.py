@@ -27,14 +27,3 @@ def test_no_pdl_on_the_cpu_even_when_asked(monkeypatch):
         assert pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
     finally:
         pdl.pdl_enabled.cache_clear()
-
-
-@pytest.mark.parametrize("value, on", [("", True), ("0", False), ("1", True)])
-def test_l2_prefetch_mode(value, on):
-    assert pdl.l2_prefetch_mode(value) is on
-    with pytest.raises(ValueError, match="KVFLEET_L2_PREFETCH must be unset, 0 or 1"):
-        pdl.l2_prefetch_mode(value + "x")
-
-
-def test_no_l2_prefetch_on_the_cpu():
-    assert not pdl.l2_prefetch_enabled(torch.device("cpu"))

@@ -72,7 +72,6 @@ def check_kernel_environment() -> None:
     for name in communication.SIZE_SETTINGS:
         communication.size_setting(name)
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
-    pdl.l2_prefetch_mode(os.environ.get("KVFLEET_L2_PREFETCH", ""))
     paged_attention.decode_env()
     fp8.fast_accum_default()
 
