@@ -77,3 +77,22 @@ def test_vocab_rows_split_with_the_last_rank_padded(as_rank):
         expected = table[4 * r:4 * r + 4]
         assert torch.equal(emb.weight[: len(expected)], expected)
         assert not emb.weight[len(expected):].any()
+
+
+def test_the_replicated_input_embedding_looks_up_locally_and_serves_its_slice_of_logits(
+        as_rank, monkeypatch):
+    # no process group here: a lookup that tried to all-reduce would fail
+    table, ids = torch.randn(7, 4), torch.tensor([0, 6, 3, 4])
+    for r in range(2):
+        as_rank(r, 2)
+        emb = VocabParallelEmbedding(7, 4, torch.float32, replicated=True)
+        emb.weight_loader(emb.weight, table)
+        assert emb.replicated and emb.weight.shape == (8, 4)       # padded to 2 x 4 rows
+        assert torch.equal(emb(ids), table[ids])
+        sharded = VocabParallelEmbedding(7, 4, torch.float32)
+        sharded.weight_loader(sharded.weight, table)
+        assert torch.equal(emb.local_rows(), sharded.weight)       # the lm_head's part
+    monkeypatch.setenv("KVFLEET_TP_EMBEDDING", "sharded")
+    assert not VocabParallelEmbedding(7, 4, torch.float32, replicated=True).replicated
+    as_rank(0, 1)
+    assert not VocabParallelEmbedding(7, 4, torch.float32, replicated=True).replicated

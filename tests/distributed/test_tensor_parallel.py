@@ -75,8 +75,13 @@ def test_two_ranks_greedy_matches_one_rank(case, tp_model_dir):
         assert attn.qkv_proj.weight.shape == ((cfg.num_heads // 2 + 2 * kv_local) * cfg.head_dim,
                                               cfg.hidden_size)
         assert attn.o_proj.weight.shape == (cfg.hidden_size, cfg.num_heads // 2 * cfg.head_dim)
-        assert llm.engine.runner.model.lm_head.weight.shape == (cfg.vocab_size // 2,
-                                                                 cfg.hidden_size)
+        model = llm.engine.runner.model
+        assert model.lm_head.local_rows().shape == (cfg.vocab_size // 2, cfg.hidden_size)
+        # the input embedding is whole on every rank (tied: also the lm_head, which computes
+        # logits from its rank's half)
+        assert model.model.embed_tokens.replicated
+        assert model.model.embed_tokens.weight.shape == (cfg.vocab_size, cfg.hidden_size)
+        assert (model.lm_head is model.model.embed_tokens) == cfg.tie_word_embeddings
         assert llm.engine.runner.kv_cache.shape[4] == kv_local
         assert llm.engine.is_healthy()
     finally:

@@ -68,7 +68,8 @@ def check_kernel_environment() -> None:
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
     for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH"):
         linear.on_off(name, os.environ.get(name, ""))
-    from kvfleet_runtime.distributed import communication
+    from kvfleet_runtime.distributed import communication, layers
+    layers.embedding_mode(os.environ.get("KVFLEET_TP_EMBEDDING", ""))
     for name in communication.SIZE_SETTINGS:
         communication.size_setting(name)
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
