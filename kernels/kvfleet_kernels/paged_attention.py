@@ -420,18 +420,31 @@ def _env_int(name: str, default: int, low: int) -> int:
     return int(value)
 
 
-def decode_env() -> int:
-    """The shortest partition, in tokens, from KVFLEET_DECODE_MIN_PARTITION (default 64)."""
-    return _env_int("KVFLEET_DECODE_MIN_PARTITION", 64, 16)
+def decode_env() -> int | None:
+    """KVFLEET_DECODE_MIN_PARTITION: the shortest partition, in tokens, or None (the default,
+    min_partition_tokens)."""
+    value = _env_int("KVFLEET_DECODE_MIN_PARTITION", 0, 16)
+    return value or None
 
 
 # Partitions shorter than this cost more in the reduce launch than they win in parallelism
-# (KVFLEET_DECODE_MIN_PARTITION overrides it). 64: batch-1 decode of the 8B shape at 128-384
-# tokens of context went 215.0 -> 223.1 tok/s against 256 on the H200 (same call; a batch of
-# one sequence's 8 kv heads fills 8 SMs unless its context is cut finer). (Merging the
-# partitions inside the decode launch, by the last to finish, measured slower at batch 1:
-# 235.9 vs 241.2 tok/s, 215.0 vs 216.0; removed.)
+# (KVFLEET_DECODE_MIN_PARTITION overrides it). 64 where a sequence brings 8 or more KV heads:
+# batch-1 decode of the 8B shape at 128-384 tokens of context went 215.0 -> 223.1 tok/s against
+# 256 on the H200 (same call; a batch of one sequence's 8 kv heads fills 8 SMs unless its
+# context is cut finer). 32 with fewer: a TP=2 rank's 4 KV heads, batch 1 386.2 tok/s at 64,
+# 391.2 at 32, 373.3 at 128 (same call; docs/PERFORMANCE.md). (Merging the partitions inside
+# the decode launch, by the last to finish, measured slower at batch 1: 235.9 vs 241.2 tok/s,
+# 215.0 vs 216.0; removed.)
 _MIN_PARTITION_TOKENS = decode_env()
+
+
+def min_partition_tokens(num_kv_heads: int) -> int:
+    """The shortest partition decode cuts a context into, for sequences of num_kv_heads."""
+    if _MIN_PARTITION_TOKENS is not None:
+        return _MIN_PARTITION_TOKENS
+    return 64 if num_kv_heads >= 8 else 32
+
+
 # Programs to aim for per SM: enough in flight to keep HBM busy while each one waits on loads.
 # (H200 sweep: 2 beat 4 by 15-20% at 16 x 4096 and 32 x 2048, and lost 6% at 4 x 8192.)
 _PROGRAMS_PER_SM = 2
@@ -445,7 +458,7 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
                 if device.type == "cuda" else _CPU_SM_COUNT)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(num_seqs * num_kv_heads, 1))
-    num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_PARTITION_TOKENS)))
+    num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, min_partition_tokens(num_kv_heads))))
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     return DecodeSplit(partition_size=partition_size, num_splits=triton.cdiv(max_seq_len, partition_size))
 

@@ -118,11 +118,24 @@ def test_decode_planned_for_a_padded_batch_gives_its_bits(dtype: torch.dtype) ->
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (8, 1, 64)])
 def test_decode_single_partition_gqa(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    seq_lens = [17, 50]
+    seq_lens = [17, 30]
     block_n = decode_config(on_gpu=False).block_n
-    assert decode_split(2, num_kv_heads, 50, block_n, torch.device("cpu")).num_splits == 1
+    assert decode_split(2, num_kv_heads, 30, block_n, torch.device("cpu")).num_splits == 1
     _check(_batch([1, 1], seq_lens, torch.float32, num_heads=num_heads, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, seed=5), decode_only=True)
+
+
+def test_the_shortest_partition_follows_the_kv_heads_a_sequence_brings(monkeypatch) -> None:
+    from kvfleet_kernels import paged_attention as pa
+    cpu = torch.device("cpu")
+    # batch 1, 384 tokens: 8 KV heads (Llama-3.1-8B) cut into 64-token partitions, a TP=2
+    # rank's 4 into 32-token ones; KVFLEET_DECODE_MIN_PARTITION (parsed at import) overrides
+    assert pa.min_partition_tokens(8) == 64 and pa.min_partition_tokens(4) == 32
+    monkeypatch.setattr(pa, "_CPU_SM_COUNT", 132)         # as many programs as an H200 wants
+    assert decode_split(1, 8, 384, 32, cpu).num_splits == 6
+    assert decode_split(1, 4, 384, 32, cpu).num_splits == 12
+    monkeypatch.setattr(pa, "_MIN_PARTITION_TOKENS", 128)
+    assert decode_split(1, 4, 384, 32, cpu).num_splits == 3
 
 
 def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:
