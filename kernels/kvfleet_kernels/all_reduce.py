@@ -135,7 +135,7 @@ def _all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_pt
         for q in tl.static_range(WORLD):
             if q == rank:
                 acc += clean_zero(tl.load(x_ptr + row * stride_x + d, mask=mask,
-                                      other=0.0)).to(tl.float32)
+                                          other=0.0)).to(tl.float32)
             else:
                 acc += _take(own_base + q * slot_bytes, row, D, d, mask, dtype, BITS)
         out = residual_rms_norm_row(acc.to(dtype), residual_ptr, weight_ptr, sum_ptr, row,

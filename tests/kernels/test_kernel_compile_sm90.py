@@ -58,12 +58,14 @@ def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bo
                  PDL=pdl))
 
 
-def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False) -> tuple:
+def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False,
+               **flags: bool | int) -> tuple:
     sig = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": "*fp32", "b_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "bases_ptr": "*i64",
+           "push_offset": "i64"}
     return ("kvfleet_kernels.gemv", "_gemv_kernel", sig,
-            dict(HAS_BIAS=True, HAS_SCALE=weight == "*fp8e4nv", BLOCK_N=16, BLOCK_K=512,
-                 PREFETCH=prefetch, PDL=pdl))
+            dict(HAS_BIAS=not flags.get("PUSH_WORLD"), HAS_SCALE=weight == "*fp8e4nv",
+                 BLOCK_N=16, BLOCK_K=512, PREFETCH=prefetch, PDL=pdl, **flags))
 
 
 def _paged_attention(kernel: str, **flags: bool) -> tuple:
@@ -136,6 +138,11 @@ CASES = {
     "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),
     "gemv_bf16_prefetch": (_gemv_bf16(prefetch=True), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     "gemv_fp8_weight_prefetch": (_gemv_bf16("*fp8e4nv", prefetch=True), ["cvt.rn.f16x2.e4m3x2"]),
+    # SiLU(gate) * up computed as the input tiles are loaded (silu_mul_row: an exp, a
+    # division, rounded to bf16; the same divisions as the activation kernel: test below)
+    "gemv_bf16_gated": (_gemv_bf16(prefetch=True, GATED=True), ["ex2.approx.f32", "cvt.rn.bf16"]),
+    # the outputs also stored into the peers' buffers, at addresses loaded from bases_ptr
+    "gemv_bf16_push": (_gemv_bf16(prefetch=True, PUSH_WORLD=2), ["ld.global.b64", "st.global"]),
     # the fp8 cache: writes saturate and round to nearest, reads convert e4m3 to half precision
     "reshape_and_cache_fp8": (_paged_attention("_reshape_and_cache_kernel"),
                               ["cvt.rn.satfinite.e4m3x2"]),
@@ -173,6 +180,8 @@ _PDL = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
 PDL_CASES = {
     "gemv_bf16_pdl": (_gemv_bf16(pdl=True), _PDL),
     "gemv_bf16_prefetch_pdl": (_gemv_bf16(prefetch=True, pdl=True), _PDL),
+    "gemv_bf16_gated_push_pdl": (_gemv_bf16(prefetch=True, pdl=True, GATED=True, PUSH_WORLD=2),
+                                 _PDL),
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
@@ -247,3 +256,15 @@ def test_per_step_integers_are_no_specialisation_keys() -> None:
         "    print(name, sorted(p.name for p in getattr(pa, name).params if p.do_not_specialize))\n")
     assert "_prefill_kernel ['stride_bt']" in out, out
     assert "_decode_kernel ['num_splits', 'stride_bt']" in out, out
+
+
+@pytest.mark.slow
+def test_the_gated_gemv_divides_as_the_activation_kernel() -> None:
+    # the same bits as silu_and_mul then the GEMV (checked on the H200 by test_kernel_gemv.py)
+    # need the same division instruction, whichever one this Triton picks for `/`
+    out = _compile_in_child(
+        "import re\n"
+        "for case, spec in (('gated', t.CASES['gemv_bf16_gated'][0]), ('act', t._silu_and_mul(False))):\n"
+        "    print(case, sorted(set(re.findall(r'div\\.[a-z0-9.]+', t.compile_for_sm90(*spec)))))\n")
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("gated", "act")))
+    assert lines["gated"] == lines["act"] and lines["act"] != "[]", out
