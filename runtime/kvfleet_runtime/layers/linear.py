@@ -85,12 +85,15 @@ def unquantized_linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor,
 def _batch_one_choice(owner: nn.Module, weight: torch.Tensor, device: torch.device):
     """(take the GEMV, its tiles) for this weight at batch 1, decided once per module (its
     shape and device do not change): the eager decode loop asks for every projection of every
-    step."""
+    step. The tiles are the tuned ones, else (KVFLEET_TRITON_GEMV=1) gemv.pick_config's."""
     choice = owner.__dict__.get("_batch_one_gemv")
     if choice is None:
-        from kvfleet_kernels.gemv import tuned_config
+        from kvfleet_kernels.gemv import pick_config, tuned_config
         config = tuned_config(*weight.shape, device)
-        choice = owner.__dict__["_batch_one_gemv"] = (config is not None or _TRITON_GEMV, config)
+        take = config is not None or _TRITON_GEMV
+        if take and config is None:
+            config = pick_config(1, *weight.shape, device)
+        choice = owner.__dict__["_batch_one_gemv"] = (take, config)
     return choice
 
 
@@ -102,12 +105,7 @@ def fusing_gemv_config(layer: Linear, x: torch.Tensor):
             or not (_TRITON_GEMV or _TUNED_GEMV) or not batch_one_gemv(x)):
         return None
     take, config = _batch_one_choice(layer, layer.weight, x.device)
-    if not take:
-        return None
-    if config is None:
-        from kvfleet_kernels.gemv import pick_config
-        config = pick_config(1, *layer.weight.shape, x.device)
-    return config if config.split_k == 1 else None
+    return config if take and config.split_k == 1 else None
 
 
 class LinearMethod:
