@@ -48,6 +48,10 @@ def test_served_with_two_ranks_then_a_killed_worker_fails_health(tp_model_dir):
         worker = _worker_pid(server.pid)
         os.kill(worker, signal.SIGKILL)
         t0 = time.monotonic()
+        # an idle server notices without a request: /health consults the worker supervisor
+        while server.get("/health")[0] != 503:
+            assert time.monotonic() - t0 < 5, "/health still 200 five seconds after the kill"
+            time.sleep(0.1)
         status, body = _complete(server.base_url, "Hello again")
         assert status >= 500, body
         assert server.get("/health")[0] == 503
