@@ -1,5 +1,6 @@
 """`kvfleet serve --tensor-parallel-size 2` as a real process: it answers, a killed worker
-turns requests and /health into errors within seconds, and no worker outlives the server."""
+turns requests and /health into errors within seconds, so does a worker that hangs without
+dying (after the step timeout), and no worker outlives the server."""
 
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ def _worker_pid(server_pid: int) -> int:
     return pid
 
 
-def _complete(base_url: str, prompt: str) -> tuple[int, dict]:
+def _complete(base_url: str, prompt: str, timeout: float = 30.0) -> tuple[int, dict]:
     body = json.dumps({"model": "tp", "prompt": prompt, "max_tokens": 4,
                        "temperature": 0.0}).encode()
     req = urllib.request.Request(base_url + "/v1/completions", data=body,
                                  headers={"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
@@ -56,4 +57,31 @@ def test_served_with_two_ranks_then_a_killed_worker_fails_health(tp_model_dir):
         assert status >= 500, body
         assert server.get("/health")[0] == 503
         assert time.monotonic() - t0 < 5
+    assert not Path(f"/proc/{worker}").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir):
+    # SIGSTOP: the worker lives but never answers; rank 0 waits in a collective with it
+    timeout_s = 3.0
+    with running_server(tp_model_dir("llama3-gqa"), "--tensor-parallel-size", "2",
+                        "--served-model-name", "tp", "--max-num-seqs", "4",
+                        env={"KVFLEET_TP_STEP_TIMEOUT_S": str(timeout_s)}) as server:
+        status, body = _complete(server.base_url, "Hello there")
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        worker = _worker_pid(server.pid)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            status, body = _complete(server.base_url, "Hello again", timeout=timeout_s + 20)
+            waited = time.monotonic() - t0
+            assert status >= 500, body
+            assert "hung" in json.dumps(body), body
+            # not before the timeout (the step did hang), and soon after it
+            assert timeout_s <= waited < timeout_s + 10, waited
+            assert server.get("/health")[0] == 503
+            assert "a rank hung" in server.log()
+        finally:
+            if Path(f"/proc/{worker}").exists():
+                os.kill(worker, signal.SIGCONT)
     assert not Path(f"/proc/{worker}").exists()

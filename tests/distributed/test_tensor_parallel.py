@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet_runtime import LLM, SamplingParams
-from kvfleet_runtime.distributed.workers import WorkerDiedError
+from kvfleet_runtime.distributed.workers import STEP_TIMEOUT_S, WorkerDiedError, step_timeout_s
 from tp_cases import CASES
 
 MAX_NEW = 10
@@ -127,6 +127,46 @@ def test_supervisor_reports_a_dead_worker_without_a_step(tp_model_dir):
         assert not llm.engine.is_healthy()
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir, monkeypatch):
+    monkeypatch.setenv("KVFLEET_TP_STEP_TIMEOUT_S", "2")
+    llm = LLM(model=tp_model_dir("llama3-gqa"), tensor_parallel_size=2, max_num_seqs=4)
+    engine = llm.engine
+    (worker,) = engine.workers.procs
+    try:
+        assert len(_greedy(llm, _prompts()[:2])[0]) == MAX_NEW
+        # idle and stopped: nothing is waiting on the worker, so nothing is wrong yet
+        os.kill(worker.pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        assert engine.is_healthy()
+        engine.add_request("hangs", list(range(10, 60)),
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="within 2 s .* a rank hung"):
+            while True:
+                engine.step()
+        assert 2 <= time.monotonic() - t0 < 8
+        assert not engine.is_healthy()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGCONT)
+        engine.shutdown()
+    assert not _live_workers()
+
+
+@pytest.mark.parametrize("value, expected", [("", STEP_TIMEOUT_S), ("2.5", 2.5), ("600", 600.0)])
+def test_step_timeout_from_the_environment(value, expected, monkeypatch):
+    monkeypatch.setenv("KVFLEET_TP_STEP_TIMEOUT_S", value)
+    assert step_timeout_s() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_a_bad_step_timeout_is_a_clear_error(value, monkeypatch):
+    monkeypatch.setenv("KVFLEET_TP_STEP_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match="KVFLEET_TP_STEP_TIMEOUT_S must be a positive number"):
+        step_timeout_s()
 
 
 @pytest.mark.timeout(120)

@@ -8,7 +8,10 @@ shard, size their KV cache (the pool is the minimum over ranks), report ready ov
 A dead worker must not leave rank 0 hanging: on gloo the pending collective fails at once
 (the peer's socket closes); a supervisor thread also polls the processes, marks the group
 dead (the engine reports unhealthy without waiting for a step) and, on GPU, aborts the NCCL
-group so that no rank stays stuck in an all-reduce until the NCCL timeout.
+group so that no rank stays stuck in an all-reduce until the NCCL timeout. A worker that
+hangs without dying is caught by the same thread: an engine step that has not returned
+within the step timeout (KVFLEET_TP_STEP_TIMEOUT_S) marks the group dead and kills the
+workers, which fails rank 0's pending collective.
 """
 
 from __future__ import annotations
@@ -43,6 +46,26 @@ POLL_S = 0.2                   # how often the supervisor looks at the workers
 FAIL_WAIT_S = 1.0              # after a failed step, how long to wait for a worker to exit
 STOP_GRACE_S = 5.0             # a stopped worker gets this long before it is killed
 TEARDOWN_TIMEOUT_S = 10.0      # rank 0's NCCL teardown at shutdown waits at most this
+# An engine step (rank 0's step() call: scheduling, the forward on every rank, sampling) that
+# has not returned after this long means a rank hung; KVFLEET_TP_STEP_TIMEOUT_S overrides it.
+# Generous: a step's first use of a kernel compiles it (seconds each), and a long prefill of a
+# large model takes seconds.
+STEP_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
+
+
+def step_timeout_s() -> float:
+    """KVFLEET_TP_STEP_TIMEOUT_S (seconds, > 0), else STEP_TIMEOUT_S."""
+    value = os.environ.get("KVFLEET_TP_STEP_TIMEOUT_S", "")
+    if not value:
+        return STEP_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"KVFLEET_TP_STEP_TIMEOUT_S must be a positive number of seconds; "
+                         f"got {value!r}")
+    return seconds
 
 
 class WorkerDiedError(RuntimeError):
@@ -133,6 +156,7 @@ class WorkerGroup:
         if config.torch_device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size ({size}) must not exceed the GPUs visible "
                              f"here ({torch.cuda.device_count()})")
+        self.step_timeout_s = step_timeout_s()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")     # CUDA cannot be used in a forked child
         self.procs: list[mp.Process] = []
@@ -146,6 +170,7 @@ class WorkerGroup:
             self.procs.append(proc)
             self.conns.append(parent)
         self.dead: str | None = None
+        self._step_since: float | None = None    # when the engine step now running began
         self._ready = False        # workers in their step loop, where a stop message reaches them
         self._stopping = threading.Event()
         self._device = _device_of(config, 0)
@@ -222,16 +247,38 @@ class WorkerGroup:
         self.shutdown()
         return WorkerDiedError(f"{self.dead}; the engine has stopped")
 
+    def step_began(self) -> None:
+        """Rank 0 entered an engine step: the supervisor times it from now."""
+        self._step_since = time.monotonic()
+
+    def step_ended(self) -> None:
+        self._step_since = None
+
     def _poll(self) -> None:
         for rank, proc in enumerate(self.procs, 1):
             if proc.exitcode is not None and self.dead is None:
                 self.dead = f"tensor-parallel rank {rank} exited with code {proc.exitcode}"
 
+    def _overdue_step(self) -> bool:
+        """A step older than the step timeout while every worker lives: a rank hung."""
+        since = self._step_since
+        return (since is not None and self.dead is None
+                and time.monotonic() - since > self.step_timeout_s)
+
     def _supervise(self) -> None:
         while not self._stopping.wait(POLL_S):
             self._poll()
+            hung = self._overdue_step()
+            if hung:
+                self.dead = (f"no tensor-parallel step finished within {self.step_timeout_s:g} s "
+                             f"(KVFLEET_TP_STEP_TIMEOUT_S) with every worker alive: a rank hung")
             if self.dead is not None and not self._stopping.is_set():
                 log.error("%s; the engine stops", self.dead)
+                if hung:
+                    # a killed peer fails rank 0's pending collective (gloo: its socket
+                    # closes; NCCL: with the abort below)
+                    for proc in self.procs:
+                        proc.kill()
                 # NCCL would wait out its timeout in a collective with the dead rank
                 self._abort_device_group()
                 return

@@ -156,8 +156,16 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self.workers is not None:
-            self.workers.check_alive()
+        if self.workers is None:
+            return self._step(t0)
+        self.workers.check_alive()
+        self.workers.step_began()     # the supervisor fails a step that never returns
+        try:
+            return self._step(t0)
+        finally:
+            self.workers.step_ended()
+
+    def _step(self, t0: float) -> list[RequestOutput]:
         if self.config.async_scheduling and not self.sync_groups:
             return self._step_async(t0)
         outputs = self._drain()
