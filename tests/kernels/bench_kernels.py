@@ -11,7 +11,8 @@ Prefill: Triton prefill kernel vs the reference vs causal SDPA (flash) on fresh 
 prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
 --sweep also times each tile configuration of both kernels and prints the fastest
 (decode-short: a wider grid over many short contexts).
---kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
+--kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8), fp8_e5m2: e5m2; SDPA
+reads a bf16 copy.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 sdpa = torch.nn.functional.scaled_dot_product_attention
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DECODE_CASES = [(1, 1024), (1, 8192), (16, 4096), (64, 2048), (128, 4096), (256, 1024),
-                (256, 4096), (64, 8192), (1024, 160), (512, 1500)]                               # (num_seqs, context)
+                (256, 4096), (64, 8192), (1024, 160), (1024, 256), (512, 1500), (880, 1500)]   # (num_seqs, context)
 # (num_seqs, context) of `--sweep decode-short`: a 128/128 decode batch early and late, 1000/1000's
 SHORT_DECODE_CASES = [(1024, 160), (1024, 256), (880, 1500)]
 PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] * 16),
@@ -61,13 +62,17 @@ def graph_ms(fn: Callable[[], object]) -> float:
     return ms(graph.replay)
 
 
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPE = None      # main() sets it from --kv-dtype: the fp8 format of kv_fp8 batches
+
+
 def batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size: int, seed: int,
           kv_fp8: bool) -> PagedBatch:
     b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, device="cuda",
                          seed=seed, **HEADS)
     if kv_fp8:
-        b.k_cache = pa.quantize_kv_ref(b.k_cache, pa.FP8_KV_DTYPE)
-        b.v_cache = pa.quantize_kv_ref(b.v_cache, pa.FP8_KV_DTYPE)
+        b.k_cache = pa.quantize_kv_ref(b.k_cache, KV_DTYPE)
+        b.v_cache = pa.quantize_kv_ref(b.v_cache, KV_DTYPE)
     return b
 
 
@@ -219,18 +224,22 @@ def main() -> None:
                         choices=["all", "decode", "decode-short", "prefill"],
                         help="also time every tile configuration (of one kernel, or all)")
     parser.add_argument("--no-tables", action="store_true", help="only the sweep")
-    parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
-                        help="fp8: e4m3 caches, as --kv-cache-dtype fp8")
+    parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto",
+                        help="fp8: e4m3 caches, as --kv-cache-dtype fp8; fp8_e5m2: e5m2")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
+    global KV_DTYPE
+    KV_DTYPE = KV_DTYPES[args.kv_dtype]
+    kv_fp8 = KV_DTYPE is not None
     dtype = DTYPES[args.dtype]
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"KV cache {args.kv_dtype}")
     if not args.no_tables:
-        bench_decode(dtype, args.block_size, args.kv_dtype == "fp8")
-        bench_prefill(dtype, args.block_size, args.kv_dtype == "fp8")
+        bench_decode(dtype, args.block_size, kv_fp8)
+        bench_prefill(dtype, args.block_size, kv_fp8)
     if args.sweep:
-        sweep(dtype, args.block_size, args.sweep, args.kv_dtype == "fp8")
+        sweep(dtype, args.block_size, args.sweep, kv_fp8)
 
 
 if __name__ == "__main__":

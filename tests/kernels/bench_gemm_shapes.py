@@ -1,0 +1,58 @@
+"""Time cuBLAS (x @ w.t(), as F.linear; bf16) at the Llama-3.1-8B projection shapes and the batch sizes the
+engine runs them at (not a test): which row counts run well below the GEMM rate, and whether
+padding the rows to a multiple of 64/128 would pay.
+
+    python tests/kernels/bench_gemm_shapes.py
+
+Each shape is timed over enough weight copies to exceed L2 (as the engine's 32 layers pass
+through it), as CUDA-graph replays; TFLOP/s counts 2 * M * N * K.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.testing
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}     # (N, K)
+ROWS = [128, 256, 384, 512, 880, 896, 1000, 1024, 16384]
+L2_BYTES = 50 * 2 ** 20
+
+
+def graph_ms(fn) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50)
+
+
+def main() -> None:
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| shape | " + " | ".join(f"M={m}" for m in ROWS) + " |")
+    print("|---|" + "---:|" * len(ROWS))
+    for name, (n, k) in SHAPES.items():
+        copies = max(1, -(-3 * L2_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(copies)]
+        cells = []
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+            def run(x=x, out=out, weights=weights):
+                for w in weights:
+                    torch.matmul(x, w.t(), out=out)
+            t = graph_ms(run) / copies
+            cells.append(f"{2 * m * n * k / t / 1e9:.0f} ({t * 1e3:.0f} us)")
+        print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
+        weights.clear()
+
+
+if __name__ == "__main__":
+    main()
