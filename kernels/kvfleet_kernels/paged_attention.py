@@ -10,12 +10,9 @@ The new tokens of sequence i are the last (query_start_loc[i+1] - query_start_lo
 positions of its context, so one call serves prefill chunks (with a cached prefix)
 and decode (one query token) in the same batch.
 
-The cache may be float8_e4m3fn (`--kv-cache-dtype fp8`) or float8_e5m2 (`fp8_e5m2`) with scale
-1.0: K/V are clamped to the format's largest finite value and cast on write (so out-of-range
-values saturate instead of becoming NaN or inf), and cast back to the query's dtype on read;
-the attention math is unchanged. e5m2 is the high byte of an fp16, so reading it back is a
-byte shuffle where e4m3 takes a conversion instruction per pair; it keeps 2 mantissa bits to
-e4m3's 3.
+The cache may be float8_e4m3fn (`--kv-cache-dtype fp8`) with scale 1.0: K/V are clamped to
++-FP8_E4M3_MAX and cast on write (so out-of-range values saturate instead of becoming NaN), and
+cast back to the query's dtype on read; the attention math is unchanged.
 """
 
 from __future__ import annotations
@@ -32,17 +29,13 @@ from kvfleet_kernels.pdl import pdl_args, pdl_wait
 # Largest finite float8_e4m3fn. K/V headed for an fp8 cache are clamped to +-this before the cast
 # (every writer: reshape_and_cache, its reference, the torch path, rotary_and_cache).
 FP8_E4M3_MAX = 448.0
-FP8_E5M2_MAX = 57344.0
 FP8_KV_DTYPE = torch.float8_e4m3fn
-# the fp8 cache formats and the largest finite value of each
-FP8_KV_DTYPES = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 
 def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x cast to the cache dtype, as the kernels write it: clamped first when the cache is fp8."""
-    fp8_max = FP8_KV_DTYPES.get(cache_dtype)
-    if fp8_max is not None:
-        x = x.clamp(-fp8_max, fp8_max)
+    if cache_dtype == FP8_KV_DTYPE:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_dtype)
 
 
@@ -137,17 +130,13 @@ def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 _LOG2E = 1.4426950408889634
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)    # kernels read only constexpr globals
-_FP8_E5M2_MAX: tl.constexpr = tl.constexpr(FP8_E5M2_MAX)
 
 
 @triton.jit
 def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
-    """x cast to the KV cache's element type; clamped to the format's largest finite value
-    first for an fp8 cache."""
+    """x cast to the KV cache's element type; clamped to +-FP8_E4M3_MAX first for an fp8 cache."""
     if CACHE_DTYPE == tl.float8e4nv:
         x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
-    if CACHE_DTYPE == tl.float8e5:
-        x = tl.minimum(tl.maximum(x, -_FP8_E5M2_MAX), _FP8_E5M2_MAX)
     return x.to(CACHE_DTYPE)
 
 
@@ -593,7 +582,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     scale_log2 = scale * _LOG2E
     on_gpu = query.is_cuda
-    fp8_cache = k_cache.dtype in FP8_KV_DTYPES
+    fp8_cache = k_cache.dtype == FP8_KV_DTYPE
     # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
     bf16_over_fp8 = fp8_cache and query.dtype == torch.bfloat16
 

@@ -10,9 +10,9 @@ V bytes every sequence reads once (2 * sum(seq_len) * Hkv * D * itemsize) over t
 Prefill: Triton prefill kernel vs the reference vs causal SDPA (flash) on fresh prompts, and a
 prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
 --sweep also times each tile configuration of both kernels and prints the fastest
-(decode-short: a wider grid over many short contexts).
---kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8), fp8_e5m2: e5m2; SDPA
-reads a bf16 copy.
+(decode-short: a wider grid over many short contexts; decode-stages: those batches through
+deeper pipelines, 2-5 stages, on one or two warps).
+--kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
 """
 
 from __future__ import annotations
@@ -62,17 +62,13 @@ def graph_ms(fn: Callable[[], object]) -> float:
     return ms(graph.replay)
 
 
-KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-KV_DTYPE = None      # main() sets it from --kv-dtype: the fp8 format of kv_fp8 batches
-
-
 def batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size: int, seed: int,
           kv_fp8: bool) -> PagedBatch:
     b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, device="cuda",
                          seed=seed, **HEADS)
     if kv_fp8:
-        b.k_cache = pa.quantize_kv_ref(b.k_cache, KV_DTYPE)
-        b.v_cache = pa.quantize_kv_ref(b.v_cache, KV_DTYPE)
+        b.k_cache = pa.quantize_kv_ref(b.k_cache, pa.FP8_KV_DTYPE)
+        b.v_cache = pa.quantize_kv_ref(b.v_cache, pa.FP8_KV_DTYPE)
     return b
 
 
@@ -189,6 +185,17 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
                     [32, 64, 128, 256], [1, 2, 4], [1, 2], [False, True])], "decode_config")
             _print_best(f"decode-short {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
             pa.decode_config = default_decode
+        # the same batches through deeper pipelines on one or two warps (decode-short stops at
+        # two stages): a tile's keys wait on their block-table entries, then on the cache
+        for num_seqs, ctx in (SHORT_DECODE_CASES if which == "decode-stages" else []):
+            b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
+            b.max_query_len = 1
+            results = _time_configs(b, [
+                pa.TileConfig(16, block_n, warps, stages, k_by_rows=by_rows, dot_fp16=kv_fp8)
+                for block_n, warps, stages, by_rows in itertools.product(
+                    [16, 32, 64], [1, 2], [2, 3, 4, 5], [False, True])], "decode_config")
+            _print_best(f"decode-stages {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
+            pa.decode_config = default_decode
         for num_seqs, ctx in ([(1, 8192), (4, 8192), (16, 4096), (32, 2048)]
                               if which in ("all", "decode") else []):
             b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
@@ -221,25 +228,21 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64])
     parser.add_argument("--sweep", nargs="?", const="all",
-                        choices=["all", "decode", "decode-short", "prefill"],
+                        choices=["all", "decode", "decode-short", "decode-stages", "prefill"],
                         help="also time every tile configuration (of one kernel, or all)")
     parser.add_argument("--no-tables", action="store_true", help="only the sweep")
-    parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto",
-                        help="fp8: e4m3 caches, as --kv-cache-dtype fp8; fp8_e5m2: e5m2")
+    parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: e4m3 caches, as --kv-cache-dtype fp8")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
-    global KV_DTYPE
-    KV_DTYPE = KV_DTYPES[args.kv_dtype]
-    kv_fp8 = KV_DTYPE is not None
     dtype = DTYPES[args.dtype]
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"KV cache {args.kv_dtype}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if not args.no_tables:
-        bench_decode(dtype, args.block_size, kv_fp8)
-        bench_prefill(dtype, args.block_size, kv_fp8)
+        bench_decode(dtype, args.block_size, args.kv_dtype == "fp8")
+        bench_prefill(dtype, args.block_size, args.kv_dtype == "fp8")
     if args.sweep:
-        sweep(dtype, args.block_size, args.sweep, kv_fp8)
+        sweep(dtype, args.block_size, args.sweep, args.kv_dtype == "fp8")
 
 
 if __name__ == "__main__":
