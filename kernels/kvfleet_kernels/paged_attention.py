@@ -495,14 +495,16 @@ def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096
     num_programs (sequences x kv heads) >= 4096, ~31 an SM, one warp a program keeps more of
     them resident: 32-key tiles, fp8 1024 x 160 0.180 -> 0.126 ms, 880 x 1500 0.920 -> 0.813;
     bf16 up to 1024 tokens 1024 x 160 0.182 -> 0.177, 1024 x 256 0.276 -> 0.269 (at 880 x
-    1500 two warps stay ahead).
+    1500 two warps stay ahead). The one-warp fp8 tiles run a 5-stage pipeline (`--sweep
+    decode-stages`, 2-5 stages: 1024 x 160 0.124 -> 0.119 ms, 1024 x 256 0.179 -> 0.167, 880 x
+    1500 0.784 -> 0.783; bf16 gained nothing from stages past 2).
     """
     if not on_gpu:   # the interpreter: small steps, no pipelining
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, dot_fp16=fp8_cache)
     many = num_programs >= _MANY_PROGRAMS
     if fp8_cache:
         if many:
-            return TileConfig(block_m=16, block_n=32, num_warps=1, num_stages=2, dot_fp16=True)
+            return TileConfig(block_m=16, block_n=32, num_warps=1, num_stages=5, dot_fp16=True)
         return TileConfig(block_m=16, block_n=128 if max_seq_len > 1024 else 64, num_warps=2,
                           num_stages=2, dot_fp16=True)
     return TileConfig(block_m=16, block_n=32 if max_seq_len <= 2048 else 64,
