@@ -1,12 +1,14 @@
-"""`kvfleet serve --tensor-parallel-size 2` as a real process: it answers, a killed worker
-turns requests and /health into errors within seconds, so does a worker that hangs without
-dying (after the step timeout), and no worker outlives the server."""
+"""`kvfleet serve --tensor-parallel-size 2` as a real process: it answers; a killed worker
+stops the server (exit 1) within seconds, or with --keep-alive-on-engine-death turns requests
+and /health into errors; a worker that hangs without dying fails the request after the step
+timeout and stops the server; no worker outlives the server."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -40,10 +42,34 @@ def _complete(base_url: str, prompt: str, timeout: float = 30.0) -> tuple[int, d
         return e.code, json.loads(e.read() or b"{}")
 
 
+def _exit_code_within(server, seconds: float) -> int:
+    try:
+        return server.process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"kvfleet serve still running {seconds} s after its engine died:\n"
+                             f"{server.log()}") from None
+
+
 @pytest.mark.timeout(120)
-def test_served_with_two_ranks_then_a_killed_worker_fails_health(tp_model_dir):
+def test_a_killed_worker_stops_the_server(tp_model_dir):
     with running_server(tp_model_dir("llama3-gqa"), "--tensor-parallel-size", "2",
                         "--served-model-name", "tp", "--max-num-seqs", "4") as server:
+        status, body = _complete(server.base_url, "Hello there")
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        worker = _worker_pid(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        # idle: the worker supervisor notices, the server stops without a request
+        assert _exit_code_within(server, 10) == 1
+        log = server.log()
+        assert "tensor-parallel rank 1 exited with code -9" in log and "exits 1" in log, log
+    assert not Path(f"/proc/{worker}").exists()
+
+
+@pytest.mark.timeout(120)
+def test_kept_alive_a_killed_worker_fails_health_and_requests(tp_model_dir):
+    with running_server(tp_model_dir("llama3-gqa"), "--tensor-parallel-size", "2",
+                        "--served-model-name", "tp", "--max-num-seqs", "4",
+                        "--keep-alive-on-engine-death") as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
         worker = _worker_pid(server.pid)
@@ -55,8 +81,10 @@ def test_served_with_two_ranks_then_a_killed_worker_fails_health(tp_model_dir):
             time.sleep(0.1)
         status, body = _complete(server.base_url, "Hello again")
         assert status >= 500, body
-        assert server.get("/health")[0] == 503
+        health, text = server.get("/health")
+        assert health == 503 and "tensor-parallel rank 1 exited" in text, text
         assert time.monotonic() - t0 < 5
+        assert server.process.poll() is None      # still serving its 503s
     assert not Path(f"/proc/{worker}").exists()
 
 
@@ -79,7 +107,7 @@ def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir):
             assert "hung" in json.dumps(body), body
             # not before the timeout (the step did hang), and soon after it
             assert timeout_s <= waited < timeout_s + 10, waited
-            assert server.get("/health")[0] == 503
+            assert _exit_code_within(server, 10) == 1
             assert "a rank hung" in server.log()
         finally:
             if Path(f"/proc/{worker}").exists():

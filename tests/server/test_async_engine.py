@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +136,40 @@ async def test_a_dead_loop_fails_requests_and_health(tiny_llama: Path) -> None:
         r = await http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and set(r.json()["error"]) == {"message", "type", "param",
                                                                    "code"}
+
+
+async def test_a_dead_engine_whose_loop_is_stuck_fails_requests_and_shuts_down(
+        tiny_llama: Path, monkeypatch) -> None:
+    # A tensor-parallel rank spinning on the GPU in a collective with a dead peer: the loop
+    # thread never comes back from step(), while the worker supervisor has marked it dead.
+    import kvfleet_runtime.engine.async_engine as async_engine
+    engine = _engine(tiny_llama)
+    stuck, release = threading.Event(), threading.Event()
+
+    def stuck_step():
+        stuck.set()
+        release.wait(60)
+        raise RuntimeError("released")
+    engine.engine.step = stuck_step
+    monkeypatch.setattr(async_engine, "DEAD_JOIN_S", 0.5)
+    try:
+        consume = asyncio.ensure_future(_drain(engine.generate("doomed", LONG)))
+        assert await asyncio.get_running_loop().run_in_executor(None, stuck.wait, 10)
+        engine.fail_requests_if_dead()          # healthy yet: nothing happens
+        await asyncio.sleep(0.2)
+        assert not consume.done() and engine.is_healthy
+        engine.engine.death_reason = lambda: "tensor-parallel rank 1 exited with code -9"
+        assert not engine.is_healthy
+        engine.fail_requests_if_dead()
+        with pytest.raises(EngineDeadError, match="rank 1 exited"):
+            await asyncio.wait_for(consume, 5)
+        start = time.monotonic()
+        await asyncio.wait_for(engine.shutdown(), 10)   # does not wait for the stuck loop
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # how long the idle loop sleeps before re-checking for shutdown
 _IDLE_WAIT_S = 0.5
+DEAD_JOIN_S = 10.0      # how long shutdown waits for a dead engine's loop thread
 
 
 class EngineDeadError(RuntimeError):
@@ -100,12 +101,24 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        # a dead tensor-parallel worker shows here even before the next step trips on it
-        return self._dead is None and self._thread.is_alive() and self.engine.is_healthy()
+        return self.death_reason is None
+
+    @property
+    def death_reason(self) -> str | None:
+        """Why the engine serves no more requests, or None while it does: the exception that
+        ended its loop, or a dead tensor-parallel worker (seen here before the next step trips
+        on it), or a loop that stopped (shutdown)."""
+        if self._dead is not None:
+            return repr(self._dead)
+        reason = self.engine.death_reason()
+        if reason is None and not self._thread.is_alive():
+            reason = "the engine loop has stopped"
+        return reason
 
     def check_health(self) -> None:
-        if not self.is_healthy:
-            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        reason = self.death_reason
+        if reason is not None:
+            raise EngineDeadError(f"the engine loop has died: {reason}")
 
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the loop's last step, add or abort."""
@@ -146,12 +159,23 @@ class AsyncLLMEngine:
         self._submit(_Abort(ids))
 
     async def shutdown(self) -> None:
-        """Stop the loop thread; unfinished requests end as aborted."""
+        """Stop the loop thread; unfinished requests end as aborted. A dead engine's loop gets
+        DEAD_JOIN_S to stop: it may be stuck for good (a rank spinning in a collective with a
+        dead peer), and the workers are stopped regardless."""
         self._stopping = True
         self._commands.put(None)
         self._wakeup.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        timeout = None if self.is_healthy else DEAD_JOIN_S
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         self.engine.shutdown()
+
+    def fail_requests_if_dead(self) -> None:
+        """End every unfinished request with EngineDeadError now if the engine has died. Its
+        loop does so itself when a step raises; this serves when the loop cannot (stuck on a
+        GPU step whose peer died)."""
+        reason = self.death_reason
+        if reason is not None:
+            self._fail_all(EngineDeadError(f"the engine loop has died: {reason}"))
 
     def check_admission(self, num_requests: int = 1) -> None:
         """Raise unless num_requests more requests may be admitted now."""

@@ -77,6 +77,11 @@ class LLMEngine:
         """False once a tensor-parallel worker has died (or the engine was shut down)."""
         return self.workers is None or self.workers.is_alive()
 
+    def death_reason(self) -> str | None:
+        """Why this engine cannot step any more (a tensor-parallel worker died or hung, or
+        the engine was shut down); None while it is healthy."""
+        return None if self.is_healthy() else self.workers.dead
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one GPU). Idempotent."""
         if self.workers is not None:

@@ -174,9 +174,9 @@ class _HTTPMetricsMiddleware:
 def _add_open_routes(router: APIRouter) -> None:
     @router.get("/health")
     async def health(request: Request) -> Response:
-        engine = _state(request).engine
-        if not engine.is_healthy:
-            raise p.OpenAIError("the engine loop has died", status=503)
+        reason = _state(request).engine.death_reason
+        if reason is not None:
+            raise p.OpenAIError(f"the engine loop has died: {reason}", status=503)
         return Response(status_code=200)
 
     @router.get("/metrics")

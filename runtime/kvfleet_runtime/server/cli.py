@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import typing
 from typing import Any
@@ -134,6 +135,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may take to finish "
                              "(default: 30)")
+    server.add_argument("--keep-alive-on-engine-death", action="store_true",
+                        help="keep serving (503s) after the engine dies; by default the server "
+                             "stops and exits 1, so that its pod or service manager restarts it")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
@@ -185,6 +189,35 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn drains on SIGTERM, then re-raises the signal to the handler it found:
     # a no-op one lets the drained process exit 0 instead of dying by the signal
     signal.signal(signal.SIGTERM, lambda *_: None)
+    died = threading.Event()
+    if not args.keep_alive_on_engine_death:
+        threading.Thread(target=_stop_on_engine_death, args=(engine, server, died),
+                         name="kvfleet-engine-watch", daemon=True).start()
     tune_gc()       # start-up's objects collected; fewer collections per engine step
     server.run()
+    if died.is_set():
+        # no interpreter teardown: a dead engine's loop thread may be stuck in a GPU call
+        # whose peer died, and CUDA/NCCL exit handlers would wait on it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
+
+
+ENGINE_WATCH_S = 0.2     # how often the server looks at the engine's health
+
+
+def _stop_on_engine_death(engine, server, died: threading.Event) -> None:
+    """Stop uvicorn once the engine has died (a CUDA error, a dead or hung tensor-parallel
+    worker): in-flight requests have had their errors, and a process that can only answer 503
+    is better restarted now than after the liveness probe's failures."""
+    while not server.should_exit:
+        reason = engine.death_reason
+        if reason is not None and not server.should_exit:     # not a shutdown under way
+            logger.error("the engine has died (%s); the server stops and exits 1", reason)
+            died.set()
+            engine.fail_requests_if_dead()     # in flight: their errors now, not at the drain's end
+            server.should_exit = True
+            return
+        time.sleep(ENGINE_WATCH_S)
