@@ -190,19 +190,6 @@ def _to_fp16(q):
     return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
-@triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 values to fp16 in inline PTX (two cvt.rn.f16x2.e4m3x2 per 4 values): the same
-    values as x.to(tl.float16), but opaque to Triton, which therefore converts the tile where it
-    was loaded and stages it for the dot in fp16, read back with ldmatrix. With .to() it stages
-    the fp8 bytes and reads them into the dot's layout one or two at a time (ld.shared), then
-    converts. GPU only (the interpreter runs no PTX)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-
-
 # Which keys of a K/V tile _attend_tile masks out.
 _MASK_NONE: tl.constexpr = tl.constexpr(0)     # every key of the tile is visible to every row
 _MASK_END: tl.constexpr = tl.constexpr(1)      # keys at or past kv_end are hidden
@@ -214,7 +201,7 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
                  k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr, CVT_ASM: tl.constexpr):
+                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr):
     # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
     # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
     # K_BY_ROWS loads K as the [N, D] rows it is stored in and transposes it for the dot;
@@ -244,14 +231,9 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
         k = tl.load(k_ptrs, mask=(n < kv_end)[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=(n < kv_end)[:, None], other=0.0)
     # An fp8 cache is read back in the query's dtype (exact: e4m3 fits in fp16/bf16/fp32).
-    # With a cache already in that dtype, .to() returns its input: no extra op. CVT_ASM (an
-    # e4m3 cache, fp16 dots, on a GPU): converted where loaded, see _e4m3_to_f16.
-    if CVT_ASM:
-        k = _e4m3_to_f16(k)
-        v = _e4m3_to_f16(v)
-    else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    # With a cache already in that dtype, .to() returns its input: no extra op.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if K_BY_ROWS:
         k = tl.trans(k)                                                  # [D, N]
     qk = tl.dot(q, k, input_precision="ieee") * scale_log2              # [M, N]
@@ -278,7 +260,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    DOT_FP16: tl.constexpr, CVT_ASM: tl.constexpr = False):
+                    DOT_FP16: tl.constexpr):
     # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
@@ -319,12 +301,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, True, CVT_ASM)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, True)
     for start in range(kv_full, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True, CVT_ASM)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -339,8 +321,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    partition_size, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
-                   CVT_ASM: tl.constexpr = False):
+                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
@@ -378,12 +359,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS, CVT_ASM)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS)
     if full_end < part_end:     # the context's last, partial tile
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS, CVT_ASM)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS)
 
     out = acc / l_i[:, None]
     if num_splits == 1:
@@ -444,17 +425,6 @@ def decode_env() -> int | None:
     min_partition_tokens)."""
     value = _env_int("KVFLEET_DECODE_MIN_PARTITION", 0, 16)
     return value or None
-
-
-# KVFLEET_FP8_CVT_ASM=0: an e4m3 cache's tiles convert through Triton's .to() (staged for the
-# dot as fp8) instead of _e4m3_to_f16 (converted where loaded); to measure the difference.
-def fp8_cvt_asm_env(value: str) -> bool:
-    if value not in ("", "0", "1"):
-        raise ValueError(f"KVFLEET_FP8_CVT_ASM must be unset, 0 or 1; got {value!r}")
-    return value != "0"
-
-
-_FP8_CVT_ASM = fp8_cvt_asm_env(os.environ.get("KVFLEET_FP8_CVT_ASM", ""))
 
 
 # Partitions shorter than this cost more in the reduce launch than they win in parallelism
@@ -617,7 +587,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp8_cache = k_cache.dtype == FP8_KV_DTYPE
     # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
     bf16_over_fp8 = fp8_cache and query.dtype == torch.bfloat16
-    cvt_asm = _FP8_CVT_ASM and bf16_over_fp8 and on_gpu and not triton.knobs.runtime.interpret
 
     # Sequences of one query (decode rows) run the split-KV decode kernel, also in a mixed
     # batch: there the prefill kernel would spend a whole BLOCK_M-row tile on each one's GQA
@@ -631,8 +600,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
             *strides, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, CVT_ASM=cvt_asm and cfg.dot_fp16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if min_query_len is not None and min_query_len > 1:
             return out
@@ -654,7 +623,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        CVT_ASM=cvt_asm and cfg.dot_fp16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(query.device),
     )
     if split.num_splits > 1:
