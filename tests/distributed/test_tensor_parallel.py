@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet_runtime import LLM, SamplingParams
-from kvfleet_runtime.distributed.workers import STEP_TIMEOUT_S, WorkerDiedError, step_timeout_s
+from kvfleet_runtime.distributed.workers import (
+    CPU_STEP_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    WorkerDiedError,
+    step_timeout_s,
+)
 from tp_cases import CASES
 
 MAX_NEW = 10
@@ -156,10 +161,12 @@ def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir, monke
     assert not _live_workers()
 
 
-@pytest.mark.parametrize("value, expected", [("", STEP_TIMEOUT_S), ("2.5", 2.5), ("600", 600.0)])
-def test_step_timeout_from_the_environment(value, expected, monkeypatch):
+@pytest.mark.parametrize("value, on_gpu, expected", [
+    ("", True, STEP_TIMEOUT_S), ("", False, CPU_STEP_TIMEOUT_S), ("2.5", True, 2.5),
+    ("600", False, 600.0)])
+def test_step_timeout_from_the_environment(value, on_gpu, expected, monkeypatch):
     monkeypatch.setenv("KVFLEET_TP_STEP_TIMEOUT_S", value)
-    assert step_timeout_s() == expected
+    assert step_timeout_s(on_gpu) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])

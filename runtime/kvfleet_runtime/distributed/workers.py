@@ -48,16 +48,19 @@ STOP_GRACE_S = 5.0             # a stopped worker gets this long before it is ki
 TEARDOWN_TIMEOUT_S = 10.0      # rank 0's NCCL teardown at shutdown waits at most this
 # An engine step (rank 0's step() call: scheduling, the forward on every rank, sampling) that
 # has not returned after this long means a rank hung; KVFLEET_TP_STEP_TIMEOUT_S overrides it.
-# Generous: a step's first use of a kernel compiles it (seconds each), and a long prefill of a
-# large model takes seconds.
+# Generous: on a GPU a step's first use of a kernel compiles it (seconds each) and a long
+# prefill of a large model takes seconds; on a CPU a prefill chunk of thousands of tokens
+# through a 7B model takes minutes.
 STEP_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
+CPU_STEP_TIMEOUT_S = 1800.0
 
 
-def step_timeout_s() -> float:
-    """KVFLEET_TP_STEP_TIMEOUT_S (seconds, > 0), else STEP_TIMEOUT_S."""
+def step_timeout_s(on_gpu: bool = True) -> float:
+    """KVFLEET_TP_STEP_TIMEOUT_S (seconds, > 0), else STEP_TIMEOUT_S (CPU_STEP_TIMEOUT_S on a
+    CPU)."""
     value = os.environ.get("KVFLEET_TP_STEP_TIMEOUT_S", "")
     if not value:
-        return STEP_TIMEOUT_S
+        return STEP_TIMEOUT_S if on_gpu else CPU_STEP_TIMEOUT_S
     try:
         seconds = float(value)
     except ValueError:
@@ -156,7 +159,7 @@ class WorkerGroup:
         if config.torch_device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size ({size}) must not exceed the GPUs visible "
                              f"here ({torch.cuda.device_count()})")
-        self.step_timeout_s = step_timeout_s()
+        self.step_timeout_s = step_timeout_s(config.torch_device.type == "cuda")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")     # CUDA cannot be used in a forked child
         self.procs: list[mp.Process] = []
