@@ -173,9 +173,10 @@ class AsyncLLMEngine:
         """End every unfinished request with EngineDeadError now if the engine has died. Its
         loop does so itself when a step raises; this serves when the loop cannot (stuck on a
         GPU step whose peer died)."""
-        reason = self.death_reason
-        if reason is not None:
-            self._fail_all(EngineDeadError(f"the engine loop has died: {reason}"))
+        try:
+            self.check_health()
+        except EngineDeadError as e:
+            self._fail_all(e)
 
     def check_admission(self, num_requests: int = 1) -> None:
         """Raise unless num_requests more requests may be admitted now."""
