@@ -60,7 +60,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 # the byte limits of the symmetric-memory paths (0 turns one off)
 SIZE_SETTINGS = {"KVFLEET_TP_ONE_SHOT_MAX_BYTES": 512 * 1024, "KVFLEET_TP_TWO_SHOT_MAX_BYTES": 0,
-                 "KVFLEET_TP_FUSED_NORM_MAX_BYTES": 8 * 1024 * 1024}
+                 "KVFLEET_TP_FUSED_NORM_MAX_BYTES": 512 * 1024}
 
 
 def size_setting(name: str) -> int:
@@ -183,9 +183,8 @@ class FusedAllReduceNorm:
     """The all-reduce of a row-parallel projection fused with the RMSNorm (and residual add)
     that consumes it (kvfleet_kernels.all_reduce): one launch instead of the one-shot
     all-reduce and the norm, for tensors of up to `max_bytes` (KVFLEET_TP_FUSED_NORM_MAX_BYTES,
-    default 8 MiB: decode batches up to 1024 rows of a 4096-wide model; at 512 rows it beat
-    NCCL's ring + the norm by 1.9% end to end on 2x H200); larger ones take all_reduce then
-    the norm. The row-parallel layers hand their unreduced output to the norm
+    default 512 KiB: decode batches up to 64 rows of a 4096-wide model); larger ones take
+    all_reduce then the norm. The row-parallel layers hand their unreduced output to the norm
     (`reduce_in_norm`) only where `fits` says this path serves it.
 
     `create` returns None (the unfused path) off CUDA, where KVFLEET_TP_FUSED_NORM_MAX_BYTES=0,

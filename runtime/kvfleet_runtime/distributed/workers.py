@@ -327,6 +327,16 @@ class WorkerGroup:
                         TEARDOWN_TIMEOUT_S)
             forget_tensor_parallel()
 
+    def kill_now(self, wait_s: float) -> None:
+        """SIGKILL every worker (safe beside a shutdown under way in another thread) and
+        wait up to wait_s in all for them to exit: a GPU process's exit can take seconds."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        deadline = time.monotonic() + wait_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
     def _kill_all(self, grace_s: float = 0.0) -> None:
         for proc in self.procs:
             proc.join(grace_s)

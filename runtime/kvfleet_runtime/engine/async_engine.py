@@ -169,6 +169,11 @@ class AsyncLLMEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         self.engine.shutdown()
 
+    def kill_workers(self, wait_s: float) -> None:
+        """SIGKILL the tensor-parallel workers, if any (a process about to exit without its
+        shutdown must not leave them behind); waits up to wait_s for them to exit."""
+        self.engine.kill_workers(wait_s)
+
     def fail_requests_if_dead(self) -> None:
         """End every unfinished request with EngineDeadError now if the engine has died. Its
         loop does so itself when a step raises; this serves when the loop cannot (stuck on a

@@ -87,6 +87,12 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.shutdown()
 
+    def kill_workers(self, wait_s: float) -> None:
+        """SIGKILL the tensor-parallel workers now, without the shutdown's release and
+        teardown (for a process about to exit); waits up to wait_s for them to exit."""
+        if self.workers is not None:
+            self.workers.kill_now(wait_s)
+
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -196,16 +196,23 @@ def serve(args: argparse.Namespace) -> int:
     tune_gc()       # start-up's objects collected; fewer collections per engine step
     server.run()
     if died.is_set():
-        # no interpreter teardown: a dead engine's loop thread may be stuck in a GPU call
-        # whose peer died, and CUDA/NCCL exit handlers would wait on it
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _exit_dead(engine)
     return 0
 
 
 ENGINE_WATCH_S = 0.2     # how often the server looks at the engine's health
+DEAD_EXIT_S = 3.0        # how long a server whose engine died may take to stop
+WORKER_KILL_WAIT_S = 5.0  # then how long it waits for killed tensor-parallel workers to exit
+
+
+def _exit_dead(engine) -> None:
+    """Exit 1 without interpreter teardown: a dead engine's loop thread may be stuck in a GPU
+    call whose peer died, and CUDA/NCCL exit handlers would wait on it. No worker is left."""
+    engine.kill_workers(WORKER_KILL_WAIT_S)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _stop_on_engine_death(engine, server, died: threading.Event) -> None:
@@ -219,5 +226,10 @@ def _stop_on_engine_death(engine, server, died: threading.Event) -> None:
             died.set()
             engine.fail_requests_if_dead()     # in flight: their errors now, not at the drain's end
             server.should_exit = True
-            return
+            # uvicorn's shutdown then the engine's: on GPUs that can wait on a loop stuck for
+            # good in a collective with a dead peer, and on NCCL's teardown (10 s each)
+            time.sleep(DEAD_EXIT_S)
+            logger.error("the server did not stop within %.0f s of its engine's death; "
+                         "it exits now", DEAD_EXIT_S)
+            _exit_dead(engine)
         time.sleep(ENGINE_WATCH_S)
