@@ -118,7 +118,7 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         reason = self.death_reason
         if reason is not None:
-            raise EngineDeadError(f"the engine loop has died: {reason}")
+            raise EngineDeadError(f"the engine has died: {reason}")
 
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the loop's last step, add or abort."""

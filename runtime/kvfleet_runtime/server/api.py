@@ -176,7 +176,7 @@ def _add_open_routes(router: APIRouter) -> None:
     async def health(request: Request) -> Response:
         reason = _state(request).engine.death_reason
         if reason is not None:
-            raise p.OpenAIError(f"the engine loop has died: {reason}", status=503)
+            raise p.OpenAIError(f"the engine has died: {reason}", status=503)
         return Response(status_code=200)
 
     @router.get("/metrics")
