@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.env import on_off
+
 
 def pdl_mode(value: str) -> bool:
     """KVFLEET_PDL's value -> on/off."""
-    if value not in ("", "0", "1"):
-        raise ValueError(f"KVFLEET_PDL must be unset, 0 or 1; got {value!r}")
-    return value != "0"
+    return on_off("KVFLEET_PDL", value)
 
 
 # read once: the eager decode loop launches ~300 kernels a step

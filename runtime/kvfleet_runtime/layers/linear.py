@@ -22,6 +22,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from kvfleet_kernels.env import on_off
 from torch import nn
 
 from kvfleet_runtime.distributed.communication import (
@@ -48,13 +49,6 @@ def gemv_modes(value: str) -> tuple[bool, bool, bool]:
 
 
 _TRITON_GEMV, _TUNED_GEMV, _FP8_GEMV = gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
-
-
-def on_off(name: str, value: str) -> bool:
-    """An on-by-default switch: unset or 1 -> on, 0 -> off."""
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be unset, 0 or 1; got {value!r}")
-    return value != "0"
 
 
 # what the batch-1 GEMV of plain weights takes over (kvfleet_kernels.gemv: gated=, push=):

@@ -63,12 +63,12 @@ def check_kernel_environment() -> None:
     """The KVFLEET_* variables the kernels and layers read once at import (GEMV routing, PDL,
     decode partitions, FP8 accumulation), parsed now: a bad value is refused before the model
     loads."""
-    from kvfleet_kernels import fp8, paged_attention, pdl
+    from kvfleet_kernels import env, fp8, paged_attention, pdl
 
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
     for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH"):
-        linear.on_off(name, os.environ.get(name, ""))
+        env.on_off(name, os.environ.get(name, ""))
     from kvfleet_runtime.distributed import communication, layers
     layers.embedding_mode(os.environ.get("KVFLEET_TP_EMBEDDING", ""))
     for name in communication.SIZE_SETTINGS:
