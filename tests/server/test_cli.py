@@ -77,8 +77,7 @@ def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.Monkey
     ("KVFLEET_GEMV_PUSH", "2", "KVFLEET_GEMV_PUSH must be unset, 0 or 1; got '2'"),
     ("KVFLEET_TP_FUSED_NORM_MAX_BYTES", "512k",
      "KVFLEET_TP_FUSED_NORM_MAX_BYTES must be a number of bytes (an integer >= 0); got '512k'"),
-    ("KVFLEET_TP_ONE_SHOT_MAX_BYTES", "-1", "KVFLEET_TP_ONE_SHOT_MAX_BYTES must be a number of"),
-    ("KVFLEET_LOGITS_WARMUP_STEP", "0", "KVFLEET_LOGITS_WARMUP_STEP must be an integer >= 1; got '0'")])
+    ("KVFLEET_TP_ONE_SHOT_MAX_BYTES", "-1", "KVFLEET_TP_ONE_SHOT_MAX_BYTES must be a number of")])
 def test_a_bad_kernel_setting_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str],
                                                         name: str, value: str,

@@ -12,7 +12,6 @@ worker loop; all run the same forward (graphs included), rank 0 alone gets logit
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from itertools import chain
@@ -56,17 +55,6 @@ class PendingStep:
     logprobs: LogprobTensors | None = None        # rows that asked for logprobs ...
     host_logprobs: list[torch.Tensor] = field(default_factory=list)   # ... copied back
     num_top: list[int | None] = field(default_factory=list)
-
-
-def logits_warm_up_step() -> int:
-    """KVFLEET_LOGITS_WARMUP_STEP (default 8): the start-up runs the lm_head GEMM at every
-    multiple of this many sampled rows (1: at every row count, ~1 s more at 1024 running)."""
-    value = os.environ.get("KVFLEET_LOGITS_WARMUP_STEP", "")
-    if not value:
-        return 8
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"KVFLEET_LOGITS_WARMUP_STEP must be an integer >= 1; got {value!r}")
-    return int(value)
 
 
 @dataclass
@@ -149,10 +137,9 @@ class ModelRunner:
         H200: the steps of 510 and 879 rows took ~730 ms instead of ~370, on a fresh engine
         only). Under tensor parallelism every rank runs the same calls (lm_head gathers)."""
         top = self.config.max_num_seqs
-        step = logits_warm_up_step()
         hidden = torch.zeros(top, self.model_config.hidden_size, dtype=self.dtype,
                              device=self.device)
-        for rows in sorted({1, 2, 4, *range(step, top + 1, step), top}):
+        for rows in sorted({1, 2, 4, *range(8, top + 1, 8), top}):
             self.model.compute_logits(hidden[:rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize()

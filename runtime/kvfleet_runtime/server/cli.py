@@ -76,8 +76,6 @@ def check_kernel_environment() -> None:
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
     paged_attention.decode_env()
     fp8.fast_accum_default()
-    from kvfleet_runtime.engine.model_runner import logits_warm_up_step
-    logits_warm_up_step()
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
