@@ -25,6 +25,8 @@ DEVICES = pytest.mark.parametrize("device", [
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
 
+TP_FLAGS = ("--tensor-parallel-size", "2", "--served-model-name", "tp", "--max-num-seqs", "4")
+
 
 def _children(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
@@ -61,8 +63,7 @@ def _exit_code_within(server, seconds: float) -> int:
 @DEVICES
 @pytest.mark.timeout(180)
 def test_a_killed_worker_stops_the_server(tp_model_dir, device):
-    with running_server(tp_model_dir("llama3-gqa"), "--device", device, "--tensor-parallel-size", "2",
-                        "--served-model-name", "tp", "--max-num-seqs", "4") as server:
+    with running_server(tp_model_dir("llama3-gqa"), "--device", device, *TP_FLAGS) as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
         worker = _worker_pid(server.pid)
@@ -77,8 +78,7 @@ def test_a_killed_worker_stops_the_server(tp_model_dir, device):
 @DEVICES
 @pytest.mark.timeout(180)
 def test_kept_alive_a_killed_worker_fails_health_and_requests(tp_model_dir, device):
-    with running_server(tp_model_dir("llama3-gqa"), "--device", device, "--tensor-parallel-size", "2",
-                        "--served-model-name", "tp", "--max-num-seqs", "4",
+    with running_server(tp_model_dir("llama3-gqa"), "--device", device, *TP_FLAGS,
                         "--keep-alive-on-engine-death") as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
@@ -104,8 +104,7 @@ def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir, devic
     # SIGSTOP: the worker lives but never answers; rank 0 waits in a collective with it
     # (on GPUs the first request's steps may compile Triton kernels: longer than 3 s)
     timeout_s = 3.0 if device == "cpu" else 30.0
-    with running_server(tp_model_dir("llama3-gqa"), "--device", device, "--tensor-parallel-size", "2",
-                        "--served-model-name", "tp", "--max-num-seqs", "4",
+    with running_server(tp_model_dir("llama3-gqa"), "--device", device, *TP_FLAGS,
                         env={"KVFLEET_TP_STEP_TIMEOUT_S": str(timeout_s)}) as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body

@@ -136,7 +136,8 @@ class ModelRunner:
         whole step, the first time a mixed step sampled a new count (128/128 at 1024 running,
         H200: the steps of 510 and 879 rows took ~730 ms instead of ~370, on a fresh engine
         only). Warming every count (not only multiples of 8) also removed the one stall left
-        (510 rows) but gained no throughput: the host waited while the GPU had queued work. Under tensor parallelism every rank runs the same calls (lm_head gathers)."""
+        (510 rows) but gained no throughput: the host waited while the GPU had queued work.
+        Under tensor parallelism every rank runs the same calls (lm_head gathers)."""
         top = self.config.max_num_seqs
         hidden = torch.zeros(top, self.model_config.hidden_size, dtype=self.dtype,
                              device=self.device)

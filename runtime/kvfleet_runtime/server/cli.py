@@ -218,7 +218,8 @@ def _exit_dead(engine) -> None:
 def _stop_on_engine_death(engine, server, died: threading.Event) -> None:
     """Stop uvicorn once the engine has died (a CUDA error, a dead or hung tensor-parallel
     worker): in-flight requests have had their errors, and a process that can only answer 503
-    is better restarted now than after the liveness probe's failures."""
+    is better restarted now than after the liveness probe's failures. If the shutdown has not
+    ended the process DEAD_EXIT_S later, this thread ends it."""
     while not server.should_exit:
         reason = engine.death_reason
         if reason is not None and not server.should_exit:     # not a shutdown under way
