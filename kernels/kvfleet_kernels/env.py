@@ -9,13 +9,3 @@ def on_off(name: str, value: str) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name} must be unset, 0 or 1; got {value!r}")
     return value != "0"
-
-
-def env_int(name: str, value: str, default: int, low: int) -> int:
-    """An integer setting `name` set to `value`: unset ("") -> default; an integer >= low;
-    anything else is a clear error naming the variable."""
-    if not value:
-        return default
-    if not value.isdigit() or int(value) < low:
-        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-    return int(value)

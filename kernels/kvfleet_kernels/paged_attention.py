@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.env import env_int
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 # Largest finite float8_e4m3fn. K/V headed for an fp8 cache are clamped to +-this before the cast
@@ -412,11 +411,19 @@ class DecodeSplit:
     num_splits: int
 
 
+def _env_int(name: str, default: int, low: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    return int(value)
+
+
 def decode_env() -> int | None:
     """KVFLEET_DECODE_MIN_PARTITION: the shortest partition, in tokens, or None (the default,
     min_partition_tokens)."""
-    name = "KVFLEET_DECODE_MIN_PARTITION"
-    value = env_int(name, os.environ.get(name, ""), 0, 16)
+    value = _env_int("KVFLEET_DECODE_MIN_PARTITION", 0, 16)
     return value or None
 
 

@@ -18,7 +18,6 @@ from torch import nn
 
 from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
 from kvfleet_runtime.distributed.parallel_state import get_tp_size
-from kvfleet_runtime.layers import overlap
 from kvfleet_runtime.layers.activation import SiluAndMul
 from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.backend import use_triton
@@ -77,8 +76,6 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # rope: this step's rotary tables (torch path), made once by DecoderModel
-        if use_triton(x):
-            return self.o_proj(self.attend(self.project(positions, x, meta), meta))
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         qk_size = self.q_size + self.kv_size
         if rope is not None and not self.qk_norm:
@@ -86,30 +83,19 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb.apply_tables(qkv[:, :qk_size], rope).split(
                 [self.q_size, self.kv_size], dim=-1)
             return self.o_proj(self.attn(q, k, qkv[:, qk_size:].contiguous(), meta))
-        q, k, v = self._split_heads(qkv)
-        q, k = self.rotary_emb(positions, q, k, rope)
-        return self.o_proj(self.attn(q, k, v.contiguous(), meta))
-
-    def _split_heads(self, qkv: torch.Tensor):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        return q, k, v
-
-    def project(self, positions: torch.Tensor, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Triton path up to attention: qkv, q/k norms, then one kernel rotates q and k and
-        writes k and v into the paged cache. -> q, [T, q_size]"""
-        from kvfleet_kernels.rotary import rotary_and_cache
-        q, k, v = self._split_heads(self.qkv_proj(x))
-        k_cache, v_cache = self.attn.kv_cache
-        return rotary_and_cache(positions, q, k, v, self.head_dim, self.rotary_emb.cos_sin_cache,
-                                True, k_cache, v_cache, meta.slot_mapping)
-
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Triton path: attention of `project`'s q over the cache (o_proj not applied)."""
-        return self.attn(q, None, None, meta)
+        if use_triton(qkv):
+            # one kernel rotates q and k and writes k and v into the paged cache
+            from kvfleet_kernels.rotary import rotary_and_cache
+            k_cache, v_cache = self.attn.kv_cache
+            q = rotary_and_cache(positions, q, k, v, self.head_dim, self.rotary_emb.cos_sin_cache,
+                                 True, k_cache, v_cache, meta.slot_mapping)
+            return self.o_proj(self.attn(q, None, None, meta))
+        q, k = self.rotary_emb(positions, q, k, rope)
+        return self.o_proj(self.attn(q, k, v.contiguous(), meta))
 
 
 class DecoderMLP(nn.Module):
@@ -145,24 +131,12 @@ class DecoderLayer(nn.Module):
         feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(self, positions, x, residual, meta, rope=None):
-        x, residual = self._input_norm(x, residual)
-        return self._mlp_block(self.self_attn(positions, x, meta, rope), residual)
-
-    def _input_norm(self, x, residual):
         if residual is None:
-            return self.input_layernorm(x), x
-        return self.input_layernorm(x, residual)
-
-    def pre_attention(self, positions, x, residual, meta):
-        """Triton path, up to attention: -> (q, residual) (layers.overlap)."""
-        x, residual = self._input_norm(x, residual)
-        return self.self_attn.project(positions, x, meta), residual
-
-    def post_attention(self, attn_out, residual):
-        """From attention's output (o_proj's input) -> (x, residual) (layers.overlap)."""
-        return self._mlp_block(self.self_attn.o_proj(attn_out), residual)
-
-    def _mlp_block(self, x, residual):
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -189,13 +163,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)                                   # [T, D]
         rope = self.rotary_emb.prepare(positions, x.dtype)     # cos/sin once, not per layer
-        halves = overlap.decode_halves(x, meta)
-        if halves is not None:      # two half-batches, attention beside the GEMMs
-            x, residual = overlap.run_layers(self.layers, positions, x, halves)
-        else:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual, meta, rope)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta, rope)
         x, _ = self.norm(x, residual)
         return x
 
