@@ -116,4 +116,29 @@ class StepLog:
                 "slowest_steps": [(i, round(steps[i][0] * 1e3, 1), steps[i][1], steps[i][2])
                                   for i in slow],
                 # (index, cudaMalloc calls, cudaFree calls, retries) of the steps that made any
-                "allocator_steps": allocs[:12]}
+                "allocator_steps": allocs[:12],
+                "time_by_kind": time_by_kind(steps)}
+
+
+# decode steps by how many sequences they ran: where a long run's time goes
+DECODE_BATCHES = (512, 128, 1)
+
+
+def step_kind(tokens: int, seqs: int) -> str:
+    """A logged step's kind: decode steps (one token a sequence) by batch, else prefill."""
+    if not seqs:
+        return "empty"
+    if tokens != seqs:
+        return "prefill or mixed"
+    return f"decode >= {next(b for b in DECODE_BATCHES if seqs >= b)}"
+
+
+def time_by_kind(steps: list[tuple[float, int, int]]) -> dict[str, list]:
+    """kind -> [steps, seconds, tokens scheduled]."""
+    out: dict[str, list] = {}
+    for seconds, tokens, seqs in steps:
+        row = out.setdefault(step_kind(tokens, seqs), [0, 0.0, 0])
+        row[0] += 1
+        row[1] += seconds
+        row[2] += tokens
+    return {kind: [n, round(s, 3), t] for kind, (n, s, t) in out.items()}
