@@ -19,9 +19,13 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
+import triton.language as tl  # noqa: E402
+from kvfleet_kernels.pdl import pdl_args, pdl_wait  # noqa: E402
+from kvfleet_kernels.split_k import store_or_reduce, workspace  # noqa: E402
 from kvfleet_kernels.w4a16 import (  # noqa: E402
     GEMV_MAX_M,
     GemmConfig,
+    _gemv_load_weights,
     pick_config,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -68,6 +72,94 @@ def graph_us(fns, rep: int = 100) -> float:
         for fn in calls:
             fn()
     return triton.testing.do_bench(graph.replay, warmup=rep // 4, rep=rep) * 1e3 / len(calls)
+
+
+@triton.jit
+def _pattern_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, group_size,
+                    split_k, stride_qk, stride_sg, BLOCK_N: tl.constexpr,
+                    BLOCK_KW: tl.constexpr, MEET: tl.constexpr, PDL: tl.constexpr):
+    """--floor: the batch-1 GEMV's loads (same grid, tiles and order, prefetch included) with
+    no dequantization or products: each program folds its words into one float per column.
+    MEET: the K slices then meet as the GEMV's do (split_k.store_or_reduce); else each
+    program stores its own partial (no meeting)."""
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    cols = offs_n[None, :]
+    kw = K // 8
+    n_tiles = tl.cdiv(kw, BLOCK_KW)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    wa, wb, s, z = _gemv_load_weights(qw_ptr, s_ptr, z_ptr, pid_k, kw, group_size, stride_qk,
+                                      stride_sg, cols, mask_n, BLOCK_KW, 8, True)
+    pdl_wait(PDL)
+    for tile in range(pid_k, n_tiles - split_k, split_k):
+        na, nb, ns, nz = _gemv_load_weights(qw_ptr, s_ptr, z_ptr, tile + split_k, kw,
+                                            group_size, stride_qk, stride_sg, cols, mask_n,
+                                            BLOCK_KW, 8, True)
+        acc += tl.reshape(tl.sum((wa ^ wb).to(tl.float32), axis=0)[None, :] + s + z, (BLOCK_N,))
+        wa, wb, s, z = na, nb, ns, nz
+    acc += tl.reshape(tl.sum((wa ^ wb).to(tl.float32), axis=0)[None, :] + s + z, (BLOCK_N,))
+    if MEET:
+        store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, 0, 1, N, offs_n, mask_n,
+                        pid_n, pid_k, split_k, False)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
+def _read_kernel(ptr, out_ptr, n_words, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """--floor: a weight's words read contiguously, each program a run of them, CHUNK words
+    a step."""
+    pid = tl.program_id(0)
+    per = tl.cdiv(n_words, tl.num_programs(0) * CHUNK) * CHUNK
+    offs = tl.arange(0, CHUNK)
+    acc = tl.zeros((CHUNK,), dtype=tl.int32)
+    pdl_wait(PDL)
+    for start in range(pid * per, tl.minimum(pid * per + per, n_words), CHUNK):
+        acc ^= tl.load(ptr + start + offs, mask=start + offs < n_words, other=0)
+    tl.store(out_ptr + pid * CHUNK + offs, acc)
+
+
+def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int) -> None:
+    """--floor: for batch 1, the GEMV's time next to its loads alone (with and without the
+    K slices' meeting) and a contiguous read of the same bytes: what its arithmetic and its
+    meeting cost over the bytes' own time."""
+    k = x.shape[1]
+    n = layers[0][0].shape[1]
+    cfg = pick_config(1, n, k, group_size, x.device)
+    grid = (1, triton.cdiv(n, cfg.block_n), cfg.split_k)
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    part, count = workspace(x.device, 1, n, cfg.split_k, grid[1])
+    own = torch.empty(cfg.split_k * n, dtype=torch.float32, device=x.device)   # no meeting
+
+    def pattern(layer, meet):
+        qweight, scales, zeros = layer
+        _pattern_kernel[grid](qweight, scales, zeros, out, part if meet else own, count, n, k,
+                              group_size,
+                              cfg.split_k, qweight.stride(0), scales.stride(0),
+                              BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // 8, MEET=meet,
+                              num_warps=cfg.num_warps, num_stages=1, **pdl_args(x.device))
+
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    programs = 4 * sms                      # 8 warps an SM, as the GEMV's split aims for
+    sink = torch.empty(programs * 1024, dtype=torch.int32, device=x.device)
+
+    def read(layer):
+        flat = layer[0].view(-1)
+        _read_kernel[(programs,)](flat, sink, flat.numel(), CHUNK=1024, num_warps=2,
+                                  num_stages=3, **pdl_args(x.device))
+
+    words = layers[0][0].numel() * 4
+    times = {"gemv": (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size)
+                                for layer in layers]), q_bytes),
+             "loads+meeting": (graph_us([partial(pattern, layer, True) for layer in layers]),
+                               q_bytes),
+             "loads": (graph_us([partial(pattern, layer, False) for layer in layers]), q_bytes),
+             "contiguous read of the words": (graph_us([partial(read, layer)
+                                                        for layer in layers]), words)}
+    print(f"  floor {name}: " + ", ".join(
+        f"{what} {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s)" for what, (t, nbytes) in times.items()))
 
 
 def copies_for(nbytes: int, device: torch.device) -> int:
@@ -129,6 +221,9 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 256])
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     parser.add_argument("--verbose", action="store_true", help="with --sweep: every config's time")
+    parser.add_argument("--floor", action="store_true",
+                        help="batch 1 only: the GEMV next to its loads alone and a contiguous "
+                             "read of the same bytes")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -163,6 +258,8 @@ def main() -> None:
                   f"{(k * n * 2 + io) / t_b / 1e6:>7.2f}{t_b / t_q:>8.2f}x  "
                   f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split_k={cfg.split_k}"
                   f"{' prefetch' if cfg.prefetch else ''}")
+            if args.floor and m == 1 and args.bits == 4:
+                floor_rows(name, x, layers, args.group_size, q_bytes)
             if args.sweep:
                 t_best, best = sweep(x, layers, args.bits, args.group_size, args.verbose)
                 print(f"{'  best':<19}{t_best:>10.1f}{(q_bytes + io) / t_best / 1e6:>7.2f}"
