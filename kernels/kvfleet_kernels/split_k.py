@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+# K slices whose partials the last program loads at once
+MEET_ROWS = tl.constexpr(8)
+
 
 @triton.jit
 def store_or_reduce(acc, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n, mask_n,
@@ -33,10 +36,15 @@ def store_or_reduce(acc, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n, m
         counter = count_ptr + m * tl.num_programs(1) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
+            # the partials MEET_ROWS slices at a time: their loads in flight together (one at a
+            # time, the meeting was ~60 ns a slice on the H200, 2.5-4.3 us of a 7-23 us GEMV)
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            for part in range(0, split_k):
-                total += tl.load(part_ptr + (part * M + m) * N + offs_n, mask=mask_n, other=0.0,
-                                 cache_modifier=".cg")
+            rows = tl.arange(0, MEET_ROWS)[:, None]
+            for first in range(0, split_k, MEET_ROWS):
+                part = first + rows
+                total += tl.sum(tl.load(part_ptr + (part * M + m) * N + offs_n[None, :],
+                                        mask=(part < split_k) & mask_n[None, :], other=0.0,
+                                        cache_modifier=".cg"), axis=0)
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
