@@ -10,12 +10,15 @@ share one workspace.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-# K slices whose partials the last program loads at once
-MEET_ROWS = tl.constexpr(8)
+# K slices whose partials the last program loads at once (KVFLEET_SPLIT_K_MEET_ROWS: an
+# experiment's override, a power of two)
+MEET_ROWS = tl.constexpr(int(os.environ.get("KVFLEET_SPLIT_K_MEET_ROWS", "") or 8))
 
 
 @triton.jit
