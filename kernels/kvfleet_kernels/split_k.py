@@ -10,15 +10,15 @@ share one workspace.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# K slices whose partials the last program loads at once (KVFLEET_SPLIT_K_MEET_ROWS: an
-# experiment's override, a power of two)
-MEET_ROWS = tl.constexpr(int(os.environ.get("KVFLEET_SPLIT_K_MEET_ROWS", "") or 8))
+# K slices whose partials the last program loads at once. H200, batch-1 W4A16 GEMVs of the 8B
+# shape (qkv / o / gate_up / down, us): one at a time 8.9 / 7.6 / 22.6 / 15.3; 8 at a time
+# 8.3 / 6.8 / 22.0 / 13.8; 16: 8.1 / 6.3 / 21.8 / 13.1 (GPTQ batch 1 417.8 -> 426.8 tok/s);
+# 32: 7.9 / 6.4 / 21.8 / 12.8 (docs/PERFORMANCE.md, fourteenth session)
+MEET_ROWS = tl.constexpr(16)
 
 
 @triton.jit
@@ -40,7 +40,8 @@ def store_or_reduce(acc, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n, m
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
             # the partials MEET_ROWS slices at a time: their loads in flight together (one at a
-            # time, the meeting was ~60 ns a slice on the H200, 2.5-4.3 us of a 7-23 us GEMV)
+            # time, the meeting was ~60 ns a slice on the H200, 2.5-4.3 us of a 7-23 us GEMV;
+            # bench_w4a16.py --floor)
             total = tl.zeros(acc.shape, dtype=tl.float32)
             rows = tl.arange(0, MEET_ROWS)[:, None]
             for first in range(0, split_k, MEET_ROWS):

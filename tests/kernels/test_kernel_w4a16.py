@@ -65,7 +65,7 @@ def test_gemv_block_k_must_divide_the_group():
 
 
 @pytest.mark.parametrize("split_k", [2, 5, 9, 19])   # > the 8 K tiles: slices with none;
-# 9 and 19: the partials meet in 2 and 3 loads of split_k.MEET_ROWS (8) slices, the last masked
+# 19: the partials meet in two loads of split_k.MEET_ROWS (16) slices, the second masked
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_k, prefetch):
     from kvfleet_kernels import split_k as split_k_module
