@@ -62,21 +62,22 @@ def test_trace_first_use_reports_steps_and_outside_time(tmp_path, capsys):
     # 128 tokens each, at most 2 at a time: ~192 decode steps of 1 or 2 sequences
     assert row["decode_step_median_ms"] > 0 and row["steps"] >= 128
     kinds = row["time_by_kind"]
-    assert set(kinds) <= {"prefill or mixed", "decode >= 1", "empty"}
+    assert set(kinds) <= {"prefill or mixed", "decode 1-127", "empty"}
     # every logged step in one kind; the decode steps' tokens are their sequences
     assert sum(k[0] for k in kinds.values()) == row["steps"]
     # every prompt computed whole in the timed run (the warm-up's cached blocks were dropped)
     assert sum(k[2] for k in kinds.values()) == 3 * 128 + 3 * 127
-    assert kinds["decode >= 1"][1] <= row["engine_step_s"] + 1e-3
+    assert kinds["decode 1-127"][1] <= row["engine_step_s"] + 1e-3
 
 
 def test_steps_are_told_apart_by_kind_and_batch():
     from kvfleet_runtime.benchmarks.first_use import time_by_kind
-    steps = [(0.5, 16384, 130), (0.04, 900, 900), (0.05, 880, 880), (0.007, 116, 116),
-             (0.002, 1, 1), (0.001, 0, 0)]
+    steps = [(0.5, 16384, 130), (0.04, 900, 900), (0.05, 880, 880), (0.02, 128, 128),
+             (0.007, 116, 116), (0.002, 1, 1), (0.001, 0, 0)]
     assert time_by_kind(steps) == {"prefill or mixed": [1, 0.5, 16384],
-                                   "decode >= 512": [2, 0.09, 1780],
-                                   "decode >= 1": [2, 0.009, 117], "empty": [1, 0.001, 0]}
+                                   "decode 512+": [2, 0.09, 1780],
+                                   "decode 128-511": [1, 0.02, 128],
+                                   "decode 1-127": [2, 0.009, 117], "empty": [1, 0.001, 0]}
 
 
 def test_compile_log_records_each_compile_under_its_row(monkeypatch):

@@ -120,8 +120,8 @@ class StepLog:
                 "time_by_kind": time_by_kind(steps)}
 
 
-# decode steps by how many sequences they ran: where a long run's time goes
-DECODE_BATCHES = (512, 128, 1)
+# decode steps by how many sequences they ran (fewest, name): where a long run's time goes
+DECODE_BATCHES = ((512, "decode 512+"), (128, "decode 128-511"), (1, "decode 1-127"))
 
 
 def step_kind(tokens: int, seqs: int) -> str:
@@ -130,7 +130,7 @@ def step_kind(tokens: int, seqs: int) -> str:
         return "empty"
     if tokens != seqs:
         return "prefill or mixed"
-    return f"decode >= {next(b for b in DECODE_BATCHES if seqs >= b)}"
+    return next(name for fewest, name in DECODE_BATCHES if seqs >= fewest)
 
 
 def time_by_kind(steps: list[tuple[float, int, int]]) -> dict[str, list]:
