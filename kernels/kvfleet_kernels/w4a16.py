@@ -262,8 +262,19 @@ def _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m, stride_
     """The fp32 [BLOCK_N] contribution of one K tile loaded by _gemv_load_tile. Each pair of
     words (16 consecutive rows of K, one column) is dotted with x, (q - z) taken before the
     product; the pairs' sums over the tile's rows are scaled once per column."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    part = _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, tile, x_ptr + m * stride_xm, kw,
+                           BITS, BLOCK_KW, F16X2, X_BF16)
+    if F16X2:
+        return tl.sum(part, axis=0) * tl.reshape(s * 16.0, (BLOCK_N,))
+    return tl.sum(part, axis=0) * tl.reshape(s, (BLOCK_N,))
+
+
+@triton.jit
+def _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, tile, xrow, kw, BITS: tl.constexpr,
+                    BLOCK_KW: tl.constexpr, F16X2: tl.constexpr, X_BF16: tl.constexpr):
+    """fp32 [BLOCK_KW / 2, BLOCK_N]: each pair of words' (even row wa, odd row wb of tile
+    `tile`) sum of x_k (q_k - z) over its rows, before the scale; / 16 for F16X2. z: the
+    zeros, broadcastable to wa; xrow: x's row (the fp32 path loads x here)."""
     if F16X2:
         xa0, xa1, xa2, xa3 = _f16x2_pairs(xa01.to(tl.int32), (xa01 >> 32).to(tl.int32),
                                           xa23.to(tl.int32), (xa23 >> 32).to(tl.int32),
@@ -273,14 +284,11 @@ def _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m, stride_
                                           X_BF16)
         nza = _f16x2_splat(-64.0 - z * 0.0625)
         nzb = _f16x2_splat(-4.0 - z * 0.0625)
-        part = _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb)
-        return tl.sum(part, axis=0) * tl.reshape(s * 16.0, (BLOCK_N,))
-    else:
-        row_a = (tile * BLOCK_KW + 2 * tl.arange(0, HALF_KW))[:, None]
-        xrow = x_ptr + m * stride_xm
-        part = (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS)
-                + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS))
-        return tl.sum(part, axis=0) * tl.reshape(s, (BLOCK_N,))
+        return _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb)
+    PER_WORD: tl.constexpr = 32 // BITS
+    row_a = (tile * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None]
+    return (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS)
+            + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS))
 
 
 @triton.jit
@@ -353,6 +361,62 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
                     offs_n, mask_n, pid_n, pid_k, split_k, False)
 
 
+
+@triton.jit
+def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_size,
+                               stride_qk, stride_sg,
+                               BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """Batch 1, one program per BLOCK_N columns over the whole of K: no K slices, so nothing
+    to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
+    spreads over the program's warps; each pair's products are scaled by its own group and
+    kept per pair, and the pairs are summed once at the end (the only exchange between the
+    warps). The next step is loaded before this one is multiplied; the first step's weights
+    before the PDL wait. The host requires K % (BLOCK_KW * 32 // BITS) == 0, N % BLOCK_N == 0
+    and x, qweight, scales and zeros with contiguous rows; out is contiguous [1, N]."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n[None, :]
+    kw = K // PER_WORD
+    n_steps = kw // BLOCK_KW
+    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
+    wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk, stride_sg,
+                                    cols, BLOCK_KW, PER_WORD)
+    pdl_wait(PDL)
+    xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
+    for step in range(0, n_steps - 1):
+        na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
+                                          stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
+        nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, step + 1, kw, BLOCK_KW, F16X2, True)
+        acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
+                               BLOCK_KW, F16X2, X_BF16) * s
+        wa, wb, s, z = na, nb, ns, nz
+        xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
+    acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, n_steps - 1, x_ptr, kw, BITS,
+                           BLOCK_KW, F16X2, X_BF16) * s
+    out = tl.sum(acc, axis=0)
+    if F16X2:
+        out = out * 16.0
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_sg, cols,
+                     BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
+    """A whole-K step's even and odd word rows (wa, wb) and each pair's scales and zeros (fp32,
+    [BLOCK_KW / 2, BLOCK_N]; a pair's 2 * PER_WORD rows lie in one group)."""
+    row_a = (step * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None]
+    group = (row_a * PER_WORD) // group_size
+    wa = tl.load(qw_ptr + row_a * stride_qk + cols)
+    wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
+    s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
+    z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
+    return wa, wb, s, z
+
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
@@ -370,7 +434,8 @@ class GemmConfig:
     """Tiles of one launch; block_m == 1 selects the GEMV kernel (block_k rows per tile, at
     least 2 words: 16 for 4 bits). f16x2: the GEMV dequantizes in fp16x2 PTX where it can
     (4 bits, fp16/bf16 x, compiled for a GPU); else, and in the interpreter, in fp32.
-    prefetch: the GEMV loads a slice's next K tile before multiplying the current one."""
+    prefetch: the GEMV loads a slice's next K tile before multiplying the current one
+    (the whole-K GEMV always does)."""
     block_m: int
     block_n: int
     block_k: int
@@ -379,6 +444,9 @@ class GemmConfig:
     num_stages: int
     f16x2: bool = True
     prefetch: bool = False
+    # batch 1: one program per block_n columns over the whole of K, its warps sharing each
+    # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
+    whole_k: bool = False
 
 
 @functools.cache
@@ -392,7 +460,8 @@ def _num_sms(device: torch.device) -> int:
 def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
     GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
-    keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k")
+    keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
+            "whole_k")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -418,6 +487,13 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     # was no faster) and 1, 2 or 4 warps alike: per layer 78 -> 61 us (qkv 12.7 -> 9.9,
     # o 10.9 -> 9.1, gate_up 34.5 -> 24.8, down 19.9 -> 16.4), 1.4-2.5 TB/s.
     over = gemv_overrides(overrides)
+    if over.get("whole_k"):
+        # an experiment (not measured yet): whole_k=1 with 16 columns, 1024-row steps and 8
+        # warps unless block_n / block_k / warps say otherwise; shapes it cannot tile keep
+        # the split GEMV
+        block_n, block_k = over.get("block_n", 16), over.get("block_k", 1024)
+        if k % block_k == 0 and n % block_n == 0:
+            return GemmConfig(1, block_n, block_k, 1, over.get("warps", 8), 1, whole_k=True)
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)
@@ -472,8 +548,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("scales and zeros must share strides")
     cfg = config or pick_config(m, n, k, group_size, x.device)
     per_word = 32 // bits
-    if cfg.block_m == 1 and (cfg.block_k % (2 * per_word)
-                             or (group_size < k and group_size % cfg.block_k)):
+    if cfg.whole_k:
+        if m != 1 or cfg.block_m != 1 or k % cfg.block_k or n % cfg.block_n or (
+                cfg.block_k % (2 * per_word)):
+            raise ValueError(f"the whole-K GEMV serves M = 1 with K % block_k == 0 == "
+                             f"N % block_n and block_k a multiple of {2 * per_word}; got M={m}, "
+                             f"K={k}, N={n}, block_k={cfg.block_k}, block_n={cfg.block_n}")
+    elif cfg.block_m == 1 and (cfg.block_k % (2 * per_word)
+                               or (group_size < k and group_size % cfg.block_k)):
         raise ValueError(f"GEMV block_k {cfg.block_k} must be a multiple of {2 * per_word} "
                          f"dividing group_size {group_size}")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
@@ -486,6 +568,13 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         if qweight.stride(1) != 1 or scales.stride(1) != 1:
             qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if cfg.whole_k:
+            _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
+                x, qweight, scales, zeros, out, k, group_size, qweight.stride(0),
+                scales.stride(0), BITS=bits, BLOCK_N=cfg.block_n,
+                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
+                num_stages=1, **pdl_args(x.device))
+            return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         _w4a16_gemv_kernel[grid](
             x, qweight, scales, zeros, out, part, count, m, n, k, group_size, cfg.split_k,

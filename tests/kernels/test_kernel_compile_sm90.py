@@ -39,6 +39,12 @@ def compile_for_sm90(module: str, kernel: str, sig: dict, constexprs: dict) -> s
     return compiled.asm["ptx"]
 
 
+def _gemv_whole_k(x: str = "*bf16", pdl: bool = False) -> tuple:
+    sig = {"x_ptr": x, "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": x}
+    return ("kvfleet_kernels.w4a16", "_w4a16_gemv_whole_k_kernel", sig,
+            dict(BITS=4, BLOCK_N=16, BLOCK_KW=128, F16X2=True, PDL=pdl))
+
+
 def _rotary_and_cache(cache: str, pdl: bool = False) -> tuple:
     sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
            "q_out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
@@ -133,6 +139,10 @@ CASES = {
                                   ["lop3.b32", "fma.rn.f16x2", "atom.global.gpu.acq_rel.add"]),
     "w4a16_gemv_f16x2_prefetch_masked": (_gemv(True, "*fp16", even=False, prefetch=True),
                                          ["lop3.b32", "fma.rn.f16x2", "prmt.b32"]),
+    # the whole-K GEMV: the same dequantization, the warps' row sums met through shared memory
+    "w4a16_gemv_whole_k_bf16": (_gemv_whole_k(), ["lop3.b32", "fma.rn.f16x2", "cvt.f32.f16",
+                                                  "bar.sync"]),
+    "w4a16_gemv_whole_k_fp16": (_gemv_whole_k("*fp16"), ["lop3.b32", "prmt.b32"]),
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     # fp8 weights (W8A16 at batch 1): e4m3 read through the paired half-precision convert
     "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),
@@ -185,6 +195,7 @@ PDL_CASES = {
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
+    "w4a16_gemv_whole_k_pdl": (_gemv_whole_k(pdl=True), _PDL),
     "rms_norm_pdl": (_rms_norm(fp8=False, pdl=True), _PDL),
     "rms_norm_fp8_pdl": (_rms_norm(pdl=True), _PDL),
     "silu_and_mul_pdl": (_silu_and_mul(True), _PDL),
@@ -196,7 +207,7 @@ PDL_CASES = {
     "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
 }
 _PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
-                    "w4a16_gemv_f16x2_prefetch_pdl"]
+                    "w4a16_gemv_f16x2_prefetch_pdl", "w4a16_gemv_whole_k_pdl"]
 
 
 def _compile_in_child(loop: str) -> str:
@@ -243,6 +254,15 @@ def test_pdl_kernels_compile_for_sm90() -> None:
             assert f"{case} {n!r} True" in out, out
     for case in _PDL_LOADS_FIRST:
         assert f"{case} load-first True" in out, out
+
+
+@pytest.mark.slow
+def test_the_whole_k_gemv_has_no_slices_to_meet() -> None:
+    # no partials in global memory, no arrival counter: the K rows meet inside the program
+    out = _compile_in_child("ptx = t.compile_for_sm90(*t._gemv_whole_k())\n"
+                            "print('atom', 'atom.' in ptx, 'st.global', ptx.count('st.global'))\n")
+    assert "atom False" in out, out
+    assert "st.global 1" in out or "st.global 2" in out, out     # the output only
 
 
 @pytest.mark.slow

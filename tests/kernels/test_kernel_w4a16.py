@@ -80,6 +80,33 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
         assert counters.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("bits, group_size, k, n, block_k, block_n, warps", [
+    (4, 32, 256, 64, 128, 16, 4),     # 8 groups a 128-row step: each pair scaled by its own
+    (4, 128, 512, 32, 256, 32, 2),
+    (8, 64, 256, 48, 64, 16, 4),
+    (4, 256, 256, 32, 64, 16, 1)])    # one group for all of K (group_size -1)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype):
+    # one program per block_n columns over all of K: no K slices, no counters
+    qweight, scales, zeros = _layer(k, n, bits, group_size, seed=k + n + bits)
+    x = torch.randn(1, k).to(dtype)
+    cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales.to(dtype), zeros.to(dtype), bits, group_size)
+    out = w4a16_gemm(x, qweight, scales.to(dtype), zeros.to(dtype), bits, group_size, cfg)
+    assert out.dtype == dtype and out.shape == (1, n)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+
+
+@pytest.mark.parametrize("m, k, n, block_k, block_n", [(2, 256, 32, 128, 16),   # batch 1 only
+                                                       (1, 384, 32, 256, 16),   # K % block_k
+                                                       (1, 256, 40, 128, 16)])  # N % block_n
+def test_whole_k_gemv_refuses_what_it_cannot_tile(m, k, n, block_k, block_n):
+    qweight, scales, zeros = _layer(k, n, 4, 128, seed=1)
+    with pytest.raises(ValueError, match="the whole-K GEMV serves M = 1"):
+        w4a16_gemm(torch.randn(m, k), qweight, scales, zeros, 4, 128,
+                   GemmConfig(1, block_n, block_k, 1, 4, 1, whole_k=True))
+
+
 def test_gemv_tiles_from_the_environment(monkeypatch):
     # KVFLEET_W4A16_GEMV overrides pick_config's batch-1 tiles (GPU experiments); the
     # kernel at those tiles (prefetch, one warp, split over all 8 K tiles) still matches
@@ -93,6 +120,16 @@ def test_gemv_tiles_from_the_environment(monkeypatch):
     qweight, scales, zeros = _layer(256, 64, 4, 32, seed=3)
     x = torch.randn(1, 256, dtype=torch.float16)
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 32)
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, 32)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+    # the whole-K GEMV, opted into: its defaults where K and N tile, else the split GEMV
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "whole_k=1")
+    assert pick_config(1, 4096, 4096, 128, torch.device("cpu")) == GemmConfig(
+        1, 16, 1024, 1, 8, 1, whole_k=True)
+    assert not pick_config(1, 4096, 1536, 128, torch.device("cpu")).whole_k   # 1536 % 1024
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "whole_k=1,block_k=128,block_n=32,warps=4")
+    cfg = pick_config(1, 64, 256, 32, torch.device("cpu"))
+    assert cfg == GemmConfig(1, 32, 128, 1, 4, 1, whole_k=True)
     out = w4a16_gemm(x, qweight, scales, zeros, 4, 32)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
     monkeypatch.setenv("KVFLEET_W4A16_GEMV", "prefetch=yes")

@@ -44,6 +44,9 @@ SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)
 # lost every shape there and are left out. Each f16x2 config runs with and without prefetch.
 SWEEP_GEMV = ([(1, 128 * w, k, w, True) for w in (1, 2, 4) for k in (64, 128)]
               + [(1, 128, k, w, True) for k in (64, 128) for w in (2, 4)])
+# the whole-K GEMV (GemmConfig.whole_k, KVFLEET_W4A16_GEMV=whole_k=1): (block_n, block_k,
+# num_warps), where K and N tile
+SWEEP_WHOLE_K = [(bn, bk, w) for bn in (16, 32, 64) for bk in (512, 1024, 2048) for w in (4, 8)]
 # and its split-K at these programs per SM (split_k is a runtime argument: no recompile)
 SWEEP_GEMV_PER_SM = (1, 2, 4, 8, 16, 32)
 SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
@@ -124,7 +127,7 @@ def _read_kernel(ptr, out_ptr, n_words, CHUNK: tl.constexpr, PDL: tl.constexpr):
 def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int) -> None:
     """--floor: for batch 1, the GEMV's time next to its loads alone (with and without the
     K slices' meeting) and a contiguous read of the same bytes: what its arithmetic and its
-    meeting cost over the bytes' own time."""
+    meeting cost over the bytes' own time; and the whole-K GEMV (no slices) at its defaults."""
     k = x.shape[1]
     n = layers[0][0].shape[1]
     cfg = pick_config(1, n, k, group_size, x.device)
@@ -158,6 +161,10 @@ def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int
              "loads": (graph_us([partial(pattern, layer, False) for layer in layers]), q_bytes),
              "contiguous read of the words": (graph_us([partial(read, layer)
                                                         for layer in layers]), words)}
+    whole_k = GemmConfig(1, 16, 1024, 1, 8, 1, whole_k=True)   # KVFLEET_W4A16_GEMV=whole_k=1
+    if k % whole_k.block_k == 0 and n % whole_k.block_n == 0:
+        times["whole-K gemv"] = (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size, whole_k)
+                                           for layer in layers]), q_bytes)
     print(f"  floor {name}: " + ", ".join(
         f"{what} {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s)" for what, (t, nbytes) in times.items()))
 
@@ -181,6 +188,8 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False
     candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
                   else SWEEP_LARGE_M)
     ref = w4a16_gemm_ref(x, qweight, scales, zeros, bits, group_size).float()
+    configs = [GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True) for bn, bk, warps in SWEEP_WHOLE_K
+               if m == 1 and k % bk == 0 and n % bn == 0]
     for bm, bn, bk, warps, last in candidates:
         if bm == 1:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -193,23 +202,22 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False
         else:
             splits = sorted({1, auto.split_k})
             makes = [partial(GemmConfig, bm, bn, bk, num_warps=warps, num_stages=last)]
-        for make in makes:
-            for split in splits:
-                cfg = make(split_k=split)
-                fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in layers]
-                try:
-                    err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
-                    if not err < 2e-2:     # a fast wrong config must not win
-                        print(f"  WRONG {cfg}: off by {err:.3g} of max")
-                        continue
-                    t = graph_us(fns, rep=20)
-                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip it
-                    print(f"  skip {cfg}: {type(e).__name__}")
-                    continue
-                if args_verbose:
-                    print(f"    {t:8.1f} us  {cfg}")
-                if best is None or t < best[0]:
-                    best = (t, cfg)
+        configs += [make(split_k=split) for make in makes for split in splits]
+    for cfg in configs:
+        fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in layers]
+        try:
+            err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
+            if not err < 2e-2:     # a fast wrong config must not win
+                print(f"  WRONG {cfg}: off by {err:.3g} of max")
+                continue
+            t = graph_us(fns, rep=20)
+        except Exception as e:  # noqa: BLE001 - out of shared memory etc.: skip it
+            print(f"  skip {cfg}: {type(e).__name__}")
+            continue
+        if args_verbose:
+            print(f"    {t:8.1f} us  {cfg}")
+        if best is None or t < best[0]:
+            best = (t, cfg)
     assert best is not None
     return best
 

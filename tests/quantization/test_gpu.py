@@ -79,6 +79,27 @@ def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_si
     torch.testing.assert_close(prefetched.float(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k, n, block_k, block_n, warps", [(4096, 6144, 1024, 16, 8),
+                                                           (14336, 4096, 1024, 16, 8),
+                                                           (4096, 28672, 2048, 32, 4)])
+def test_w4a16_whole_k_gemv_matches_the_fp32_path_and_the_reference(k, n, block_k, block_n,
+                                                                     warps, dtype):
+    # the whole-K GEMV (KVFLEET_W4A16_GEMV=whole_k=1, an experiment) at the 8B shapes: the
+    # fp16x2 PTX with each row pair's own group scale, and the rows met inside the program
+    qweight, scales, zeros = random_layer(k, n, 4, 128, seed=k + n)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    x[0, :: k // 4] = torch.tensor([3000.0, -2000.0, 500.0, -4000.0], dtype=dtype)
+    cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 128)
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, 128, cfg)
+    fp32 = w4a16_gemm(x, qweight, scales, zeros, 4, 128,
+                      GemmConfig(**{**cfg.__dict__, "f16x2": False}))
+    tol = ref.abs().max().item() * 5e-3
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+    torch.testing.assert_close(fp32.float(), ref, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_w4a16_split_k_is_exact_up_to_summation_order(split_k):
     qweight, scales, zeros = random_layer(4096, 512, 4, 128, seed=1)
