@@ -361,7 +361,6 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
                     offs_n, mask_n, pid_n, pid_k, split_k, False)
 
 
-
 @triton.jit
 def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_size,
                                stride_qk, stride_sg,
@@ -416,6 +415,7 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
     s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
     z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
     return wa, wb, s, z
+
 
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
