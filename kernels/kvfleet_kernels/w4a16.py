@@ -427,6 +427,9 @@ GEMV_MAX_M = 1
 # 8 warps per SM or 2-4 tiles a slice, whichever split more.
 GEMV_WARPS_PER_SM = 8
 GEMV_TILES_PER_SLICE = 4
+# the whole-K GEMV's (block_n, block_k, num_warps) under KVFLEET_W4A16_GEMV=whole_k=1 (an
+# experiment, not measured yet; ptxas for sm_90: 103 registers, no spills)
+WHOLE_K_TILES = (16, 1024, 8)
 
 
 @dataclass(frozen=True)
@@ -488,12 +491,13 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     # o 10.9 -> 9.1, gate_up 34.5 -> 24.8, down 19.9 -> 16.4), 1.4-2.5 TB/s.
     over = gemv_overrides(overrides)
     if over.get("whole_k"):
-        # an experiment (not measured yet): whole_k=1 with 16 columns, 1024-row steps and 8
-        # warps unless block_n / block_k / warps say otherwise; shapes it cannot tile keep
-        # the split GEMV
-        block_n, block_k = over.get("block_n", 16), over.get("block_k", 1024)
+        # WHOLE_K_TILES unless block_n / block_k / warps say otherwise; shapes it cannot tile
+        # keep the split GEMV
+        block_n = over.get("block_n", WHOLE_K_TILES[0])
+        block_k = over.get("block_k", WHOLE_K_TILES[1])
         if k % block_k == 0 and n % block_n == 0:
-            return GemmConfig(1, block_n, block_k, 1, over.get("warps", 8), 1, whole_k=True)
+            return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]), 1,
+                              whole_k=True)
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)

@@ -24,6 +24,7 @@ from kvfleet_kernels.pdl import pdl_args, pdl_wait  # noqa: E402
 from kvfleet_kernels.split_k import store_or_reduce, workspace  # noqa: E402
 from kvfleet_kernels.w4a16 import (  # noqa: E402
     GEMV_MAX_M,
+    WHOLE_K_TILES,
     GemmConfig,
     _gemv_load_weights,
     pick_config,
@@ -162,8 +163,9 @@ def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int
              "loads": (graph_us([partial(pattern, layer, False) for layer in layers]), q_bytes),
              "contiguous read of the words": (graph_us([partial(read, layer)
                                                         for layer in layers]), words)}
-    whole_k = GemmConfig(1, 16, 1024, 1, 8, 1, whole_k=True)   # KVFLEET_W4A16_GEMV=whole_k=1
-    if k % whole_k.block_k == 0 and n % whole_k.block_n == 0:
+    block_n, block_k, warps = WHOLE_K_TILES            # KVFLEET_W4A16_GEMV=whole_k=1's tiles
+    whole_k = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
+    if k % block_k == 0 and n % block_n == 0:
         times["whole-K gemv"] = (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size, whole_k)
                                            for layer in layers]), q_bytes)
     print(f"  floor {name}: " + ", ".join(
