@@ -19,7 +19,7 @@ from kvfleet_kernels.fp8 import (
     one_pass_block,
     quantize_fp8_per_token_ref,
 )
-from kvfleet_kernels.pdl import pdl_args, pdl_small_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def silu_mul_row(x_row, i, mask, INTER, FAST: tl.constexpr = False):
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_small_wait(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
@@ -65,7 +65,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.
                              PDL: tl.constexpr = False, FAST: tl.constexpr = False):
     # One program per row, as fp8.py's _quantize_rowwise_kernel: a row longer than its one-pass
     # limit is computed twice (amax, then the values), instead of written and read back.
-    pdl_small_wait(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q

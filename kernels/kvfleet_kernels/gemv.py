@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kvfleet_kernels.activation import silu_and_mul_ref, silu_mul_row
 from kvfleet_kernels.all_reduce import PeerSlots, clean_zero
-from kvfleet_kernels.pdl import l2_prefetch, l2_prefetch_tiles, pdl_args, pdl_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import split_for, store_or_reduce, workspace
 
 
@@ -68,26 +68,15 @@ def _gemv_load_w(w_ptr, offs_n, mask_n, tile, K, stride_wn, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _l2_prefetch_w(w_ptr, offs_n, tile, N, K, stride_wn, BLOCK_K: tl.constexpr):
-    """Ask L2 for w's [BLOCK_N, BLOCK_K] tile (128-byte lines), clamped inside w."""
-    PER_LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    LINE: tl.constexpr = PER_LINE if BLOCK_K >= PER_LINE else BLOCK_K
-    offs_k = tl.minimum(tile * BLOCK_K + LINE * tl.arange(0, BLOCK_K // LINE), K - 1)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    l2_prefetch(w_ptr + rows[:, None] * stride_wn + offs_k[None, :])
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, split_k,
-                 l2_tiles, stride_xm, stride_wn, bases_ptr, rank, push_offset,
+                 stride_xm, stride_wn, bases_ptr, rank, push_offset,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
                  PUSH_WORLD: tl.constexpr = 0, PDL: tl.constexpr = False):
     # Program = (row of x, BLOCK_N outputs, K slice). HAS_SCALE: w holds fp8 (e4m3) values of
     # per-row scale s[n]; the sum over k is linear, so each slice's partial is scaled once.
     # PREFETCH: the slice's next tile is loaded before the current one is multiplied; its first
-    # weight tile is loaded before the PDL wait (weights are no earlier kernel's output), and
-    # l2_tiles more of the slice's tiles are asked of L2 (pdl.l2_prefetch_tiles).
+    # weight tile is loaded before the PDL wait (weights are no earlier kernel's output).
     # PUSH_WORLD > 0 (one K slice, no bias): the outputs also go to every other rank's buffer
     # (bases_ptr: int64 addresses), push_offset bytes in (this rank's part of the slot).
     m = tl.program_id(0)
@@ -99,9 +88,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N,
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:
         w = _gemv_load_w(w_ptr, offs_n, mask_n, pid_k, K, stride_wn, BLOCK_K)
-        for j in range(1, l2_tiles + 1):
-            if pid_k + j * split_k < n_tiles:
-                _l2_prefetch_w(w_ptr, offs_n, pid_k + j * split_k, N, K, stride_wn, BLOCK_K)
         pdl_wait(PDL)
         if pid_k < n_tiles:      # split_k above the tile count leaves slices empty
             x = _gemv_load_x(x_ptr, m, pid_k, K, stride_xm, BLOCK_K, GATED)
@@ -242,10 +228,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
     _gemv_kernel[grid](x, weight, scale if scale is not None else out,
                        bias if bias is not None else out, out, part, count,
-                       m, n, k, cfg.split_k,
-                       l2_prefetch_tiles(x.device, grid[0] * grid[1] * grid[2],
-                                         cfg.block_n * cfg.block_k * weight.element_size())
-                       if cfg.prefetch else 0, x.stride(0), weight.stride(0),
+                       m, n, k, cfg.split_k, x.stride(0), weight.stride(0),
                        push.bases if push is not None else count,
                        push.rank if push is not None else 0,
                        push.part_offset() if push is not None else 0,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.fp8 import FP8, fp8_quantize, fp8_scale, quantize_fp8_per_token_ref
-from kvfleet_kernels.pdl import pdl_args, pdl_small_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -65,7 +65,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_pt
                      FP8_OUT: tl.constexpr, PDL: tl.constexpr = False):
     # One program per row: the whole row fits one tile (D <= 16k). FP8_OUT: out_ptr takes the
     # output quantized per token (fp8_scale, fp8_quantize of fp8.py), scale_ptr its scale.
-    pdl_small_wait(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D

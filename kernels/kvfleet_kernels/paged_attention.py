@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.pdl import pdl_args, pdl_small_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 # Largest finite float8_e4m3fn. K/V headed for an fp8 cache are clamped to +-this before the cast
 # (every writer: reshape_and_cache, its reference, the torch path, rotary_and_cache).
@@ -328,7 +328,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     # log-sum-exp, and _decode_reduce_kernel merges them. partition_size and num_splits follow the
     # batch's longest context, so they are runtime arguments: a constexpr would recompile as
     # contexts grow.
-    pdl_small_wait(PDL)
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -384,7 +384,7 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
                           PDL: tl.constexpr = False):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
     # Partitions past the sequence's end were never written, so they are masked, not read.
-    pdl_small_wait(PDL)
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)

@@ -41,32 +41,8 @@ def pdl_mode(value: str) -> bool:
 
 # read once: the eager decode loop launches ~300 kernels a step
 _ON = pdl_mode(os.environ.get("KVFLEET_PDL", ""))
-
-
-def early_mode(value: str) -> bool:
-    """KVFLEET_PDL_EARLY's value -> on/off (off by default: unset or 0; 1 on)."""
-    if value not in ("", "0", "1"):
-        raise ValueError(f"KVFLEET_PDL_EARLY must be unset, 0 or 1; got {value!r}")
-    return value == "1"
-
-
-def l2_budget(value: str) -> int:
-    """KVFLEET_L2_PREFETCH_MB's value -> bytes (unset or 0: no L2 prefetch)."""
-    try:
-        mb = int(value or "0")
-    except ValueError:
-        mb = -1
-    if mb < 0:
-        raise ValueError(f"KVFLEET_L2_PREFETCH_MB must be a whole number of MB >= 0; got {value!r}")
-    return mb << 20
-
-
-# PDL = 2: the small kernels (norms, rotary, attention, SiLU) let the next kernel launch as they
-# start (pdl_launch_early), not after their wait: a GEMV two kernels on starts its weight loads
-_EARLY = early_mode(os.environ.get("KVFLEET_PDL_EARLY", ""))
-_L2_BYTES = l2_budget(os.environ.get("KVFLEET_L2_PREFETCH_MB", ""))
 _OFF_ARGS = {"PDL": False}
-_ON_ARGS = {"PDL": 2 if _EARLY else 1, "launch_pdl": True}
+_ON_ARGS = {"PDL": True, "launch_pdl": True}
 
 
 @functools.cache
@@ -81,34 +57,9 @@ def pdl_args(device: torch.device) -> dict:
     return _ON_ARGS if pdl_enabled(device) else _OFF_ARGS
 
 
-def l2_prefetch_tiles(device: torch.device, programs: int, tile_bytes: int) -> int:
-    """How many weight tiles past its first each GEMV program asks L2 for before its PDL wait
-    (KVFLEET_L2_PREFETCH_MB: all programs' together within that budget; 0 without PDL)."""
-    if not _L2_BYTES or not pdl_enabled(device):
-        return 0
-    return max(0, _L2_BYTES // max(1, programs * tile_bytes) - 1)
-
-
-@triton.jit
-def l2_prefetch(ptrs):
-    """Ask L2 for the 128-byte lines at ptrs (a tensor of addresses); fills no register."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the previous kernel (its writes visible), then let the next one launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_small_wait(PDL: tl.constexpr):
-    """pdl_wait for the small kernels (norms, rotary, attention, SiLU): with KVFLEET_PDL_EARLY=1
-    they let the next kernel launch before their wait, not after it. The next kernel still
-    waits for this one to finish (its own pdl_wait) before it reads what this one writes."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-    pdl_wait(PDL)

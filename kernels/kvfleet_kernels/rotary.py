@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.paged_attention import reshape_and_cache_ref, to_cache_dtype
-from kvfleet_kernels.pdl import pdl_args, pdl_small_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int,
@@ -161,7 +161,7 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
                              PDL: tl.constexpr = False):
     # One program per token: rotate its query heads into q_out; rotate its key heads and copy
     # its value heads straight into the token's cache slot (slot -1: padding, query only).
-    pdl_small_wait(PDL)
+    pdl_wait(PDL)
     token = tl.program_id(0)
     cos, sin, i, i_valid = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cache, ROT_DIM,
                                     BLOCK_HALF)

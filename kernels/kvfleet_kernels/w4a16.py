@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.pdl import l2_prefetch, l2_prefetch_tiles, pdl_args, pdl_wait
+from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import store_or_reduce, workspace
 
 
@@ -187,21 +187,6 @@ def _word_rows_dot(x_ptr, xrow, xmask, w, z, PER_WORD: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _l2_prefetch_tile(qw_ptr, s_ptr, tile, kw, group_size, stride_qk, stride_sg, pid_n, N,
-                      BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
-    """Ask L2 for a K tile's word rows and its group's scales (128-byte lines: 32 words, 64
-    scales), clamped inside the tensors."""
-    WORDS: tl.constexpr = 32 if BLOCK_N >= 32 else BLOCK_N
-    SCALES: tl.constexpr = 64 if BLOCK_N >= 64 else BLOCK_N
-    rows = tl.minimum(tile * BLOCK_KW + tl.arange(0, BLOCK_KW), kw - 1)
-    cols = tl.minimum(pid_n * BLOCK_N + WORDS * tl.arange(0, BLOCK_N // WORDS), N - 1)
-    l2_prefetch(qw_ptr + rows[:, None] * stride_qk + cols[None, :])
-    group = (tile * BLOCK_KW * PER_WORD) // group_size
-    l2_prefetch(s_ptr + group * stride_sg
-                + tl.minimum(pid_n * BLOCK_N + SCALES * tl.arange(0, BLOCK_N // SCALES), N - 1))
-
-
-@triton.jit
 def _gemv_load_weights(qw_ptr, s_ptr, z_ptr, tile, kw, group_size, stride_qk, stride_sg,
                        cols, mask_n, BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr,
                        EVEN: tl.constexpr):
@@ -308,7 +293,7 @@ def _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, tile, xrow, kw, BITS: tl.
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                       group_size, split_k, l2_tiles,
+                       group_size, split_k,
                        stride_xm, stride_qk, stride_sg,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
                        F16X2: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
@@ -323,8 +308,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
     pick_config). PREFETCH: a program's next tile is loaded before its current one is
     multiplied (two tiles in flight per thread: a slice's loads no longer wait, tile after
     tile, for the previous tile's arithmetic), its first tile's weights before the PDL wait
-    (kvfleet_kernels.pdl); else one tile at a time. l2_tiles (with PREFETCH): that many of the
-    slice's next tiles are asked of L2 before the wait too (pdl.l2_prefetch_tiles).
+    (kvfleet_kernels.pdl); else one tile at a time.
 
     qweight, scales and zeros have contiguous columns. With split_k > 1 the K slices meet
     inside this one launch (split_k.store_or_reduce): no zero-filled buffer, atomic
@@ -349,10 +333,6 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
             wa, wb, s, z = _gemv_load_weights(qw_ptr, s_ptr, z_ptr, pid_k, kw, group_size,
                                               stride_qk, stride_sg, cols, mask_n, BLOCK_KW,
                                               PER_WORD, EVEN)
-            for j in range(1, l2_tiles + 1):
-                if pid_k + j * split_k < n_tiles:
-                    _l2_prefetch_tile(qw_ptr, s_ptr, pid_k + j * split_k, kw, group_size,
-                                      stride_qk, stride_sg, pid_n, N, BLOCK_N, BLOCK_KW, PER_WORD)
             pdl_wait(PDL)
             xa01, xa23, xb01, xb23 = _gemv_load_x(x64, pid_k, kw, BLOCK_KW, F16X2, EVEN)
             # every tile but the slice's last: load the next, then multiply this one
@@ -600,11 +580,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 num_stages=1, **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
-        tile_bytes = cfg.block_k // per_word * cfg.block_n * 4
-        l2_tiles = l2_prefetch_tiles(x.device, grid[0] * grid[1] * grid[2], tile_bytes)
         _w4a16_gemv_kernel[grid](
             x, qweight, scales, zeros, out, part, count, m, n, k, group_size, cfg.split_k,
-            l2_tiles if cfg.prefetch else 0,
             x.stride(0), qweight.stride(0), scales.stride(0),
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
             EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0, PREFETCH=cfg.prefetch,

@@ -288,31 +288,3 @@ def test_the_gated_gemv_divides_as_the_activation_kernel() -> None:
         "    print(case, sorted(set(re.findall(r'div\\.[a-z0-9.]+', t.compile_for_sm90(*spec)))))\n")
     lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("gated", "act")))
     assert lines["gated"] == lines["act"] and lines["act"] != "[]", out
-
-
-@pytest.mark.slow
-def test_l2_prefetch_and_early_launch_compile_for_sm90() -> None:
-    # KVFLEET_L2_PREFETCH_MB: the prefetching GEMVs ask L2 for their next tiles before the PDL
-    # wait; KVFLEET_PDL_EARLY=1 (PDL=2): the small kernels trigger the next launch before
-    # their wait, and with PDL=1 only after it
-    out = _compile_in_child(
-        "cases = {'w4a16': t._gemv(True, prefetch=True, pdl=True),\n"
-        "         'bf16': t._gemv_bf16(prefetch=True, pdl=True),\n"
-        "         'fp8_weight': t._gemv_bf16('*fp8e4nv', prefetch=True, pdl=True)}\n"
-        "for case, spec in cases.items():\n"
-        "    ptx = t.compile_for_sm90(*spec)\n"
-        "    at = ptx.find('prefetch.global.L2')\n"
-        "    print(case, 'prefetch-first', 0 <= at < ptx.index('griddepcontrol.wait'))\n"
-        "small = {'rms_norm': t._rms_norm(fp8=False, pdl=True), 'silu': t._silu_and_mul(True),\n"
-        "         'rotary': t._rotary_and_cache('*bf16', pdl=True),\n"
-        "         'decode': t._paged_attention('_decode_kernel', PDL=True),\n"
-        "         'reduce': t._paged_attention('_decode_reduce_kernel', PDL=True)}\n"
-        "for case, (m, k, sig, cx) in small.items():\n"
-        "    for mode in (1, 2):\n"
-        "        ptx = t.compile_for_sm90(m, k, sig, cx | {'PDL': mode})\n"
-        "        early = ptx.index('griddepcontrol.launch_dependents') < ptx.index('griddepcontrol.wait')\n"
-        "        print(case, mode, 'early', early)\n")
-    for case in ("w4a16", "bf16", "fp8_weight"):
-        assert f"{case} prefetch-first True" in out, out
-    for case in ("rms_norm", "silu", "rotary", "decode", "reduce"):
-        assert f"{case} 1 early False" in out and f"{case} 2 early True" in out, out
