@@ -427,9 +427,30 @@ GEMV_MAX_M = 1
 # 8 warps per SM or 2-4 tiles a slice, whichever split more.
 GEMV_WARPS_PER_SM = 8
 GEMV_TILES_PER_SLICE = 4
-# the whole-K GEMV's (block_n, block_k, num_warps) under KVFLEET_W4A16_GEMV=whole_k=1 (an
-# experiment, not measured yet; ptxas for sm_90: 103 registers, no spills)
+# the whole-K GEMV's (block_n, block_k, num_warps) under KVFLEET_W4A16_GEMV=whole_k=1 (ptxas
+# for sm_90: 103 registers, no spills)
 WHOLE_K_TILES = (16, 1024, 8)
+# By default the whole-K GEMV serves N up to WHOLE_K_MAX_N at K >= WHOLE_K_MIN_K, where the
+# L2-cold H200 sweep (bench_w4a16.py --m 1 --sweep, commit 8f7785c) had it ahead of the split
+# GEMV: qkv 4096x6144 7.8 vs 8.1 us (32 columns x 1024 rows), o 4096x4096 5.4 vs 6.4 and down
+# 14336x4096 12.6 vs 13.0 (16 x 2048); gate_up 4096x28672 stays split (21.7 vs 22.4). Its
+# tiles: 32 columns where that still gives every SM a program (1024-row steps; 128
+# registers), else 16 (2048-row steps; 138 registers), 8 warps.
+WHOLE_K_MAX_N = 8192
+WHOLE_K_MIN_K = 2048
+
+
+def whole_k_tiles(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
+    """The default whole-K tiles (block_n, block_k, num_warps) for [K, N], or None where the
+    split GEMV serves it (N above WHOLE_K_MAX_N, K below WHOLE_K_MIN_K, shapes that do not
+    tile)."""
+    if n > WHOLE_K_MAX_N or k < WHOLE_K_MIN_K:
+        return None
+    block_n = 32 if n // 32 >= sms else 16
+    for block_k in ((1024, 512) if block_n == 32 else (2048, 1024, 512)):
+        if n % block_n == 0 and k % block_k == 0:
+            return block_n, block_k, 8
+    return None
 
 
 @dataclass(frozen=True)
@@ -498,6 +519,11 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         if k % block_k == 0 and n % block_n == 0:
             return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]), 1,
                               whole_k=True)
+    elif "whole_k" not in over and device.type == "cuda" and (
+            tiles := whole_k_tiles(n, k, _num_sms(device))):
+        # the default on a GPU (whole_k=0: the split GEMV everywhere); the interpreter keeps
+        # the split GEMV, which its tests cover at every shape
+        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True)
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)

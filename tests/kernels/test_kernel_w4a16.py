@@ -132,6 +132,27 @@ def test_gemv_tiles_from_the_environment(monkeypatch):
     assert cfg == GemmConfig(1, 32, 128, 1, 4, 1, whole_k=True)
     out = w4a16_gemm(x, qweight, scales, zeros, 4, 32)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+    # whole_k=0: the split GEMV even where the GPU default would pick the whole-K one
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "whole_k=0")
+    assert not pick_config(1, 4096, 4096, 128, torch.device("cpu")).whole_k
     monkeypatch.setenv("KVFLEET_W4A16_GEMV", "prefetch=yes")
     with pytest.raises(ValueError, match="KVFLEET_W4A16_GEMV: expected comma-separated"):
         pick_config(1, 64, 256, 32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("n, k, tiles", [
+    (6144, 4096, (32, 1024, 8)),      # qkv of the 8B shape: 192 programs of 32 columns
+    (4096, 4096, (16, 2048, 8)),      # o: 128 programs of 32 columns would leave SMs idle
+    (4096, 14336, (16, 2048, 8)),     # down
+    (4096, 7168, (16, 1024, 8)),      # down of a TP=2 rank: 7168 % 2048
+    (28672, 4096, None),              # gate_up: the split GEMV
+    (4096, 1536, None),               # K too short
+    (1000, 4096, None)])              # N % 16
+def test_whole_k_is_the_gpu_default_where_it_won(n, k, tiles):
+    from kvfleet_kernels.w4a16 import whole_k_tiles
+    assert whole_k_tiles(n, k, 132) == tiles
+
+
+def test_the_interpreter_keeps_the_split_gemv():
+    # on the CPU (the interpreter's tests) pick_config's default stays the split GEMV
+    assert not pick_config(1, 4096, 4096, 128, torch.device("cpu")).whole_k

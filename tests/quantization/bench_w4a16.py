@@ -26,10 +26,12 @@ from kvfleet_kernels.w4a16 import (  # noqa: E402
     GEMV_MAX_M,
     WHOLE_K_TILES,
     GemmConfig,
+    _gemv_config,
     _gemv_load_weights,
     pick_config,
     w4a16_gemm,
     w4a16_gemm_ref,
+    whole_k_tiles,
 )
 
 # (name, K, N) of one Llama-3.1-8B layer, q/k/v and gate/up fused as the engine runs them
@@ -132,7 +134,7 @@ def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int
     meeting cost over the bytes' own time; and the whole-K GEMV (no slices) at its defaults."""
     k = x.shape[1]
     n = layers[0][0].shape[1]
-    cfg = pick_config(1, n, k, group_size, x.device)
+    cfg = _gemv_config(1, n, k, group_size, x.device, "whole_k=0")   # the split GEMV's tiles
     grid = (1, triton.cdiv(n, cfg.block_n), cfg.split_k)
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     part, count = workspace(x.device, 1, n, cfg.split_k, grid[1])
@@ -156,14 +158,15 @@ def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int
                                   num_stages=3, **pdl_args(x.device))
 
     words = layers[0][0].numel() * 4
-    times = {"gemv": (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size)
-                                for layer in layers]), q_bytes),
+    times = {"split gemv": (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size, cfg)
+                                      for layer in layers]), q_bytes),
              "loads+meeting": (graph_us([partial(pattern, layer, True) for layer in layers]),
                                q_bytes),
              "loads": (graph_us([partial(pattern, layer, False) for layer in layers]), q_bytes),
              "contiguous read of the words": (graph_us([partial(read, layer)
                                                         for layer in layers]), words)}
-    block_n, block_k, warps = WHOLE_K_TILES            # KVFLEET_W4A16_GEMV=whole_k=1's tiles
+    # the whole-K GEMV at its default tiles for the shape, else at KVFLEET_W4A16_GEMV=whole_k=1's
+    block_n, block_k, warps = whole_k_tiles(n, k, sms) or WHOLE_K_TILES
     whole_k = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
     if k % block_k == 0 and n % block_n == 0:
         times["whole-K gemv"] = (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size, whole_k)

@@ -55,12 +55,15 @@ def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("gemv", ["", "whole_k=0"])     # the default (whole-K where it won), split
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k, n, group_size", [(4096, 6144, 128), (14336, 4096, 128),
                                               (4096, 1000, 64), (1152, 4096, 32)])
-def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_size, dtype):
+def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_size, dtype, gemv,
+                                                                   monkeypatch):
     # batch 1 at pick_config's tiles, the fp16x2 PTX against the plain-Triton fp32 path; a
     # few activations in the thousands (as the FFN's massive activations) stay finite in fp16
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", gemv)
     qweight, scales, zeros = random_layer(k, n, 4, group_size, seed=k + n)
     x = torch.randn(1, k, device="cuda", dtype=dtype)
     x[0, :: k // 4] = torch.tensor([3000.0, -2000.0, 500.0, -4000.0], dtype=dtype)
@@ -85,7 +88,7 @@ def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_si
                                                            (4096, 28672, 2048, 32, 4)])
 def test_w4a16_whole_k_gemv_matches_the_fp32_path_and_the_reference(k, n, block_k, block_n,
                                                                      warps, dtype):
-    # the whole-K GEMV (KVFLEET_W4A16_GEMV=whole_k=1, an experiment) at the 8B shapes: the
+    # the whole-K GEMV at the 8B shapes, at tiles other than the defaults' too: the
     # fp16x2 PTX with each row pair's own group scale, and the rows met inside the program
     qweight, scales, zeros = random_layer(k, n, 4, 128, seed=k + n)
     x = torch.randn(1, k, device="cuda", dtype=dtype)
