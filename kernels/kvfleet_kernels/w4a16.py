@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.activation import silu_mul_row
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import store_or_reduce, workspace
 
@@ -177,16 +176,11 @@ def _f16x2_pairs(a, b, c, d, X_BF16: tl.constexpr):
 
 
 @triton.jit
-def _word_rows_dot(x_ptr, xrow, xmask, w, z, PER_WORD: tl.constexpr, BITS: tl.constexpr,
-                   GATED: tl.constexpr = False, K=0):
-    """Plain Triton: fp32 sum over the PER_WORD rows of words w of x_k (q_k - z). GATED: x is
-    [gate | up] (K each) and x_k = SiLU(gate_k) * up_k, rounded as silu_and_mul stores it."""
+def _word_rows_dot(x_ptr, xrow, xmask, w, z, PER_WORD: tl.constexpr, BITS: tl.constexpr):
+    """Plain Triton: fp32 sum over the PER_WORD rows of words w of x_k (q_k - z)."""
     part = tl.zeros(w.shape, dtype=tl.float32)
     for j in tl.static_range(PER_WORD):
-        if GATED:
-            xj = silu_mul_row(x_ptr, xrow * PER_WORD + j, xmask, K).to(tl.float32)
-        else:
-            xj = tl.load(x_ptr + xrow * PER_WORD + j, mask=xmask, other=0.0).to(tl.float32)
+        xj = tl.load(x_ptr + xrow * PER_WORD + j, mask=xmask, other=0.0).to(tl.float32)
         q = _small_int_to_float((w >> (j * BITS)) & ((1 << BITS) - 1))
         part += xj * (q - z)
     return part
@@ -219,31 +213,6 @@ def _gemv_load_weights(qw_ptr, s_ptr, z_ptr, tile, kw, group_size, stride_qk, st
     # s, z: [1, BLOCK_N], loaded in the words' layout when BLOCK_N = 128 * num_warps
     # (each thread's 4 columns); otherwise Triton shuffles them through shared memory
     return wa, wb, s, z
-
-
-@triton.jit
-def _gated_quad(x_ptr, first, K):
-    """SiLU(gate) * up of x = [gate | up] (K each) at elements first .. first + 3 ([R, 1]),
-    each rounded to x's dtype as silu_and_mul stores it, packed as _gemv_load_x's int64 quads
-    (element first in the low 16 bits)."""
-    quad = tl.zeros(first.shape, dtype=tl.int64)
-    for j in tl.static_range(4):
-        v = silu_mul_row(x_ptr, first + j, first + j < K, K)     # the mask: always true
-        bits = v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
-        quad = quad | (bits << (16 * j))
-    return quad
-
-
-@triton.jit
-def _whole_k_load_x(x_ptr, x64, step, kw, BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
-                    GATED: tl.constexpr):
-    """The whole-K GEMV's x quads of one step (_gemv_load_x's; GATED, 4 bits: computed from
-    [gate | up], K = 8 kw each, by _gated_quad)."""
-    if GATED and F16X2:
-        first = (step * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None] * 8
-        return (_gated_quad(x_ptr, first, kw * 8), _gated_quad(x_ptr, first + 4, kw * 8),
-                _gated_quad(x_ptr, first + 8, kw * 8), _gated_quad(x_ptr, first + 12, kw * 8))
-    return _gemv_load_x(x64, step, kw, BLOCK_KW, F16X2, True)
 
 
 @triton.jit
@@ -302,12 +271,10 @@ def _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m, stride_
 
 @triton.jit
 def _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, tile, xrow, kw, BITS: tl.constexpr,
-                    BLOCK_KW: tl.constexpr, F16X2: tl.constexpr, X_BF16: tl.constexpr,
-                    GATED: tl.constexpr = False):
+                    BLOCK_KW: tl.constexpr, F16X2: tl.constexpr, X_BF16: tl.constexpr):
     """fp32 [BLOCK_KW / 2, BLOCK_N]: each pair of words' (even row wa, odd row wb of tile
     `tile`) sum of x_k (q_k - z) over its rows, before the scale; / 16 for F16X2. z: the
-    zeros, broadcastable to wa; xrow: x's row (the fp32 path loads x here; GATED: it is
-    [gate | up] and x_k = SiLU(gate_k) * up_k)."""
+    zeros, broadcastable to wa; xrow: x's row (the fp32 path loads x here)."""
     if F16X2:
         xa0, xa1, xa2, xa3 = _f16x2_pairs(xa01.to(tl.int32), (xa01 >> 32).to(tl.int32),
                                           xa23.to(tl.int32), (xa23 >> 32).to(tl.int32),
@@ -320,9 +287,8 @@ def _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, tile, xrow, kw, BITS: tl.
         return _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb)
     PER_WORD: tl.constexpr = 32 // BITS
     row_a = (tile * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None]
-    return (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS, GATED, kw * PER_WORD)
-            + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS, GATED,
-                             kw * PER_WORD))
+    return (_word_rows_dot(xrow, row_a, row_a < kw, wa, z, PER_WORD, BITS)
+            + _word_rows_dot(xrow, row_a + 1, row_a + 1 < kw, wb, z, PER_WORD, BITS))
 
 
 @triton.jit
@@ -400,11 +366,9 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
                                stride_qk, stride_sg,
                                BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
-                               GATED: tl.constexpr = False, PDL: tl.constexpr = False):
+                               PDL: tl.constexpr = False):
     """Batch 1, one program per BLOCK_N columns over the whole of K: no K slices, so nothing
-    to meet. GATED: x is a gated MLP's [gate | up] (K each) and the input is SiLU(gate) * up,
-    computed as the steps load it, rounded as silu_and_mul stores it (the down projection
-    without the activation's own kernel). A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
+    to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
     spreads over the program's warps; each pair's products are scaled by its own group and
     kept per pair, and the pairs are summed once at the end (the only exchange between the
     warps). The next step is loaded before this one is multiplied; the first step's weights
@@ -422,18 +386,17 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk, stride_sg,
                                     cols, BLOCK_KW, PER_WORD)
     pdl_wait(PDL)
-    xa01, xa23, xb01, xb23 = _whole_k_load_x(x_ptr, x64, 0, kw, BLOCK_KW, F16X2, GATED)
+    xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
     for step in range(0, n_steps - 1):
         na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
                                           stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
-        nxa01, nxa23, nxb01, nxb23 = _whole_k_load_x(x_ptr, x64, step + 1, kw, BLOCK_KW, F16X2,
-                                                     GATED)
+        nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, step + 1, kw, BLOCK_KW, F16X2, True)
         acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
-                               BLOCK_KW, F16X2, X_BF16, GATED) * s
+                               BLOCK_KW, F16X2, X_BF16) * s
         wa, wb, s, z = na, nb, ns, nz
         xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
     acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, n_steps - 1, x_ptr, kw, BITS,
-                           BLOCK_KW, F16X2, X_BF16, GATED) * s
+                           BLOCK_KW, F16X2, X_BF16) * s
     out = tl.sum(acc, axis=0)
     if F16X2:
         out = out * 16.0
@@ -598,16 +561,6 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
     return GemmConfig(block_m, block_n, block_k, split_k, warps, stages)
 
 
-def takes_gated(x: torch.Tensor, n: int, bits: int, group_size: int) -> bool:
-    """Whether w4a16_gemm(x, ..., gated=True) serves x = [gate | up] ([1, 2K]) by default: the
-    whole-K GEMV (batch 1 on a GPU, where pick_config picks it) computes SiLU(gate) * up as it
-    loads x, in place of silu_and_mul's kernel (4 bits, fp16/bf16: its fp16x2 path)."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and bits == 4
-            and x.dtype in (torch.float16, torch.bfloat16) and x.stride(1) == 1
-            and not triton.knobs.runtime.interpret
-            and pick_config(1, n, x.shape[1] // 2, group_size, x.device).whole_k)
-
-
 def kernel_supports(k: int, bits: int, group_size: int) -> bool:
     """Whether the kernel serves this shape; callers fall back to a dequantized weight otherwise."""
     return bits in (4, 8) and k % (32 // bits) == 0 and (group_size >= k or group_size % 16 == 0)
@@ -615,12 +568,9 @@ def kernel_supports(k: int, bits: int, group_size: int) -> bool:
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int,
-               config: GemmConfig | None = None, gated: bool = False) -> torch.Tensor:
-    """x: [M, K] fp16/bf16 -> [M, N] in x's dtype. gated (batch 1, the whole-K GEMV: see
-    takes_gated): x is a gated MLP's [1, 2K] = [gate | up] and the input is SiLU(gate) * up."""
+               config: GemmConfig | None = None) -> torch.Tensor:
+    """x: [M, K] fp16/bf16 -> [M, N] in x's dtype."""
     m, k = x.shape
-    if gated:
-        k //= 2
     n = qweight.shape[1]
     if not kernel_supports(k, bits, group_size):
         raise ValueError(f"w4a16_gemm does not serve K={k}, bits={bits}, group_size={group_size}")
@@ -628,8 +578,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("scales and zeros must share strides")
     cfg = config or pick_config(m, n, k, group_size, x.device)
     per_word = 32 // bits
-    if gated and not cfg.whole_k:
-        raise ValueError("a gated input ([gate | up]) needs the whole-K GEMV (batch 1)")
     if cfg.whole_k:
         if m != 1 or cfg.block_m != 1 or k % cfg.block_k or n % cfg.block_n or (
                 cfg.block_k % (2 * per_word)):
@@ -654,8 +602,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
                 x, qweight, scales, zeros, out, k, group_size, qweight.stride(0),
                 scales.stride(0), BITS=bits, BLOCK_N=cfg.block_n,
-                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, GATED=gated,
-                num_warps=cfg.num_warps, num_stages=1, **pdl_args(x.device))
+                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
+                num_stages=1, **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         _w4a16_gemv_kernel[grid](

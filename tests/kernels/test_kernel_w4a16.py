@@ -156,30 +156,3 @@ def test_whole_k_is_the_gpu_default_where_it_won(n, k, tiles):
 def test_the_interpreter_keeps_the_split_gemv():
     # on the CPU (the interpreter's tests) pick_config's default stays the split GEMV
     assert not pick_config(1, 4096, 4096, 128, torch.device("cpu")).whole_k
-
-
-@pytest.mark.parametrize("bits, group_size, k, n, block_k, block_n", [
-    (4, 32, 256, 32, 128, 16), (4, 128, 512, 32, 256, 32), (8, 64, 256, 48, 64, 16)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_whole_k_gemv_takes_silu_of_gate_and_up(bits, group_size, k, n, block_k, block_n, dtype):
-    # gated: x is a gated MLP's [gate | up] and the kernel computes SiLU(gate) * up as it loads
-    # it: the same outputs as silu_and_mul's kernel, then the GEMV on its output
-    from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_ref
-    qweight, scales, zeros = _layer(k, n, bits, group_size, seed=k + n)
-    gate_up = (torch.randn(1, 2 * k) * 2).to(dtype)
-    cfg = GemmConfig(1, block_n, block_k, 1, 4, 1, whole_k=True)
-    s, z = scales.to(dtype), zeros.to(dtype)
-    gated = w4a16_gemm(gate_up, qweight, s, z, bits, group_size, cfg, gated=True)
-    unfused = w4a16_gemm(silu_and_mul(gate_up), qweight, s, z, bits, group_size, cfg)
-    ref = w4a16_gemm_ref(silu_and_mul_ref(gate_up).float(), qweight, s, z, bits, group_size)
-    assert gated.shape == (1, n) and gated.dtype == dtype
-    torch.testing.assert_close(gated, unfused, rtol=0, atol=0)
-    torch.testing.assert_close(gated.float(), ref.float(), rtol=0,
-                               atol=ref.abs().max().item() * 2e-3)
-
-
-def test_a_gated_input_needs_the_whole_k_gemv():
-    qweight, scales, zeros = _layer(256, 32, 4, 32, seed=0)
-    with pytest.raises(ValueError, match="needs the whole-K GEMV"):
-        w4a16_gemm(torch.randn(1, 512), qweight, scales, zeros, 4, 32,
-                   GemmConfig(1, 32, 64, 1, 4, 1), gated=True)

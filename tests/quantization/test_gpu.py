@@ -128,33 +128,6 @@ def test_int_methods_use_the_kernel_on_gpu(method, bits, group_size, sym, desc_a
     torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gptq_down_projection_takes_silu_inside_its_whole_k_gemv(dtype):
-    # the 8B shape's down projection (14336 -> 4096) at batch 1: the MLP hands it [gate | up]
-    # (takes_gated) and its whole-K GEMV computes SiLU(gate) * up itself; the outputs of the
-    # activation's kernel then the GEMV, and near the fp32 reference; 2+ rows keep the kernel
-    from kvfleet_kernels.activation import silu_and_mul
-    from kvfleet_runtime.layers.activation import SiluAndMul
-    k, n = 14336, 4096
-    iq = quantize_int(torch.randn(n, k) * 0.02, 4, 128, True, False, min_zero=1, seed=3)
-    with torch.device("cuda"):
-        layer = Linear(k, n, bias=False, dtype=dtype, prefix="model.layers.0.mlp.down_proj",
-                       linear_method=GPTQConfig(bits=4, group_size=128, sym=True, desc_act=False)
-                       .get_linear_method("model.layers.0.mlp.down_proj"), parallel="row")
-    load(layer, [{name: t.cuda() for name, t in pack_gptq(iq.q, iq.zeros, iq.scales, iq.g_idx,
-                                                              4).items()}])
-    layer.linear_method.process_weights_after_loading(layer)
-    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=dtype) * 2
-    assert layer.takes_gated(gate_up)
-    assert not layer.takes_gated(gate_up.repeat(2, 1))
-    gated = layer(gate_up, gated=True)
-    unfused = layer(SiluAndMul()(gate_up))
-    ref = silu_and_mul(gate_up).float() @ iq.dequantize().cuda().t()
-    torch.testing.assert_close(gated.float(), unfused.float(), rtol=0,
-                               atol=unfused.float().abs().max().item() * 1e-3)
-    torch.testing.assert_close(gated.float(), ref, rtol=0, atol=ref.abs().max().item() * 1e-2)
-
-
 @pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (33, 4096, 14336), (512, 1024, 6144)])
 def test_fp8_scaled_mm_matches_reference(m, k, n):
     w = torch.randn(n, k, device="cuda") * 0.02

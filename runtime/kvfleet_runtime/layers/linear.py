@@ -111,15 +111,6 @@ class LinearMethod:
     plain copy is dropped (layer.weight is then an opaque mkldnn tensor of the same shape).
     """
 
-    def takes_gated(self, layer: Linear, x: torch.Tensor) -> bool:
-        """Whether apply_gated serves x = [gate | up] of a gated MLP with a kernel of this
-        method's own (plain weights take kvfleet_kernels.gemv's gated GEMV instead)."""
-        return False
-
-    def apply_gated(self, layer: Linear, x: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} has no gated kernel")
-
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype),
@@ -221,21 +212,13 @@ class Linear(nn.Module):
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) computes SiLU(gate) * up of x = [gate | up] inside
-        this layer's batch-1 GEMV (the gated MLP asks; otherwise it runs its activation):
-        plain weights on kvfleet_kernels.gemv, or a method's own (the W4A16 whole-K GEMV)."""
-        if not _GATED_GEMV:
-            return False
-        if fusing_gemv_config(self, x) is not None:
-            return True
-        return self.linear_method.takes_gated(self, x)
+        this layer's batch-1 GEMV (the gated MLP asks; otherwise it runs its activation)."""
+        return _GATED_GEMV and fusing_gemv_config(self, x) is not None
 
     def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
         if gated:
-            config = fusing_gemv_config(self, x)
-            if config is None:
-                return self.linear_method.apply_gated(self, x, bias)
             from kvfleet_kernels.gemv import gemv
-            return gemv(x, self.weight, bias, config, gated=True)
+            return gemv(x, self.weight, bias, fusing_gemv_config(self, x), gated=True)
         return self.linear_method.apply(self, x, bias)
 
     def _pushing_gemv(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:

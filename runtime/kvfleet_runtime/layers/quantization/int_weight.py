@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from kvfleet_kernels.w4a16 import kernel_supports, takes_gated, w4a16_gemm
+from kvfleet_kernels.w4a16 import kernel_supports, w4a16_gemm
 from torch import nn
 
 from kvfleet_runtime.distributed.parallel_state import get_tp_size
@@ -149,20 +149,6 @@ class IntWeightMethod(LinearMethod):
         layer.register_buffer("perm", perm, persistent=False)
         layer.kernel_group_size = group_size
         return None
-
-    def takes_gated(self, layer: Linear, x: torch.Tensor) -> bool:
-        """Whether apply_gated serves x = [gate | up]: the whole-K GEMV at batch 1 computes
-        SiLU(gate) * up as it loads x (kvfleet_kernels.w4a16.takes_gated); not with act-order
-        (x would be permuted first)."""
-        return (layer.uses_kernel and layer.perm is None
-                and takes_gated(x, layer.qweight.shape[1], self.bits, layer.kernel_group_size))
-
-    def apply_gated(self, layer: Linear, x: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """apply on SiLU(gate) * up of x = [gate | up], where takes_gated said so."""
-        out = w4a16_gemm(x, layer.qweight, layer.scales, layer.zeros, self.bits,
-                         layer.kernel_group_size, gated=True)
-        return out if bias is None else out + bias
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not layer.uses_kernel:
