@@ -48,9 +48,11 @@ SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)
 SWEEP_GEMV = ([(1, 128 * w, k, w, True) for w in (1, 2, 4) for k in (64, 128)]
               + [(1, 128, k, w, True) for k in (64, 128) for w in (2, 4)])
 # the whole-K GEMV (GemmConfig.whole_k, KVFLEET_W4A16_GEMV=whole_k=1): (block_n, block_k,
-# num_warps), where K and N tile (ptxas for sm_90: 16 x 1024 on 8 warps 103 registers, 16 x
-# 2048 138, 32 x 1024 128, no spills; 64 columns x 2048 rows spilled 20 KB and is left out)
-SWEEP_WHOLE_K = [(bn, bk, w) for bn in (16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
+# num_warps), where K and N tile and a thread holds at most 32 words a step (ptxas for sm_90:
+# 16 x 1024 on 8 warps 103 registers, 16 x 2048 138, 32 x 1024 128, no spills; 64 columns x
+# 2048 rows on 8 warps, 64 words a thread, spilled 20 KB)
+SWEEP_WHOLE_K = [(bn, bk, w) for bn in (16, 32, 64) for bk in (512, 1024, 2048)
+                 for w in (4, 8, 16) if bn * bk // 8 <= 32 * 32 * w]
 # and its split-K at these programs per SM (split_k is a runtime argument: no recompile)
 SWEEP_GEMV_PER_SM = (1, 2, 4, 8, 16, 32)
 SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
