@@ -84,7 +84,8 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
     (4, 32, 256, 64, 128, 16, 4),     # 8 groups a 128-row step: each pair scaled by its own
     (4, 128, 512, 32, 256, 32, 2),
     (8, 64, 256, 48, 64, 16, 4),
-    (4, 256, 256, 32, 64, 16, 1)])    # one group for all of K (group_size -1)
+    (4, 256, 256, 32, 64, 16, 1),     # one group for all of K (group_size -1)
+    (4, 64, 256, 32, 256, 16, 4)])    # all of K in one step (a TP=2 rank's o_proj: 2048 rows)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype):
     # one program per block_n columns over all of K: no K slices, no counters

@@ -58,7 +58,9 @@ def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
 @pytest.mark.parametrize("gemv", ["", "whole_k=0"])     # the default (whole-K where it won), split
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k, n, group_size", [(4096, 6144, 128), (14336, 4096, 128),
-                                              (4096, 1000, 64), (1152, 4096, 32)])
+                                              (4096, 1000, 64), (1152, 4096, 32),
+                                              # a TP=2 rank's o (one 2048-row step), down
+                                              (2048, 4096, 128), (7168, 4096, 128)])
 def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_size, dtype, gemv,
                                                                    monkeypatch):
     # batch 1 at pick_config's tiles, the fp16x2 PTX against the plain-Triton fp32 path; a
