@@ -459,8 +459,10 @@ def whole_k_tiles(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
     if n > WHOLE_K_MAX_N or k < WHOLE_K_MIN_K:
         return None
     block_n = 32 if n // 32 >= sms else 16
+    if n % block_n:
+        return None
     for block_k in ((1024, 512) if block_n == 32 else (2048, 1024, 512)):
-        if n % block_n == 0 and k % block_k == 0:
+        if k % block_k == 0:
             return block_n, block_k, 8
     return None
 
@@ -481,7 +483,8 @@ class GemmConfig:
     f16x2: bool = True
     prefetch: bool = False
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
-    # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
+    # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n.
+    # num_stages > 1: its steps' loads pipelined through shared memory
     whole_k: bool = False
 
 
