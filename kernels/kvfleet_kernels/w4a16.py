@@ -514,7 +514,7 @@ def gemv_overrides(value: str) -> dict[str, int]:
 
 @functools.cache
 def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
-                 overrides: str) -> GemmConfig:
+                 overrides: str, bits: int = 4) -> GemmConfig:
     """pick_config's batch-1 tiles (cached: the eager decode loop asks for every projection of
     every step); overrides: KVFLEET_W4A16_GEMV's value."""
     # one group per K tile. BLOCK_N = 128 * num_warps: each thread owns 4 columns (16-byte
@@ -535,11 +535,11 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         if k % block_k == 0 and n % block_n == 0:
             return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]),
                               over.get("stages", 1), whole_k=True)
-    elif "whole_k" not in over and device.type == "cuda" and (
+    elif "whole_k" not in over and bits == 4 and device.type == "cuda" and (
             tiles := whole_k_tiles(n, k, _num_sms(device))):
-        # the default on a GPU (whole_k=0: the split GEMV everywhere); the interpreter keeps
-        # the split GEMV, which its tests cover at every shape. stages > 1: the whole-K
-        # GEMV's pipelined loads (not measured yet)
+        # the default on a GPU for 4 bits (measured there, on its fp16x2 path; whole_k=0: the
+        # split GEMV everywhere); the interpreter keeps the split GEMV, which its tests cover
+        # at every shape. stages > 1: the whole-K GEMV's pipelined loads (not measured yet)
         return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], over.get("stages", 1),
                           whole_k=True)
     warps = over.get("warps", 2)
@@ -556,11 +556,12 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
                       prefetch=bool(over.get("prefetch", 1)))
 
 
-def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
+def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
+                bits: int = 4) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
     if m <= GEMV_MAX_M:
         return _gemv_config(m, n, k, group_size, device,
-                            os.environ.get("KVFLEET_W4A16_GEMV", ""))
+                            os.environ.get("KVFLEET_W4A16_GEMV", ""), bits)
     if m <= 16:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif m <= 64:
@@ -594,7 +595,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"w4a16_gemm does not serve K={k}, bits={bits}, group_size={group_size}")
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share strides")
-    cfg = config or pick_config(m, n, k, group_size, x.device)
+    cfg = config or pick_config(m, n, k, group_size, x.device, bits)
     per_word = 32 // bits
     if cfg.whole_k:
         if m != 1 or cfg.block_m != 1 or k % cfg.block_k or n % cfg.block_n or (

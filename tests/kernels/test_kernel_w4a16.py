@@ -159,3 +159,19 @@ def test_whole_k_is_the_gpu_default_where_it_won(n, k, tiles):
 def test_the_interpreter_keeps_the_split_gemv():
     # on the CPU (the interpreter's tests) pick_config's default stays the split GEMV
     assert not pick_config(1, 4096, 4096, 128, torch.device("cpu")).whole_k
+
+
+def test_the_gpu_default_is_whole_k_for_4_bits_only(monkeypatch):
+    # on a GPU (its SM count stubbed: no GPU here) 4-bit weights take the whole-K GEMV where it
+    # won; 8-bit ones (its fp32 path, not measured there) keep the split GEMV
+    from kvfleet_kernels import w4a16
+    monkeypatch.setattr(w4a16, "_num_sms", lambda device: 132)
+    monkeypatch.delenv("KVFLEET_W4A16_GEMV", raising=False)
+    w4a16._gemv_config.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+        assert pick_config(1, 4096, 4096, 128, cuda) == GemmConfig(1, 16, 2048, 1, 8, 1,
+                                                                   whole_k=True)
+        assert not pick_config(1, 4096, 4096, 128, cuda, bits=8).whole_k
+    finally:
+        w4a16._gemv_config.cache_clear()
