@@ -187,11 +187,11 @@ def copies_for(nbytes: int, device: torch.device) -> int:
     return max(2, -(-3 * l2 // nbytes))
 
 
-def sweep(x, layers, bits, group_size, args_verbose: bool = False
+def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only: bool = False
           ) -> tuple[float, GemmConfig]:
     """The fastest of the candidate configs for this shape that match the reference:
     (us, config); layers: (qweight, scales, zeros) copies timed in turn (L2-cold);
-    args_verbose prints every config's time."""
+    args_verbose prints every config's time; whole_k_only: the whole-K GEMV's tiles alone."""
     qweight, scales, zeros = layers[0]
     m, k = x.shape
     n = qweight.shape[1]
@@ -203,7 +203,7 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False
     configs = [GemmConfig(1, bn, bk, 1, warps, stages, whole_k=True)
                for bn, bk, warps, stages in SWEEP_WHOLE_K
                if m == 1 and k % bk == 0 and n % bn == 0]
-    for bm, bn, bk, warps, last in candidates:
+    for bm, bn, bk, warps, last in () if whole_k_only else candidates:
         if bm == 1:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             tiles, k_tiles = m * triton.cdiv(n, bn), triton.cdiv(k, bk)
@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 256])
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     parser.add_argument("--verbose", action="store_true", help="with --sweep: every config's time")
+    parser.add_argument("--whole-k-only", action="store_true",
+                        help="with --sweep at batch 1: the whole-K GEMV's tiles only")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
@@ -282,7 +284,8 @@ def main() -> None:
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
             if args.sweep:
-                t_best, best = sweep(x, layers, args.bits, args.group_size, args.verbose)
+                t_best, best = sweep(x, layers, args.bits, args.group_size, args.verbose,
+                                      args.whole_k_only and m == 1)
                 print(f"{'  best':<19}{t_best:>10.1f}{(q_bytes + io) / t_best / 1e6:>7.2f}"
                       f"{'':>16}{t_b / t_best:>8.2f}x  {best}")
 
