@@ -6,7 +6,9 @@ one program per chunk finds its chunk's max, and the chunk that finishes last fo
 (counted in as the split-K GEMVs count, split_k.py) picks the row's answer: one launch.
 
 Ties go to the first index (torch.argmax's rule): the leftmost maximum within a chunk, then
-the leftmost chunk holding the row's maximum.
+the leftmost chunk holding the row's maximum. NaN ranks above every number, +inf included, as in
+torch.argmax (a row's first NaN wins): a model whose logits overflowed gets a token inside its
+vocabulary, not an index past it that would crash the next step's embedding lookup.
 
 `sample_rows` is the same launch drawing a token per row from softmax(x / temperature): the
 argmax of x / temperature + Gumbel noise (-log(-log u), u uniform from Philox, `tl.rand`),
@@ -45,7 +47,7 @@ def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_ptr, V, str
         t = tl.load(temp_ptr + row)
         u = tl.rand(seed, row * V + offs)
         x = tl.where(t > 0.0, x / tl.where(t > 0.0, t, 1.0) - tl.log(-tl.log(u)), x)  # 0: greedy
-    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    value, index = _max_nan_first(x, tl.arange(0, BLOCK), BLOCK)
     tl.store(part_val_ptr + row * CHUNKS_PAD + chunk, value)
     tl.store(part_idx_ptr + row * CHUNKS_PAD + chunk, chunk * BLOCK + index)
     # the stores are made before the count; the last arrival's acquire sees the others'
@@ -58,9 +60,21 @@ def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_ptr, V, str
                          cache_modifier=".cg")
         indices = tl.load(part_idx_ptr + row * CHUNKS_PAD + c, mask=valid, other=0,
                           cache_modifier=".cg")
-        _, best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        _, best = _max_nan_first(values, c, CHUNKS_PAD)
         tl.store(out_ptr + row, tl.sum(tl.where(c == best, indices, 0), axis=0).to(tl.int64))
         tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _max_nan_first(x, pos, SIZE: tl.constexpr):
+    """(value, index) of x's largest value, the first of ties; its first NaN instead where it
+    holds one (value NaN). pos: tl.arange(0, SIZE)."""
+    nan = x != x
+    value, index = tl.max(tl.where(nan, float("inf"), x), axis=0, return_indices=True,
+                          return_indices_tie_break_left=True)
+    first_nan = tl.min(tl.where(nan, pos, SIZE), axis=0)
+    has_nan = first_nan < SIZE
+    return tl.where(has_nan, float("nan"), value), tl.where(has_nan, first_nan, index)
 
 
 # per (device, chunks): partial values, their indices, the rows' counters, for as many rows as

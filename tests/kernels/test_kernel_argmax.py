@@ -108,3 +108,30 @@ def test_gpu_sample_rows_over_a_128k_vocabulary_in_bf16():
     drawn = probs.gather(1, ids[:, None]).squeeze(1)
     expected = (probs * probs).sum(dim=-1)
     assert abs(drawn.mean().item() - expected.mean().item()) < 4 * expected.std().item() / 32 + 1e-4
+
+
+def _nan_rows(device: str, v: int) -> torch.Tensor:
+    """Rows a model that overflowed would hand the sampler: all NaN, NaN among finite values,
+    NaN next to +inf, and NaN only in the last (partial) chunk."""
+    x = torch.randn(4, v, generator=torch.Generator().manual_seed(v)).to(device)
+    x[0] = float("nan")
+    x[1, [v // 3, v - 2]] = float("nan")
+    x[2, 7] = float("inf")
+    x[2, v // 2] = float("nan")
+    x[3, v - 1] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("v", [3001, 128256])
+def test_nan_logits_give_torch_argmax_index(v, device):
+    # torch.argmax takes NaN as the largest value (its first NaN wins); an index past the
+    # vocabulary would crash the embedding lookup of the next step with a device-side assert
+    x = _nan_rows(device, v)
+    for dtype in (torch.float32, torch.float16):
+        got = argmax_rows(x.to(dtype))
+        assert got.tolist() == x.to(dtype).argmax(dim=-1).tolist() == [0, v // 3, v // 2, v - 1]
+    # the sampler's race too: a NaN row draws a token inside the vocabulary, the NaN's
+    t = torch.tensor([1.0, 0.0, 0.7, 2.0], device=device)
+    got = sample_rows(x, t, 3)
+    assert got.tolist() == [0, v // 3, v // 2, v - 1]
