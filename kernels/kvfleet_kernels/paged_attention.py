@@ -197,39 +197,46 @@ _MASK_CAUSAL: tl.constexpr = tl.constexpr(2)   # key n is visible to a row at q_
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_log2,
-                 k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
-                 stride_vb, stride_vs, stride_vh,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr):
-    # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
-    # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
-    # K_BY_ROWS loads K as the [N, D] rows it is stored in and transposes it for the dot;
-    # otherwise K is gathered straight into [D, N]. On an H200 the first is faster for prefill
-    # tiles, the second for decode's 16-row tiles.
-    n = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    if MASK == _MASK_NONE:
-        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+def _kv_rows(table, n, mask, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+             stride_vh, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    # keys n's offsets in the K and V caches, through the block table (MASKED: block 0 for the
+    # keys outside mask)
+    if MASKED:
+        block = tl.load(table + n // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
     else:
-        block = tl.load(table + n // BLOCK_SIZE, mask=n < kv_end, other=0).to(tl.int64)
+        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
     offset = n % BLOCK_SIZE
-    row_k = block * stride_kb + offset * stride_ks + kv_head * stride_kh                # [N]
-    row_v = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+    return (block * stride_kb + offset * stride_ks + kv_head * stride_kh,
+            block * stride_vb + offset * stride_vs + kv_head * stride_vh)
+
+
+@triton.jit
+def _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, K_BY_ROWS: tl.constexpr):
+    # a K/V tile in the cache's dtype: V as [N, D], K as [N, D] (K_BY_ROWS) or gathered [D, N];
+    # keys outside mask (MASKED) read as 0
+    d = tl.arange(0, HEAD_DIM)
     v_ptrs = v_cache_ptr + row_v[:, None] + d[None, :]
     if K_BY_ROWS:
         k_ptrs = k_cache_ptr + row_k[:, None] + d[None, :]
     else:
         k_ptrs = k_cache_ptr + row_k[None, :] + d[:, None]
-    if MASK == _MASK_NONE:
+    if not MASKED:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)                                              # [N, D]
     elif K_BY_ROWS:
-        k = tl.load(k_ptrs, mask=(n < kv_end)[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=(n < kv_end)[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
     else:
-        k = tl.load(k_ptrs, mask=(n < kv_end)[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=(n < kv_end)[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK: tl.constexpr,
+               K_BY_ROWS: tl.constexpr):
+    # One online-softmax step of the rows of q over the loaded tile of keys n (_load_kv).
     # An fp8 cache is read back in the query's dtype (exact: e4m3 fits in fp16/bf16/fp32).
     # With a cache already in that dtype, .to() returns its input: no extra op.
     k = k.to(q.dtype)
@@ -248,6 +255,26 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_log2,
+                 k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr):
+    # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
+    # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
+    # K_BY_ROWS loads K as the [N, D] rows it is stored in and transposes it for the dot;
+    # otherwise K is gathered straight into [D, N]. On an H200 the first is faster for prefill
+    # tiles, the second for decode's 16-row tiles.
+    n = start + tl.arange(0, BLOCK_N)
+    masked: tl.constexpr = MASK != _MASK_NONE
+    row_k, row_v = _kv_rows(table, n, n < kv_end, kv_head, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, masked)
+    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, n < kv_end, HEAD_DIM, masked,
+                    K_BY_ROWS)
+    return _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK, K_BY_ROWS)
 
 
 # Integer arguments that change from step to step are no specialisation keys: Triton would
@@ -321,14 +348,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    partition_size, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False):
+                   K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
+                   PRELOAD: tl.constexpr = True):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
     # log-sum-exp, and _decode_reduce_kernel merges them. partition_size and num_splits follow the
     # batch's longest context, so they are runtime arguments: a constexpr would recompile as
     # contexts grow.
-    pdl_wait(PDL)
+    # Read before the PDL wait, as no earlier kernel of this step writes them: the batch's
+    # metadata (host copies), the block table and the first tile's keys older than this step's
+    # (earlier steps wrote them; the newest, which the kernel right before writes, is read after
+    # the wait). Every program waits, those with nothing to do too, before it returns.
+    if not PRELOAD:     # KVFLEET_DECODE_PRELOAD=0: everything after the wait (an A/B knob)
+        pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -337,10 +370,29 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = split * partition_size
     # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
+    active = (q_len == 1) & (part_start < seq_len)
+    part_end = tl.minimum(part_start + partition_size, seq_len)
+    table = block_tables_ptr + seq * stride_bt
+    n = part_start + tl.arange(0, BLOCK_N)
+    # the first tile's keys (none where the program has nothing to do)
+    first_end = tl.where(active, tl.minimum(part_start + BLOCK_N, part_end), part_start)
+    row_k, row_v = _kv_rows(table, n, n < first_end, kv_head, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
+    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, n < tl.minimum(first_end, seq_len - 1),
+                    HEAD_DIM, True, K_BY_ROWS)
+    if PRELOAD:
+        pdl_wait(PDL)
     if (q_len != 1) | (part_start >= seq_len):
         return
-    part_end = tl.minimum(part_start + partition_size, seq_len)
-    full_end = part_start + (part_end - part_start) // BLOCK_N * BLOCK_N
+    if seq_len - 1 < first_end:     # the first tile holds this step's key
+        newest = n == seq_len - 1
+        k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, newest, HEAD_DIM, True,
+                                K_BY_ROWS)
+        if K_BY_ROWS:
+            k = tl.where(newest[:, None], k_new, k)
+        else:
+            k = tl.where(newest[None, :], k_new, k)
+        v = tl.where(newest[:, None], v_new, v)
 
     g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + g
@@ -350,17 +402,19 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                 mask=g_valid[:, None], other=0.0)
     if DOT_FP16:
         q = _to_fp16(q)
-    table = block_tables_ptr + seq * stride_bt
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(part_start, full_end, BLOCK_N):
+    m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, n, first_end, q_start, scale_log2,
+                               _MASK_END, K_BY_ROWS)
+    full_end = part_start + (part_end - part_start) // BLOCK_N * BLOCK_N
+    for start in range(part_start + BLOCK_N, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS)
-    if full_end < part_end:     # the context's last, partial tile
+    if (full_end > part_start) & (full_end < part_end):    # the last, partial tile (not the first)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
@@ -384,14 +438,15 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
                           PDL: tl.constexpr = False):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
     # Partitions past the sequence's end were never written, so they are masked, not read.
-    pdl_wait(PDL)
+    # The batch's metadata (host copies) is read before the PDL wait.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    pdl_wait(PDL)
     if q_len != 1:      # as _decode_kernel: its partitions were never written
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     s = tl.arange(0, SPLITS_PAD)
     s_valid = s < tl.cdiv(seq_len, partition_size)
     part = (seq * NUM_HEADS + head) * num_splits + s
@@ -436,6 +491,8 @@ def decode_env() -> int | None:
 # the decode launch, by the last to finish, measured slower at batch 1: 235.9 vs 241.2 tok/s,
 # 215.0 vs 216.0; removed.)
 _MIN_PARTITION_TOKENS = decode_env()
+# KVFLEET_DECODE_PRELOAD=0: the decode kernel reads nothing before its PDL wait (an A/B knob)
+_PRELOAD = os.environ.get("KVFLEET_DECODE_PRELOAD", "1") != "0"
 
 
 def min_partition_tokens(num_kv_heads: int) -> int:
@@ -623,7 +680,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(query.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PRELOAD=_PRELOAD,
+        **pdl_args(query.device),
     )
     if split.num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -205,3 +205,49 @@ def test_gpu_reshape_and_cache(dtype: torch.dtype) -> None:
     reshape_and_cache_ref(key, value, caches[2], caches[3], slot_mapping)
     torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_decode_reads_the_key_written_right_before_it(kv_dtype: torch.dtype) -> None:
+    # Under PDL the decode kernel loads its first tile's older keys before its wait and this
+    # step's key, which rotary_and_cache (PDL too) writes right before it, only after. A CUDA
+    # graph of the pair (as the engine's decode step) replayed with a new key each time: the
+    # output must follow the new key, also where it sits in a partition's first tile.
+    from kvfleet_kernels.rotary import rotary_and_cache, rotary_and_cache_ref
+
+    seq_lens = [1, 17, 64, 65, 300, 1000]        # first tiles holding the newest key, and not
+    n = len(seq_lens)
+    b = _batch([1] * n, seq_lens, torch.bfloat16, block_size=16, seed=11, **LLAMA8B)
+    k_cache, v_cache = b.k_cache.to(kv_dtype), b.v_cache.to(kv_dtype)
+    last = b.seq_lens.long() - 1
+    slots = b.block_tables[torch.arange(n), last // 16].long() * 16 + last % 16
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    freqs = torch.outer(torch.arange(1024, dtype=torch.float32), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).cuda()
+    qkv = torch.empty(n, (32 + 16) * 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+    out = torch.empty(n, 32, 128, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        q_rot = rotary_and_cache(last, q, k, v, 128, cos_sin, True, k_cache, v_cache, slots)
+        paged_attention(q_rot.view(n, 32, 128), k_cache, v_cache, b.block_tables, b.seq_lens,
+                        b.query_start_loc, b.scale, 1, 1024, out=out)
+
+    gen = torch.Generator().manual_seed(5)
+    qkv.copy_(torch.randn(qkv.shape, generator=gen))
+    step()                                       # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        # a large new key: attention all but ignores the others, so a stale one shows
+        qkv.copy_(torch.randn(qkv.shape, generator=gen))
+        k.mul_(8.0)
+        exp_k, exp_v = k_cache.clone(), v_cache.clone()
+        q_ref = rotary_and_cache_ref(last, q, k, v, 128, cos_sin, True, exp_k, exp_v, slots)
+        graph.replay()
+        expected = paged_attention_ref(q_ref.view(n, 32, 128), exp_k, exp_v, b.block_tables,
+                                       b.seq_lens, b.query_start_loc, b.scale)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0.0,
+                                   atol=TOLERANCE[torch.bfloat16] * 4)
