@@ -349,18 +349,19 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
-                   PRELOAD: tl.constexpr = True):
+                   PRELOAD: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
     # log-sum-exp, and _decode_reduce_kernel merges them. partition_size and num_splits follow the
     # batch's longest context, so they are runtime arguments: a constexpr would recompile as
     # contexts grow.
-    # Read before the PDL wait, as no earlier kernel of this step writes them: the batch's
-    # metadata (host copies), the block table and the first tile's keys older than this step's
-    # (earlier steps wrote them; the newest, which the kernel right before writes, is read after
-    # the wait). Every program waits, those with nothing to do too, before it returns.
-    if not PRELOAD:     # KVFLEET_DECODE_PRELOAD=0: everything after the wait (an A/B knob)
+    # PRELOAD (few programs, small tiles: decode_preload): read before the PDL wait what no
+    # earlier kernel of this step writes: the batch's metadata (host copies), the block table and
+    # the first tile's keys older than this step's (earlier steps wrote them; the newest, which
+    # the kernel right before writes, is read after the wait). Every program waits, those with
+    # nothing to do too, before it returns.
+    if not PRELOAD:
         pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -369,30 +370,31 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = split * partition_size
-    # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
-    active = (q_len == 1) & (part_start < seq_len)
     part_end = tl.minimum(part_start + partition_size, seq_len)
     table = block_tables_ptr + seq * stride_bt
-    n = part_start + tl.arange(0, BLOCK_N)
-    # the first tile's keys (none where the program has nothing to do)
-    first_end = tl.where(active, tl.minimum(part_start + BLOCK_N, part_end), part_start)
-    row_k, row_v = _kv_rows(table, n, n < first_end, kv_head, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
-    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, n < tl.minimum(first_end, seq_len - 1),
-                    HEAD_DIM, True, K_BY_ROWS)
     if PRELOAD:
+        # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
+        active = (q_len == 1) & (part_start < seq_len)
+        n = part_start + tl.arange(0, BLOCK_N)
+        # the first tile's keys (none where the program has nothing to do)
+        first_end = tl.where(active, tl.minimum(part_start + BLOCK_N, part_end), part_start)
+        row_k, row_v = _kv_rows(table, n, n < first_end, kv_head, stride_kb, stride_ks,
+                                stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v,
+                        n < tl.minimum(first_end, seq_len - 1), HEAD_DIM, True, K_BY_ROWS)
         pdl_wait(PDL)
     if (q_len != 1) | (part_start >= seq_len):
         return
-    if seq_len - 1 < first_end:     # the first tile holds this step's key
-        newest = n == seq_len - 1
-        k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, newest, HEAD_DIM, True,
-                                K_BY_ROWS)
-        if K_BY_ROWS:
-            k = tl.where(newest[:, None], k_new, k)
-        else:
-            k = tl.where(newest[None, :], k_new, k)
-        v = tl.where(newest[:, None], v_new, v)
+    if PRELOAD:
+        if seq_len - 1 < first_end:     # the first tile holds this step's key
+            newest = n == seq_len - 1
+            k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, newest, HEAD_DIM,
+                                    True, K_BY_ROWS)
+            if K_BY_ROWS:
+                k = tl.where(newest[:, None], k_new, k)
+            else:
+                k = tl.where(newest[None, :], k_new, k)
+            v = tl.where(newest[:, None], v_new, v)
 
     g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + g
@@ -406,15 +408,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, n, first_end, q_start, scale_log2,
-                               _MASK_END, K_BY_ROWS)
+    loop_start = part_start
+    if PRELOAD:
+        m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, n, first_end, q_start, scale_log2,
+                                   _MASK_END, K_BY_ROWS)
+        loop_start = part_start + BLOCK_N
     full_end = part_start + (part_end - part_start) // BLOCK_N * BLOCK_N
-    for start in range(part_start + BLOCK_N, full_end, BLOCK_N):
+    for start in range(loop_start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS)
-    if (full_end > part_start) & (full_end < part_end):    # the last, partial tile (not the first)
+    if (full_end >= loop_start) & (full_end < part_end):    # the last, partial tile
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
@@ -477,29 +482,35 @@ def _env_int(name: str, default: int, low: int) -> int:
 
 def decode_env() -> int | None:
     """KVFLEET_DECODE_MIN_PARTITION: the shortest partition, in tokens, or None (the default,
-    min_partition_tokens)."""
+    MIN_PARTITION_TOKENS's)."""
     value = _env_int("KVFLEET_DECODE_MIN_PARTITION", 0, 16)
     return value or None
 
 
 # Partitions shorter than this cost more in the reduce launch than they win in parallelism
-# (KVFLEET_DECODE_MIN_PARTITION overrides it). 64 where a sequence brings 8 or more KV heads:
-# batch-1 decode of the 8B shape at 128-384 tokens of context went 215.0 -> 223.1 tok/s against
-# 256 on the H200 (same call; a batch of one sequence's 8 kv heads fills 8 SMs unless its
-# context is cut finer). 32 with fewer: a TP=2 rank's 4 KV heads, batch 1 386.2 tok/s at 64,
-# 391.2 at 32, 373.3 at 128 (same call; docs/PERFORMANCE.md). (Merging the partitions inside
-# the decode launch, by the last to finish, measured slower at batch 1: 235.9 vs 241.2 tok/s,
-# 215.0 vs 216.0; removed.)
-_MIN_PARTITION_TOKENS = decode_env()
+# (KVFLEET_DECODE_MIN_PARTITION overrides it): 32 tokens. Batch-1 decode of the 8B shape at
+# 128-384 tokens of context on the H200 (a batch of one sequence's 8 kv heads fills 8 SMs unless
+# its context is cut finer): 215.0 tok/s at 256, 223.1 at 64 (same call); with the first tile
+# read before the PDL wait, 243.1 at 64 and 245.4 at 32 (same call), GPTQ 4-bit 454.8 and 462.2.
+# A TP=2 rank's 4 KV heads: 386.2 at 64, 391.2 at 32, 373.3 at 128 (docs/PERFORMANCE.md).
+# (Merging the partitions inside the decode launch, by the last to finish, measured slower at
+# batch 1: 235.9 vs 241.2 tok/s, 215.0 vs 216.0; removed.)
+MIN_PARTITION_TOKENS = decode_env() or 32
 # KVFLEET_DECODE_PRELOAD=0: the decode kernel reads nothing before its PDL wait (an A/B knob)
 _PRELOAD = os.environ.get("KVFLEET_DECODE_PRELOAD", "1") != "0"
+# Decode preloads its first tile (before the PDL wait) for at most this many (sequence, kv
+# head) pairs and tiles of at most this many bytes of K (as many of V): batch 1 of the 8B shape
+# (8 pairs, 32 x 128 bf16 keys) went 239.7 -> 243.0 tok/s, GPTQ 444.7 -> 454.8 (H200, same call;
+# docs/PERFORMANCE.md). Held in registers across the wait, a larger tile costs more than it
+# hides: 128 fp8 keys at 256 x 1500 ran 0.24 -> 0.33 ms.
+PRELOAD_MAX_PAIRS = 64
+PRELOAD_MAX_TILE_BYTES = 8192
 
 
-def min_partition_tokens(num_kv_heads: int) -> int:
-    """The shortest partition decode cuts a context into, for sequences of num_kv_heads."""
-    if _MIN_PARTITION_TOKENS is not None:
-        return _MIN_PARTITION_TOKENS
-    return 64 if num_kv_heads >= 8 else 32
+def decode_preload(num_pairs: int, block_n: int, head_dim: int, cache_bytes: int) -> bool:
+    """Whether decode reads its first tile before its PDL wait (the kernel's PRELOAD)."""
+    return (_PRELOAD and num_pairs <= PRELOAD_MAX_PAIRS
+            and block_n * head_dim * cache_bytes <= PRELOAD_MAX_TILE_BYTES)
 
 
 # Programs to aim for per SM: enough in flight to keep HBM busy while each one waits on loads.
@@ -515,7 +526,7 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
                 if device.type == "cuda" else _CPU_SM_COUNT)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count, max(num_seqs * num_kv_heads, 1))
-    num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, min_partition_tokens(num_kv_heads))))
+    num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, MIN_PARTITION_TOKENS)))
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     return DecodeSplit(partition_size=partition_size, num_splits=triton.cdiv(max_seq_len, partition_size))
 
@@ -680,7 +691,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PRELOAD=_PRELOAD,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, head_dim,
+                               k_cache.element_size()),
         **pdl_args(query.device),
     )
     if split.num_splits > 1:

@@ -7,6 +7,8 @@ Every output buffer is poisoned with NaN before the launch, every case draws fre
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from kvfleet_kernels.paged_attention import (
@@ -87,14 +89,31 @@ def test_prefill_gqa_groups_and_head_dims(num_heads: int, num_kv_heads: int, hea
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int) -> None:
+@pytest.mark.parametrize("preload", [True, False])
+def test_decode_split_kv_matches_reference(dtype: torch.dtype, block_size: int, preload: bool,
+                                           monkeypatch) -> None:
+    from kvfleet_kernels import paged_attention as pa
     seq_lens = [600, 37, 290]
     batch = _batch([1, 1, 1], seq_lens, dtype, block_size=block_size, seed=4)
-    # Pin that this case really takes several partitions (and partitions of unequal use).
+    # Pin that this case really takes several partitions (and partitions of unequal use), and
+    # which of decode's two paths it takes: the first tile read before the PDL wait or not
     block_n = decode_config(on_gpu=False).block_n
     split = decode_split(len(seq_lens), 2, max(seq_lens), block_n, torch.device("cpu"))
     assert split.num_splits > 2
+    monkeypatch.setattr(pa, "_PRELOAD", preload)
+    assert pa.decode_preload(3 * 2, block_n, 32, batch.k_cache.element_size()) is preload
     _check(batch, decode_only=True)
+
+
+def test_decode_preloads_for_few_pairs_and_small_tiles(monkeypatch) -> None:
+    from kvfleet_kernels import paged_attention as pa
+    monkeypatch.setattr(pa, "_PRELOAD", True)
+    assert pa.decode_preload(8, 32, 128, 2)             # batch 1 of the 8B shape, bf16 cache
+    assert pa.decode_preload(8, 64, 128, 1)             # its fp8 cache up to 1024 tokens
+    assert not pa.decode_preload(8, 128, 128, 1)        # 128-key fp8 tiles
+    assert not pa.decode_preload(65 * 8, 32, 128, 2)    # a batch of 65
+    monkeypatch.setattr(pa, "_PRELOAD", False)          # KVFLEET_DECODE_PRELOAD=0
+    assert not pa.decode_preload(8, 32, 128, 2)
 
 
 @pytest.mark.parametrize("dtype", [*CPU_DTYPES, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
@@ -125,16 +144,18 @@ def test_decode_single_partition_gqa(num_heads: int, num_kv_heads: int, head_dim
                   head_dim=head_dim, seed=5), decode_only=True)
 
 
-def test_the_shortest_partition_follows_the_kv_heads_a_sequence_brings(monkeypatch) -> None:
+def test_contexts_are_cut_into_partitions_of_at_least_32_tokens(monkeypatch) -> None:
     from kvfleet_kernels import paged_attention as pa
     cpu = torch.device("cpu")
-    # batch 1, 384 tokens: 8 KV heads (Llama-3.1-8B) cut into 64-token partitions, a TP=2
-    # rank's 4 into 32-token ones; KVFLEET_DECODE_MIN_PARTITION (parsed at import) overrides
-    assert pa.min_partition_tokens(8) == 64 and pa.min_partition_tokens(4) == 32
+    # batch 1, 384 tokens: 32-token partitions for Llama-3.1-8B's 8 KV heads and a TP=2 rank's
+    # 4 alike; KVFLEET_DECODE_MIN_PARTITION (parsed at import) overrides
+    assert os.environ.get("KVFLEET_DECODE_MIN_PARTITION") or pa.MIN_PARTITION_TOKENS == 32
+    monkeypatch.setattr(pa, "MIN_PARTITION_TOKENS", 32)
     monkeypatch.setattr(pa, "_CPU_SM_COUNT", 132)         # as many programs as an H200 wants
-    assert decode_split(1, 8, 384, 32, cpu).num_splits == 6
+    assert decode_split(1, 8, 384, 32, cpu).num_splits == 12
     assert decode_split(1, 4, 384, 32, cpu).num_splits == 12
-    monkeypatch.setattr(pa, "_MIN_PARTITION_TOKENS", 128)
+    assert decode_split(8, 8, 384, 32, cpu).num_splits == 4     # 64 pairs: 96-token partitions
+    monkeypatch.setattr(pa, "MIN_PARTITION_TOKENS", 128)
     assert decode_split(1, 4, 384, 32, cpu).num_splits == 3
 
 

@@ -11,7 +11,6 @@ With FP8 weights the norms and the activation hand qkv, gate_up and down their i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
@@ -27,9 +26,6 @@ from kvfleet_runtime.layers.norm import RMSNorm, reduce_in_norm
 from kvfleet_runtime.layers.quantization.fp8 import feeds_fp8
 from kvfleet_runtime.layers.rotary import RotaryEmbedding
 from kvfleet_runtime.models.config import ModelConfig
-
-# an upper-bound probe (reverted after its call): kernels left out of a decode step
-_SKIP = set(os.environ.get("KVFLEET_PROBE_SKIP", "").split(","))
 
 
 def _method(quant_config, prefix: str):
@@ -91,10 +87,6 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        if use_triton(qkv) and "attn" in _SKIP:
-            return self.o_proj(q)
-        if use_triton(qkv) and "rope" in _SKIP:
-            return self.o_proj(self.attn(q, None, None, meta))
         if use_triton(qkv):
             # one kernel rotates q and k and writes k and v into the paged cache
             from kvfleet_kernels.rotary import rotary_and_cache
@@ -121,8 +113,6 @@ class DecoderMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if "silu" in _SKIP:
-            return self.down_proj(gate_up[:, : gate_up.shape[1] // 2])
         if self.down_proj.takes_gated(gate_up):     # SiLU(gate) * up inside the down GEMV
             return self.down_proj(gate_up, gated=True)
         return self.down_proj(self.act_fn(gate_up))
@@ -141,9 +131,6 @@ class DecoderLayer(nn.Module):
         feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(self, positions, x, residual, meta, rope=None):
-        if "norm" in _SKIP:
-            x = self.self_attn(positions, x, meta, rope)
-            return self.mlp(x), x
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -179,8 +166,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta, rope)
-        if "norm" not in _SKIP:
-            x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual)
         return x
 
 
