@@ -41,11 +41,18 @@ def silu_mul_row(x_row, i, mask, INTER, FAST: tl.constexpr = False):
     # division (div.full, <= 2 ulp) instead of IEEE's
     gate = tl.load(x_row + i, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + INTER + i, mask=mask, other=0.0).to(tl.float32)
+    return silu_mul(gate, up, x_row.dtype.element_ty, FAST)
+
+
+@triton.jit
+def silu_mul(gate, up, OUT_DTYPE: tl.constexpr, FAST: tl.constexpr = False):
+    # SiLU(gate) * up of fp32 values, rounded to OUT_DTYPE (silu_mul_row's arithmetic; also the
+    # W4A16 GEMV's gated output, split_k.meet_gate_up)
     if FAST:
         silu = tl.fdiv(gate, 1.0 + tl.exp(-gate), ieee_rounding=False)
     else:
         silu = gate / (1.0 + tl.exp(-gate))
-    return (silu * up).to(x_row.dtype.element_ty)
+    return (silu * up).to(OUT_DTYPE)
 
 
 @triton.jit

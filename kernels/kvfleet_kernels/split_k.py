@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.activation import silu_mul
+
 # K slices whose partials the last program loads at once. H200, batch-1 W4A16 GEMVs of the 8B
 # shape (qkv / o / gate_up / down, us): one at a time 8.9 / 7.6 / 22.6 / 15.3; 8 at a time
 # 8.3 / 6.8 / 22.0 / 13.8; 16: 8.1 / 6.3 / 21.8 / 13.1 (GPTQ batch 1 417.8 -> 426.8 tok/s);
@@ -24,8 +26,11 @@ MEET_ROWS = tl.constexpr(16)
 @triton.jit
 def store_or_reduce(acc, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n, mask_n,
                     pid_n, pid_k, split_k, HAS_BIAS: tl.constexpr):
-    """acc: this program's fp32 [BLOCK_N] sum over its K slice, for row m and columns offs_n."""
+    """acc: this program's fp32 [BLOCK_N] sum over its K slice, for row m and columns offs_n.
+    Returns whether this program wrote the output tile (the only one with split_k == 1, else
+    the last of its tile's slices to arrive)."""
     out_ptrs = out_ptr + m * N + offs_n
+    done = split_k == 1
     if split_k == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -38,7 +43,8 @@ def store_or_reduce(acc, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n, m
         tl.debug_barrier()
         counter = count_ptr + m * tl.num_programs(1) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
+        done = arrived == split_k - 1
+        if done:
             # the partials MEET_ROWS slices at a time: their loads in flight together (one at a
             # time, the meeting was ~60 ns a slice on the H200, 2.5-4.3 us of a 7-23 us GEMV;
             # bench_w4a16.py --floor)
@@ -53,6 +59,30 @@ def store_or_reduce(acc, out_ptr, b_ptr, part_ptr, count_ptr, m, M, N, offs_n, m
                 total += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    return done
+
+
+@triton.jit
+def meet_gate_up(out_ptr, act_ptr, pair_ptr, m, N, offs_n, mask_n, pid_n):
+    """A gated MLP's gate_up GEMV ([gate | up] across its N columns, a tile wholly in one half):
+    called by the program that wrote its output tile (store_or_reduce's True), it counts the
+    tile in on its pair's counter (gate tile t with up tile t + tiles / 2), and the second of
+    the pair writes SiLU(gate) * up of those columns into act ([M, N / 2]) from both tiles'
+    stored outputs (silu_mul on the rounded values: the activation kernel's bits), then puts
+    the counter back to 0. The down projection then needs no activation launch."""
+    half = N // 2
+    pairs = tl.num_programs(1) // 2
+    # every thread's stores of the tile precede the count; acq_rel as store_or_reduce's
+    tl.debug_barrier()
+    counter = pair_ptr + m * pairs + pid_n % pairs
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == 1:
+        i = offs_n % half
+        row = out_ptr + m * N
+        gate = tl.load(row + i, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+        up = tl.load(row + half + i, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(act_ptr + m * half + i, silu_mul(gate, up, act_ptr.dtype.element_ty),
+                 mask=mask_n)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 # per (device, M, N, split_k, output tiles): fp32 partials [split_k, M, N] and the counters

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
-from kvfleet_kernels.split_k import store_or_reduce, workspace
+from kvfleet_kernels.split_k import meet_gate_up, store_or_reduce, workspace
 
 
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -292,12 +292,12 @@ def _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, tile, xrow, kw, BITS: tl.
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                       group_size, split_k,
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, act_ptr,
+                       pair_ptr, M, N, K, group_size, split_k,
                        stride_xm, stride_qk, stride_sg,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
                        F16X2: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Decode: one program per (row of x, BLOCK_N columns, K slice); no tl.dot.
 
     A K tile is BLOCK_KW rows of words, one group, loaded as two [BLOCK_KW / 2, BLOCK_N]
@@ -312,7 +312,9 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
 
     qweight, scales and zeros have contiguous columns. With split_k > 1 the K slices meet
     inside this one launch (split_k.store_or_reduce): no zero-filled buffer, atomic
-    accumulation or cast kernel around it. out is contiguous [M, N].
+    accumulation or cast kernel around it. out is contiguous [M, N]. GATED: out is a gated
+    MLP's [gate | up], and act ([M, N / 2]) gets SiLU(gate) * up too (split_k.meet_gate_up;
+    pair_ptr: its counters).
     """
     PER_WORD: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
@@ -357,8 +359,11 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
                 mask_n, BLOCK_KW, PER_WORD, F16X2, EVEN)
             acc += _gemv_tile_dot(wa, wb, s, z, xa01, xa23, xb01, xb23, tile, x_ptr, m,
                                   stride_xm, kw, BITS, BLOCK_N, BLOCK_KW, F16X2, X_BF16)
-    store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, m, M, N,
-                    offs_n, mask_n, pid_n, pid_k, split_k, False)
+    done = store_or_reduce(acc, out_ptr, out_ptr, part_ptr, count_ptr, m, M, N,
+                           offs_n, mask_n, pid_n, pid_k, split_k, False)
+    if GATED:
+        if done:
+            meet_gate_up(out_ptr, act_ptr, pair_ptr, m, N, offs_n, mask_n, pid_n)
 
 
 @triton.jit
@@ -580,6 +585,20 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     return GemmConfig(block_m, block_n, block_k, split_k, warps, stages)
 
 
+def gated_output_serves(m: int, n: int, k: int, group_size: int, device: torch.device,
+                        bits: int = 4) -> bool:
+    """Whether w4a16_gemm(..., silu_out=True) serves this launch: the split batch-1 GEMV
+    (pick_config's), its column tiles wholly in the gate or the up half."""
+    if not kernel_supports(k, bits, group_size):
+        return False
+    cfg = pick_config(m, n, k, group_size, device, bits)
+    return cfg.block_m == 1 and not cfg.whole_k and n % 2 == 0 and (n // 2) % cfg.block_n == 0
+
+
+# per (device, M, pairs): the gated GEMV's pair counters (meet_gate_up; back at 0 after a launch)
+_PAIR_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
 def kernel_supports(k: int, bits: int, group_size: int) -> bool:
     """Whether the kernel serves this shape; callers fall back to a dequantized weight otherwise."""
     return bits in (4, 8) and k % (32 // bits) == 0 and (group_size >= k or group_size % 16 == 0)
@@ -587,8 +606,10 @@ def kernel_supports(k: int, bits: int, group_size: int) -> bool:
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int,
-               config: GemmConfig | None = None) -> torch.Tensor:
-    """x: [M, K] fp16/bf16 -> [M, N] in x's dtype."""
+               config: GemmConfig | None = None, silu_out: bool = False) -> torch.Tensor:
+    """x: [M, K] fp16/bf16 -> [M, N] in x's dtype. silu_out (where gated_output_serves): the
+    weight is a gated MLP's gate_up, and the result is SiLU(gate) * up, [M, N / 2] (the same
+    bits as silu_and_mul of the [M, N] result)."""
     m, k = x.shape
     n = qweight.shape[1]
     if not kernel_supports(k, bits, group_size):
@@ -596,6 +617,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share strides")
     cfg = config or pick_config(m, n, k, group_size, x.device, bits)
+    if silu_out and (cfg.block_m != 1 or cfg.whole_k or n % 2 or (n // 2) % cfg.block_n):
+        raise ValueError(f"silu_out needs the split batch-1 GEMV with tiles of a half's columns; "
+                         f"got M={m}, N={n}, {cfg}")
     per_word = 32 // bits
     if cfg.whole_k:
         if m != 1 or cfg.block_m != 1 or k % cfg.block_k or n % cfg.block_n or (
@@ -625,13 +649,22 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
+        act = pairs = out     # never touched unless silu_out
+        if silu_out:
+            act = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
+            key = (x.device, m, grid[1] // 2)
+            pairs = _PAIR_COUNTERS.get(key)
+            if pairs is None:     # first met eagerly, as the workspace
+                pairs = _PAIR_COUNTERS[key] = torch.zeros(m * (grid[1] // 2), dtype=torch.int32,
+                                                          device=x.device)
         _w4a16_gemv_kernel[grid](
-            x, qweight, scales, zeros, out, part, count, m, n, k, group_size, cfg.split_k,
-            x.stride(0), qweight.stride(0), scales.stride(0),
+            x, qweight, scales, zeros, out, part, count, act, pairs, m, n, k, group_size,
+            cfg.split_k, x.stride(0), qweight.stride(0), scales.stride(0),
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
             EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0, PREFETCH=cfg.prefetch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
-        return out
+            GATED=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_args(x.device))
+        return act if silu_out else out
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:

@@ -56,12 +56,13 @@ def _rotary_and_cache(cache: str, pdl: bool = False) -> tuple:
 
 
 def _gemv(f16x2: bool = False, x: str = "*bf16", even: bool = True, prefetch: bool = False,
-          pdl: bool = False) -> tuple:
+          pdl: bool = False, gated: bool = False) -> tuple:
     sig = {"x_ptr": x, "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
-           "out_ptr": x, "part_ptr": "*fp32", "count_ptr": "*i32"}
+           "out_ptr": x, "part_ptr": "*fp32", "count_ptr": "*i32", "act_ptr": x,
+           "pair_ptr": "*i32"}
     return ("kvfleet_kernels.w4a16", "_w4a16_gemv_kernel", sig,
             dict(BITS=4, BLOCK_N=128, BLOCK_KW=16, F16X2=f16x2, EVEN=even, PREFETCH=prefetch,
-                 PDL=pdl))
+                 PDL=pdl, GATED=gated))
 
 
 def _gemv_bf16(weight: str = "*bf16", prefetch: bool = False, pdl: bool = False,
@@ -198,19 +199,23 @@ PDL_CASES = {
     "gemv_fp8_weight_prefetch_pdl": (_gemv_bf16("*fp8e4nv", prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_prefetch_pdl": (_gemv(True, prefetch=True, pdl=True), _PDL),
     "w4a16_gemv_f16x2_pdl": (_gemv(True, pdl=True), _PDL),
+    "w4a16_gemv_gated_pdl": (_gemv(True, prefetch=True, pdl=True, gated=True),
+                             [*_PDL, "ex2.approx.f32", "atom.global.gpu.acq_rel.add"]),
     "w4a16_gemv_whole_k_pdl": (_gemv_whole_k(pdl=True), _PDL),
     "rms_norm_pdl": (_rms_norm(fp8=False, pdl=True), _PDL),
     "rms_norm_fp8_pdl": (_rms_norm(pdl=True), _PDL),
     "silu_and_mul_pdl": (_silu_and_mul(True), _PDL),
     "rotary_and_cache_pdl": (_rotary_and_cache("*bf16", pdl=True), _PDL),
     "decode_pdl": (_paged_attention("_decode_kernel", PDL=True), _PDL),
+    "decode_preload_pdl": (_paged_attention("_decode_kernel", PDL=True, PRELOAD=True), _PDL),
     "decode_reduce_pdl": (_paged_attention("_decode_reduce_kernel", PDL=True), _PDL),
     # and without PDL, none of it
     "rms_norm_no_pdl": (_rms_norm(fp8=False), []),
     "gemv_bf16_prefetch_no_pdl": (_gemv_bf16(prefetch=True), []),
 }
 _PDL_LOADS_FIRST = ["gemv_bf16_prefetch_pdl", "gemv_fp8_weight_prefetch_pdl",
-                    "w4a16_gemv_f16x2_prefetch_pdl", "w4a16_gemv_whole_k_pdl"]
+                    "w4a16_gemv_f16x2_prefetch_pdl", "w4a16_gemv_whole_k_pdl",
+                    "w4a16_gemv_gated_pdl", "decode_preload_pdl", "decode_reduce_pdl"]
 
 
 def _compile_in_child(loop: str) -> str:

@@ -175,3 +175,38 @@ def test_the_gpu_default_is_whole_k_for_4_bits_only(monkeypatch):
         assert not pick_config(1, 4096, 4096, 128, cuda, bits=8).whole_k
     finally:
         w4a16._gemv_config.cache_clear()
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_gemv_gives_silu_and_mul_of_its_output(split_k, bits, dtype):
+    # a gated MLP's gate_up ([gate | up], 4 column tiles of 32 a half): silu_out's result is
+    # the activation kernel's over the plain GEMV's output, bit for bit; the pair counters are
+    # back at 0 for the next launch
+    from kvfleet_kernels import w4a16 as w4a16_module
+    from kvfleet_kernels.activation import silu_and_mul
+    qweight, scales, zeros = _layer(256, 256, bits, 64, seed=split_k + bits)
+    cfg = GemmConfig(1, 32, 64, split_k, 4, 1, prefetch=True)
+    for seed in (1, 2):
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        plain = w4a16_gemm(x, qweight, scales, zeros, bits, 64, cfg)
+        act = w4a16_gemm(x, qweight, scales, zeros, bits, 64, cfg, silu_out=True)
+        assert act.shape == (1, 128) and act.dtype == dtype
+        assert torch.equal(act, silu_and_mul(plain))
+        assert w4a16_module._PAIR_COUNTERS[(x.device, 1, 4)].tolist() == [0] * 4
+
+
+def test_gated_gemv_serves_the_split_gemv_with_tiles_of_one_half():
+    from kvfleet_kernels.w4a16 import gated_output_serves
+    qweight, scales, zeros = _layer(256, 96, 4, 64, seed=0)
+    x = torch.randn(1, 256)
+    with pytest.raises(ValueError, match="tiles of a half's columns"):       # 48 = 1.5 tiles
+        w4a16_gemm(x, qweight, scales, zeros, 4, 64, GemmConfig(1, 32, 64, 2, 4, 1), silu_out=True)
+    with pytest.raises(ValueError, match="split batch-1 GEMV"):
+        w4a16_gemm(x, qweight, scales, zeros, 4, 64, GemmConfig(1, 32, 256, 1, 4, 1, whole_k=True),
+                   silu_out=True)
+    cpu = torch.device("cpu")
+    assert gated_output_serves(1, 28672, 4096, 128, cpu)         # the 8B gate_up: 256-column tiles
+    assert not gated_output_serves(1, 2 * 200, 4096, 128, cpu)   # 200 columns a half
+    assert not gated_output_serves(4, 28672, 4096, 128, cpu)     # the tiled kernel's rows

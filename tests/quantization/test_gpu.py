@@ -21,6 +21,7 @@ from quantization.test_linear_methods import (
     int_checkpoint,
     int_config,
     load,
+    pack_shards,
 )
 
 pytestmark = pytest.mark.gpu
@@ -230,3 +231,49 @@ def test_fp8_layers_fed_by_fused_norm_and_activation_match_unfused(rows):
         assert differ.float().mean().item() <= 0.05, int(differ.sum())
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2,
                                    atol=ref.float().abs().max().item() * 2e-3)
+
+
+@pytest.mark.parametrize("n", [28672, 2 * 7168])      # the 8B gate_up, a TP=2 rank's
+def test_w4a16_gated_gemv_equals_the_activation_over_its_output(n):
+    # SiLU(gate) * up written by the second of each gate/up tile pair inside the GEMV (its
+    # counters, its partner's stores across SMs): the activation kernel's bits, launch after
+    # launch, in a CUDA graph as the engine replays it
+    from kvfleet_kernels.activation import silu_and_mul
+    from kvfleet_kernels.w4a16 import gated_output_serves
+    qweight, scales, zeros = random_layer(4096, n, 4, 128, seed=n)
+    assert gated_output_serves(1, n, 4096, 128, torch.device("cuda"))
+    x = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    act = w4a16_gemm(x.normal_(), qweight, scales, zeros, 4, 128, silu_out=True)   # eager first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act = w4a16_gemm(x, qweight, scales, zeros, 4, 128, silu_out=True)
+    for _ in range(20):
+        x.normal_()
+        graph.replay()
+        plain = w4a16_gemm(x, qweight, scales, zeros, 4, 128)
+        assert torch.equal(act, silu_and_mul(plain))
+
+
+@pytest.mark.parametrize("method, bits, group_size, sym, desc_act",
+                         [case for case in INT_CASES if case[1] == 4])
+def test_gate_up_layer_gives_the_activation_of_its_output_at_batch_one(method, bits, group_size,
+                                                                       sym, desc_act):
+    # Linear.gated_output (the MLP's path at batch 1): act-order's input permutation and AWQ's
+    # repacked layout included, the same bits as the layer's output through the activation
+    from kvfleet_kernels.activation import silu_and_mul
+    g = torch.Generator().manual_seed(3)
+    shards = [quantize_int(torch.randn(256, K, generator=g) * 0.05, bits, group_size, sym,
+                           desc_act, min_zero=int(method == "gptq"), seed=7) for _ in range(2)]
+    tensors, _ = pack_shards(method, bits, shards)
+    prefix = "model.layers.0.mlp.gate_up_proj"
+    with torch.device("cuda"):
+        layer = Linear(K, [256, 256], bias=False, dtype=torch.bfloat16, prefix=prefix,
+                       linear_method=int_config(method, bits, group_size, sym,
+                                                desc_act).get_linear_method(prefix))
+    load(layer, [{k: v.cuda() for k, v in t.items()} for t in tensors])
+    layer.linear_method.process_weights_after_loading(layer)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    act = layer.gated_output(x)
+    assert act is not None and act.shape == (1, 256)
+    assert torch.equal(act, silu_and_mul(layer(x)))
+    assert layer.gated_output(torch.randn(2, K, device="cuda", dtype=torch.bfloat16)) is None

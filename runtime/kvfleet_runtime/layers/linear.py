@@ -52,7 +52,8 @@ _TRITON_GEMV, _TUNED_GEMV, _FP8_GEMV = gemv_modes(os.environ.get("KVFLEET_TRITON
 
 
 # what the batch-1 GEMV of plain weights takes over (kvfleet_kernels.gemv: gated=, push=):
-# KVFLEET_GEMV_SILU: the gated MLP's SiLU(gate) * up, computed inside the down projection's GEMV;
+# KVFLEET_GEMV_SILU: the gated MLP's SiLU(gate) * up, computed inside the down projection's GEMV
+# (with 4-bit weights, inside gate_up's: Linear.gated_output);
 # KVFLEET_GEMV_PUSH: under tensor parallelism, sending its output to the peers for the fused
 # all-reduce + RMSNorm that reads it. Both on by default; =0 turns one off (to measure it).
 _GATED_GEMV = on_off("KVFLEET_GEMV_SILU", os.environ.get("KVFLEET_GEMV_SILU", ""))
@@ -209,6 +210,16 @@ class Linear(nn.Module):
         if self.reduced_by and fused_norm_for(out, self.reduced_by[0]) is not None:
             return out            # the norm that reads it sums it over the ranks
         return all_reduce(out)
+
+    def gated_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gated MLP's gate_up projection: SiLU(gate) * up of its output ([T, out / 2]),
+        computed inside its batch-1 GEMV where the linear method offers that (4-bit weights:
+        no activation launch), else None (the MLP then runs gate_up and its activation)."""
+        apply_gated = getattr(self.linear_method, "apply_gated", None)
+        if (apply_gated is None or not _GATED_GEMV or self.bias is not None
+                or not batch_one_gemv(x)):
+            return None
+        return apply_gated(self, x)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) computes SiLU(gate) * up of x = [gate | up] inside

@@ -112,6 +112,10 @@ class DecoderMLP(nn.Module):
         feeds_fp8(self.act_fn, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.act_fn.fp8_out:
+            act = self.gate_up_proj.gated_output(x)     # SiLU(gate) * up inside gate_up's GEMV
+            if act is not None:
+                return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if self.down_proj.takes_gated(gate_up):     # SiLU(gate) * up inside the down GEMV
             return self.down_proj(gate_up, gated=True)

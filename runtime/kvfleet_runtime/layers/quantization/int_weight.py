@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from kvfleet_kernels.w4a16 import kernel_supports, w4a16_gemm
+from kvfleet_kernels.w4a16 import gated_output_serves, kernel_supports, w4a16_gemm
 from torch import nn
 
 from kvfleet_runtime.distributed.parallel_state import get_tp_size
@@ -159,3 +159,16 @@ class IntWeightMethod(LinearMethod):
         out = w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
                          layer.kernel_group_size)
         return out if bias is None else out + bias
+
+    def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """A gated MLP's gate_up layer (no bias): SiLU(gate) * up of its output, [T, out / 2],
+        from inside its batch-1 GEMV (w4a16_gemm's silu_out), or None where that does not
+        serve."""
+        if not layer.uses_kernel or not gated_output_serves(
+                x.shape[0], layer.qweight.shape[1], x.shape[1], layer.kernel_group_size,
+                x.device, self.bits):
+            return None
+        if layer.perm is not None:
+            x = x[:, layer.perm]
+        return w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
+                          layer.kernel_group_size, silu_out=True)
