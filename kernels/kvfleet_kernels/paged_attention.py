@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.env import on_off
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 # Largest finite float8_e4m3fn. K/V headed for an fp8 cache are clamped to +-this before the cast
@@ -497,7 +498,7 @@ def decode_env() -> int | None:
 # batch 1: 235.9 vs 241.2 tok/s, 215.0 vs 216.0; removed.)
 MIN_PARTITION_TOKENS = decode_env() or 32
 # KVFLEET_DECODE_PRELOAD=0: the decode kernel reads nothing before its PDL wait (an A/B knob)
-_PRELOAD = os.environ.get("KVFLEET_DECODE_PRELOAD", "1") != "0"
+_PRELOAD = on_off("KVFLEET_DECODE_PRELOAD", os.environ.get("KVFLEET_DECODE_PRELOAD", ""))
 # Decode preloads its first tile (before the PDL wait) for at most this many (sequence, kv
 # head) pairs and tiles of at most this many bytes of K (as many of V): batch 1 of the 8B shape
 # (8 pairs, 32 x 128 bf16 keys) went 239.7 -> 243.0 tok/s, GPTQ 444.7 -> 454.8 (H200, same call;

@@ -371,16 +371,15 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
                                stride_qk, stride_sg,
                                BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
-                               STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                               PDL: tl.constexpr = False):
     """Batch 1, one program per BLOCK_N columns over the whole of K: no K slices, so nothing
     to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
     spreads over the program's warps; each pair's products are scaled by its own group and
     kept per pair, and the pairs are summed once at the end (the only exchange between the
-    warps). STAGES 1: the next step is loaded into registers before this one is multiplied;
-    the first step's weights before the PDL wait. STAGES > 1: Triton's pipeliner keeps that
-    many steps' loads in flight through shared memory (cp.async; all after the PDL wait), with
-    far fewer registers (ptxas for sm_90: 48-80 against 103-138), so more programs fit an SM.
-    The host requires K % (BLOCK_KW * 32 // BITS) == 0, N % BLOCK_N == 0 and x, qweight,
+    warps). The next step is loaded into registers before this one is multiplied; the first
+    step's weights before the PDL wait. (Pipelined by Triton through shared memory instead,
+    2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
+    tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0, N % BLOCK_N == 0 and x, qweight,
     scales and zeros with contiguous rows; out is contiguous [1, N]."""
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
@@ -391,29 +390,20 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     n_steps = kw // BLOCK_KW
     x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
-    if STAGES > 1:
-        pdl_wait(PDL)
-        for step in tl.range(0, n_steps, num_stages=STAGES):
-            wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk,
-                                            stride_sg, cols, BLOCK_KW, PER_WORD)
-            xa01, xa23, xb01, xb23 = _gemv_load_x(x64, step, kw, BLOCK_KW, F16X2, True)
-            acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
-                                   BLOCK_KW, F16X2, X_BF16) * s
-    else:
-        wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk,
-                                        stride_sg, cols, BLOCK_KW, PER_WORD)
-        pdl_wait(PDL)
-        xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
-        for step in range(0, n_steps - 1):
-            na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
-                                              stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
-            nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, step + 1, kw, BLOCK_KW, F16X2, True)
-            acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
-                                   BLOCK_KW, F16X2, X_BF16) * s
-            wa, wb, s, z = na, nb, ns, nz
-            xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
-        acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, n_steps - 1, x_ptr, kw,
-                               BITS, BLOCK_KW, F16X2, X_BF16) * s
+    wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk, stride_sg,
+                                    cols, BLOCK_KW, PER_WORD)
+    pdl_wait(PDL)
+    xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
+    for step in range(0, n_steps - 1):
+        na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
+                                          stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
+        nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, step + 1, kw, BLOCK_KW, F16X2, True)
+        acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
+                               BLOCK_KW, F16X2, X_BF16) * s
+        wa, wb, s, z = na, nb, ns, nz
+        xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
+    acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, n_steps - 1, x_ptr, kw,
+                           BITS, BLOCK_KW, F16X2, X_BF16) * s
     out = tl.sum(acc, axis=0)
     if F16X2:
         out = out * 16.0
@@ -488,8 +478,7 @@ class GemmConfig:
     f16x2: bool = True
     prefetch: bool = False
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
-    # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n.
-    # num_stages > 1: its steps' loads pipelined through shared memory
+    # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
     whole_k: bool = False
 
 
@@ -503,10 +492,9 @@ def _num_sms(device: torch.device) -> int:
 @functools.cache
 def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
-    GEMV's tiles for experiments on a GPU, over pick_config's defaults (stages: the whole-K
-    GEMV's pipelined steps in flight)."""
+    GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k", "stages")
+            "whole_k")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -538,15 +526,14 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         block_n = over.get("block_n", WHOLE_K_TILES[0])
         block_k = over.get("block_k", WHOLE_K_TILES[1])
         if k % block_k == 0 and n % block_n == 0:
-            return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]),
-                              over.get("stages", 1), whole_k=True)
+            return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]), 1,
+                              whole_k=True)
     elif "whole_k" not in over and bits == 4 and device.type == "cuda" and (
             tiles := whole_k_tiles(n, k, _num_sms(device))):
         # the default on a GPU for 4 bits (measured there, on its fp16x2 path; whole_k=0: the
         # split GEMV everywhere); the interpreter keeps the split GEMV, which its tests cover
-        # at every shape. stages > 1: the whole-K GEMV's pipelined loads (not measured yet)
-        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], over.get("stages", 1),
-                          whole_k=True)
+        # at every shape
+        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True)
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)
@@ -645,8 +632,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
                 x, qweight, scales, zeros, out, k, group_size, qweight.stride(0),
                 scales.stride(0), BITS=bits, BLOCK_N=cfg.block_n,
-                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, STAGES=cfg.num_stages,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
+                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
+                num_stages=1, **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         act = pairs = out     # never touched unless silu_out

@@ -39,10 +39,10 @@ def compile_for_sm90(module: str, kernel: str, sig: dict, constexprs: dict) -> s
     return compiled.asm["ptx"]
 
 
-def _gemv_whole_k(x: str = "*bf16", pdl: bool = False, stages: int = 1) -> tuple:
+def _gemv_whole_k(x: str = "*bf16", pdl: bool = False) -> tuple:
     sig = {"x_ptr": x, "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": x}
     return ("kvfleet_kernels.w4a16", "_w4a16_gemv_whole_k_kernel", sig,
-            dict(BITS=4, BLOCK_N=16, BLOCK_KW=128, F16X2=True, STAGES=stages, PDL=pdl))
+            dict(BITS=4, BLOCK_N=16, BLOCK_KW=128, F16X2=True, PDL=pdl))
 
 
 def _rotary_and_cache(cache: str, pdl: bool = False) -> tuple:
@@ -144,9 +144,6 @@ CASES = {
     "w4a16_gemv_whole_k_bf16": (_gemv_whole_k(), ["lop3.b32", "fma.rn.f16x2", "cvt.f32.f16",
                                                   "bar.sync"]),
     "w4a16_gemv_whole_k_fp16": (_gemv_whole_k("*fp16"), ["lop3.b32", "prmt.b32"]),
-    # pipelined: the steps' loads go to shared memory asynchronously, several in flight
-    "w4a16_gemv_whole_k_pipelined": (_gemv_whole_k(stages=3), ["cp.async", "lop3.b32",
-                                                                "fma.rn.f16x2"]),
     "gemv_bf16": (_gemv_bf16(), ["bar.sync", "atom.global.gpu.acq_rel.add"]),
     # fp8 weights (W8A16 at batch 1): e4m3 read through the paired half-precision convert
     "gemv_fp8_weight": (_gemv_bf16("*fp8e4nv"), ["cvt.rn.f16x2.e4m3x2", "atom.global.gpu.acq_rel.add"]),

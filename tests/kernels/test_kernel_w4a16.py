@@ -87,13 +87,11 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
     (4, 256, 256, 32, 64, 16, 1),     # one group for all of K (group_size -1)
     (4, 64, 256, 32, 256, 16, 4)])    # all of K in one step (a TP=2 rank's o_proj: 2048 rows)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("stages", [1, 3])    # 3: the pipelined loop (tl.range's num_stages)
-def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype,
-                                        stages):
+def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype):
     # one program per block_n columns over all of K: no K slices, no counters
     qweight, scales, zeros = _layer(k, n, bits, group_size, seed=k + n + bits)
     x = torch.randn(1, k).to(dtype)
-    cfg = GemmConfig(1, block_n, block_k, 1, warps, stages, whole_k=True)
+    cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
     ref = w4a16_gemm_ref(x.float(), qweight, scales.to(dtype), zeros.to(dtype), bits, group_size)
     out = w4a16_gemm(x, qweight, scales.to(dtype), zeros.to(dtype), bits, group_size, cfg)
     assert out.dtype == dtype and out.shape == (1, n)
@@ -130,9 +128,9 @@ def test_gemv_tiles_from_the_environment(monkeypatch):
     assert pick_config(1, 4096, 4096, 128, torch.device("cpu")) == GemmConfig(
         1, 16, 1024, 1, 8, 1, whole_k=True)
     assert not pick_config(1, 4096, 1536, 128, torch.device("cpu")).whole_k   # 1536 % 1024
-    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "whole_k=1,block_k=128,block_n=32,warps=4,stages=3")
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "whole_k=1,block_k=128,block_n=32,warps=4")
     cfg = pick_config(1, 64, 256, 32, torch.device("cpu"))
-    assert cfg == GemmConfig(1, 32, 128, 1, 4, 3, whole_k=True)
+    assert cfg == GemmConfig(1, 32, 128, 1, 4, 1, whole_k=True)
     out = w4a16_gemm(x, qweight, scales, zeros, 4, 32)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
     # whole_k=0: the split GEMV even where the GPU default would pick the whole-K one

@@ -51,12 +51,8 @@ SWEEP_GEMV = ([(1, 128 * w, k, w, True) for w in (1, 2, 4) for k in (64, 128)]
 # num_warps), where K and N tile and a thread holds at most 32 words a step (ptxas for sm_90:
 # 16 x 1024 on 8 warps 103 registers, 16 x 2048 138, 32 x 1024 128, no spills; 64 columns x
 # 2048 rows on 8 warps, 64 words a thread, spilled 20 KB)
-SWEEP_WHOLE_K = [(bn, bk, w, 1) for bn in (16, 32, 64) for bk in (512, 1024, 2048)
+SWEEP_WHOLE_K = [(bn, bk, w) for bn in (16, 32, 64) for bk in (512, 1024, 2048)
                  for w in (4, 8, 16) if bn * bk // 8 <= 32 * 32 * w]
-# and pipelined (num_stages steps in flight through shared memory, far fewer registers):
-# (block_n, block_k, num_warps, num_stages)
-SWEEP_WHOLE_K += [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (512, 1024)
-                  for w in (4, 8) for st in (2, 4)]
 # and its split-K at these programs per SM (split_k is a runtime argument: no recompile)
 SWEEP_GEMV_PER_SM = (1, 2, 4, 8, 16, 32)
 SWEEP_LARGE_M = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
@@ -200,8 +196,8 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
     candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
                   else SWEEP_LARGE_M)
     ref = w4a16_gemm_ref(x, qweight, scales, zeros, bits, group_size).float()
-    configs = [GemmConfig(1, bn, bk, 1, warps, stages, whole_k=True)
-               for bn, bk, warps, stages in SWEEP_WHOLE_K
+    configs = [GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True)
+               for bn, bk, warps in SWEEP_WHOLE_K
                if m == 1 and k % bk == 0 and n % bn == 0]
     for bm, bn, bk, warps, last in () if whole_k_only else candidates:
         if bm == 1:

@@ -70,6 +70,7 @@ def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("name, value, message", [
     ("KVFLEET_DECODE_MIN_PARTITION", "3", "KVFLEET_DECODE_MIN_PARTITION must be an integer >= 16"),
     ("KVFLEET_PDL", "yes", "KVFLEET_PDL must be unset, 0 or 1"),
+    ("KVFLEET_DECODE_PRELOAD", "off", "KVFLEET_DECODE_PRELOAD must be unset, 0 or 1; got 'off'"),
     ("KVFLEET_TRITON_GEMV", "2", "KVFLEET_TRITON_GEMV must be unset, 0, 1 or tuned"),
     ("KVFLEET_FP8_FAST_ACCUM", "on", "KVFLEET_FP8_FAST_ACCUM must be 0 or 1; got 'on'"),
     ("KVFLEET_GEMV_SILU", "no", "KVFLEET_GEMV_SILU must be unset, 0 or 1; got 'no'"),

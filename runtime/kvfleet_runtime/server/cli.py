@@ -67,7 +67,7 @@ def check_kernel_environment() -> None:
 
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
-    for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH"):
+    for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH", "KVFLEET_DECODE_PRELOAD"):
         env.on_off(name, os.environ.get(name, ""))
     from kvfleet_runtime.distributed import communication, layers
     layers.embedding_mode(os.environ.get("KVFLEET_TP_EMBEDDING", ""))
