@@ -374,8 +374,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     part_end = tl.minimum(part_start + partition_size, seq_len)
     table = block_tables_ptr + seq * stride_bt
     if PRELOAD:
-        # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
-        active = (q_len == 1) & (part_start < seq_len)
+        active = (q_len == 1) & (part_start < seq_len)      # as the return below
         n = part_start + tl.arange(0, BLOCK_N)
         # the first tile's keys (none where the program has nothing to do)
         first_end = tl.where(active, tl.minimum(part_start + BLOCK_N, part_end), part_start)
@@ -384,6 +383,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v,
                         n < tl.minimum(first_end, seq_len - 1), HEAD_DIM, True, K_BY_ROWS)
         pdl_wait(PDL)
+    # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
     if (q_len != 1) | (part_start >= seq_len):
         return
     if PRELOAD:
