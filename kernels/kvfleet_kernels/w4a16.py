@@ -379,8 +379,9 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     warps). The next step is loaded into registers before this one is multiplied; the first
     step's weights before the PDL wait. (Pipelined by Triton through shared memory instead,
     2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
-    tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0, N % BLOCK_N == 0 and x, qweight,
-    scales and zeros with contiguous rows; out is contiguous [1, N]."""
+    tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0,
+    N % BLOCK_N == 0 and x, qweight, scales and zeros with contiguous rows; out is contiguous
+    [1, N]."""
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
