@@ -579,7 +579,11 @@ def gated_output_serves(m: int, n: int, k: int, group_size: int, device: torch.d
     (pick_config's), its column tiles wholly in the gate or the up half."""
     if not kernel_supports(k, bits, group_size):
         return False
-    cfg = pick_config(m, n, k, group_size, device, bits)
+    return _tiles_gate_up(pick_config(m, n, k, group_size, device, bits), n)
+
+
+def _tiles_gate_up(cfg: GemmConfig, n: int) -> bool:
+    """cfg is the split batch-1 GEMV and its column tiles lie wholly in [gate | up]'s halves."""
     return cfg.block_m == 1 and not cfg.whole_k and n % 2 == 0 and (n // 2) % cfg.block_n == 0
 
 
@@ -605,7 +609,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share strides")
     cfg = config or pick_config(m, n, k, group_size, x.device, bits)
-    if silu_out and (cfg.block_m != 1 or cfg.whole_k or n % 2 or (n // 2) % cfg.block_n):
+    if silu_out and not _tiles_gate_up(cfg, n):
         raise ValueError(f"silu_out needs the split batch-1 GEMV with tiles of a half's columns; "
                          f"got M={m}, N={n}, {cfg}")
     per_word = 32 // bits
