@@ -54,7 +54,10 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_om, stride_on,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1):
+    """Column n of qweight (and of scales, zeros) sits at (n // LB) * stride_qn + n % LB:
+    the checkpoint's layout with LB = 1, the column-blocked one (`block_columns`) with LB its
+    block and stride_qn (stride_sn) the block's stride."""
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -63,6 +66,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    col_q = (offs_n // LB) * stride_qn + offs_n % LB
+    col_s = (offs_n // LB) * stride_sn + offs_n % LB
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -70,14 +75,13 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         # each word is loaded PER_WORD times in a row; those hit L1
-        words = tl.load(qw_ptr + (offs_k // PER_WORD)[:, None] * stride_qk
-                        + offs_n[None, :] * stride_qn,
+        words = tl.load(qw_ptr + (offs_k // PER_WORD)[:, None] * stride_qk + col_q[None, :],
                         mask=mask_k[:, None] & mask_n[None, :], other=0)
         q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
         # the host picks BLOCK_K dividing group_size: one group per tile
         group = (tile * BLOCK_K) // group_size
-        s = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
-        z = tl.load(z_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
+        s = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
+        z = tl.load(z_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
         w = (_small_int_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
         acc += tl.dot(a, w.to(a.dtype))
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -368,7 +372,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
 
 @triton.jit
 def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_size,
-                               stride_qk, stride_sg,
+                               stride_qb, stride_qk, stride_sb, stride_sg,
                                BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
                                PDL: tl.constexpr = False):
@@ -381,12 +385,19 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
     tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0,
     N % BLOCK_N == 0 and x, qweight, scales and zeros with contiguous rows; out is contiguous
-    [1, N]."""
+    [1, N]. Program p's columns of qweight start at qw_ptr + p * stride_qb, its rows
+    stride_qk apart (the checkpoint's [K / 8, N]: BLOCK_N and N; column-blocked,
+    `block_columns`: K / 8 * BLOCK_N and BLOCK_N); scales and zeros likewise (stride_sb,
+    stride_sg)."""
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n[None, :]
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    qw_ptr += pid * stride_qb
+    s_ptr += pid * stride_sb
+    z_ptr += pid * stride_sb
     kw = K // PER_WORD
     n_steps = kw // BLOCK_KW
     x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
@@ -596,19 +607,59 @@ def kernel_supports(k: int, bits: int, group_size: int) -> bool:
     return bits in (4, 8) and k % (32 // bits) == 0 and (group_size >= k or group_size % 16 == 0)
 
 
+def block_columns(t: torch.Tensor, block: int) -> torch.Tensor:
+    """[R, N] -> the column-blocked [N / block, R, block] (contiguous): each block of `block`
+    columns a contiguous run of its R rows, which the whole-K GEMV's program streams from
+    one place."""
+    rows, n = t.shape
+    if n % block:
+        raise ValueError(f"block_columns: {n} columns do not split into blocks of {block}")
+    return t.reshape(rows, n // block, block).permute(1, 0, 2).contiguous()
+
+
+def unblock_columns(t: torch.Tensor) -> torch.Tensor:
+    """block_columns' inverse: [N / block, R, block] -> [R, N]."""
+    blocks, rows, block = t.shape
+    return t.permute(1, 0, 2).reshape(rows, blocks * block)
+
+
+def blocked_whole_k(n: int, k: int, bits: int, group_size: int,
+                    device: torch.device) -> GemmConfig | None:
+    """The batch-1 whole-K GEMV that a column-blocked weight is laid out for: pick_config's
+    where it picks the whole-K GEMV (4 bits on a GPU, KVFLEET_W4A16_GEMV unset), else None
+    (the weight keeps the checkpoint's layout)."""
+    if os.environ.get("KVFLEET_W4A16_BLOCKED", "1") == "0" or not kernel_supports(
+            k, bits, group_size):
+        return None
+    cfg = pick_config(1, n, k, group_size, device, bits)
+    return cfg if cfg.whole_k else None
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int,
                config: GemmConfig | None = None, silu_out: bool = False) -> torch.Tensor:
     """x: [M, K] fp16/bf16 -> [M, N] in x's dtype. silu_out (where gated_output_serves): the
     weight is a gated MLP's gate_up, and the result is SiLU(gate) * up, [M, N / 2] (the same
-    bits as silu_and_mul of the [M, N] result)."""
+    bits as silu_and_mul of the [M, N] result). qweight [K / 8, N] and scales, zeros [G, N]
+    as the checkpoint lays them out, or all three column-blocked (`block_columns`, 3-D): then
+    batch 1 runs the whole-K GEMV with block_n the layout's block."""
     m, k = x.shape
-    n = qweight.shape[1]
+    blocked = qweight.dim() == 3
+    lb = qweight.shape[2] if blocked else 1
+    n = qweight.shape[0] * lb if blocked else qweight.shape[1]
     if not kernel_supports(k, bits, group_size):
         raise ValueError(f"w4a16_gemm does not serve K={k}, bits={bits}, group_size={group_size}")
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share strides")
+    if blocked and (scales.dim() != 3 or scales.shape[2] != lb or not qweight.is_contiguous()
+                    or not scales.is_contiguous() or silu_out):
+        raise ValueError(f"a column-blocked qweight {tuple(qweight.shape)} needs contiguous "
+                         f"scales and zeros blocked alike (got {tuple(scales.shape)}) and no "
+                         f"silu_out")
     cfg = config or pick_config(m, n, k, group_size, x.device, bits)
+    if blocked and cfg.block_m == 1 and not (cfg.whole_k and cfg.block_n == lb):
+        raise ValueError(f"a weight blocked by {lb} columns serves batch 1 through the whole-K "
+                         f"GEMV at block_n {lb}; got {cfg}")
     if silu_out and not _tiles_gate_up(cfg, n):
         raise ValueError(f"silu_out needs the split batch-1 GEMV with tiles of a half's columns; "
                          f"got M={m}, N={n}, {cfg}")
@@ -630,13 +681,18 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         # the kernel reads x's rows as int64 quads (f16x2) and the weights' rows whole
         if x.stride(1) != 1 or (f16x2 and (x.stride(0) % 4 or x.data_ptr() % 8)):
             x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 4 else x.clone()
-        if qweight.stride(1) != 1 or scales.stride(1) != 1:
+        if qweight.stride(-1) != 1 or scales.stride(-1) != 1:
             qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if cfg.whole_k:
+            if blocked:
+                strides = (qweight.stride(0), qweight.stride(1), scales.stride(0),
+                           scales.stride(1))
+            else:
+                strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
             _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
-                x, qweight, scales, zeros, out, k, group_size, qweight.stride(0),
-                scales.stride(0), BITS=bits, BLOCK_N=cfg.block_n,
+                x, qweight, scales, zeros, out, k, group_size, *strides,
+                BITS=bits, BLOCK_N=cfg.block_n,
                 BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
                 num_stages=1, **pdl_args(x.device))
             return out
@@ -661,10 +717,13 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    if blocked:     # rows stride(1) apart, a block's columns stride(0)
+        strides = (qweight.stride(1), qweight.stride(0), scales.stride(1), scales.stride(0))
+    else:
+        strides = (qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1))
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, out, m, n, k, group_size,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
-        scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), *strides, out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT_K=cfg.split_k, LB=lb, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if cfg.split_k == 1 else out.to(x.dtype)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref
+from kvfleet_kernels.w4a16 import (
+    GemmConfig,
+    block_columns,
+    pick_config,
+    unblock_columns,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
 
 
 def _layer(k: int, n: int, bits: int, group_size: int, seed: int):
@@ -87,15 +94,51 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
     (4, 256, 256, 32, 64, 16, 1),     # one group for all of K (group_size -1)
     (4, 64, 256, 32, 256, 16, 4)])    # all of K in one step (a TP=2 rank's o_proj: 2048 rows)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype):
-    # one program per block_n columns over all of K: no K slices, no counters
+@pytest.mark.parametrize("blocked", [False, True])
+def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype,
+                                        blocked):
+    # one program per block_n columns over all of K: no K slices, no counters; blocked: the
+    # weight column-blocked by block_n (each program's words one contiguous run)
     qweight, scales, zeros = _layer(k, n, bits, group_size, seed=k + n + bits)
     x = torch.randn(1, k).to(dtype)
     cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
     ref = w4a16_gemm_ref(x.float(), qweight, scales.to(dtype), zeros.to(dtype), bits, group_size)
-    out = w4a16_gemm(x, qweight, scales.to(dtype), zeros.to(dtype), bits, group_size, cfg)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    if blocked:
+        qweight, scales, zeros = (block_columns(t, block_n) for t in (qweight, scales, zeros))
+    out = w4a16_gemm(x, qweight, scales, zeros, bits, group_size, cfg)
     assert out.dtype == dtype and out.shape == (1, n)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+
+
+@pytest.mark.parametrize("m, block", [(3, 16), (20, 32), (70, 16)])
+def test_tiled_kernel_reads_column_blocked_weights(m, block):
+    # prefill's tiled kernel (16-, 64- and 128-row tiles by M) over a weight column-blocked
+    # for the whole-K GEMV gives what it gives over the checkpoint's layout; the round trip
+    # through block_columns is exact
+    k, n, group_size = 256, 128, 64
+    qweight, scales, zeros = _layer(k, n, 4, group_size, seed=m)
+    x = torch.randn(m, k, dtype=torch.float16)
+    blocked = [block_columns(t, block) for t in (qweight, scales, zeros)]
+    assert torch.equal(unblock_columns(blocked[0]), qweight)
+    out = w4a16_gemm(x, *blocked, 4, group_size)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, w4a16_gemm(x, qweight, scales, zeros, 4, group_size),
+                               rtol=0, atol=0)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+
+
+def test_column_blocked_weights_refuse_the_split_gemv():
+    qweight, scales, zeros = _layer(256, 64, 4, 64, seed=2)
+    blocked = [block_columns(t, 16) for t in (qweight, scales, zeros)]
+    x = torch.randn(1, 256, dtype=torch.float16)
+    with pytest.raises(ValueError, match="whole-K GEMV at block_n 16"):
+        w4a16_gemm(x, *blocked, 4, 64, GemmConfig(1, 32, 64, 1, 4, 1))
+    with pytest.raises(ValueError, match="whole-K GEMV at block_n 16"):
+        w4a16_gemm(x, *blocked, 4, 64, GemmConfig(1, 32, 128, 1, 4, 1, whole_k=True))
+    with pytest.raises(ValueError, match="blocked alike"):
+        w4a16_gemm(x, blocked[0], scales, zeros, 4, 64)
 
 
 @pytest.mark.parametrize("m, k, n, block_k, block_n", [(2, 256, 32, 128, 16),   # batch 1 only

@@ -28,6 +28,7 @@ from kvfleet_kernels.w4a16 import (  # noqa: E402
     GemmConfig,
     _gemv_config,
     _gemv_load_weights,
+    block_columns,
     pick_config,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -231,6 +232,32 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
     return best
 
 
+def layouts(x, layers, bits, group_size) -> None:
+    """--layouts: every whole-K tile of SWEEP_WHOLE_K over the checkpoint's layout and over
+    the weight column-blocked by its block_n (block_columns), L2-cold."""
+    k = x.shape[1]
+    n = layers[0][0].shape[1]
+    ref = w4a16_gemm_ref(x, *layers[0], bits, group_size).float()
+    rows = []
+    for bn, bk, warps in SWEEP_WHOLE_K:
+        if k % bk or n % bn:
+            continue
+        cfg = GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True)
+        blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
+        times = []
+        for copies in (layers, blocked):
+            fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in copies]
+            err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
+            assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
+            times.append(graph_us(fns, rep=30))
+        rows.append((times[1], times[0], bn, bk, warps))
+        print(f"    {bn:>3} x {bk:>4}, {warps:>2} warps: checkpoint layout {times[0]:6.1f} us, "
+              f"blocked {times[1]:6.1f} us", flush=True)
+    best = min(rows)
+    print(f"  layouts best: blocked {best[0]:.1f} us at {best[2]} x {best[3]}, {best[4]} warps; "
+          f"checkpoint layout's best {min(r[1] for r in rows):.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=128)
@@ -240,6 +267,9 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="with --sweep: every config's time")
     parser.add_argument("--whole-k-only", action="store_true",
                         help="with --sweep at batch 1: the whole-K GEMV's tiles only")
+    parser.add_argument("--layouts", action="store_true",
+                        help="batch 1 only: the whole-K GEMV's tiles over the checkpoint's "
+                             "layout and over the column-blocked one")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
@@ -279,6 +309,8 @@ def main() -> None:
                   f"{' prefetch' if cfg.prefetch else ''}")
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
+            if args.layouts and m == 1:
+                layouts(x, layers, args.bits, args.group_size)
             if args.sweep:
                 t_best, best = sweep(x, layers, args.bits, args.group_size, args.verbose,
                                       args.whole_k_only and m == 1)

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from kvfleet_kernels.w4a16 import gated_output_serves, kernel_supports, w4a16_gemm
+from kvfleet_kernels.w4a16 import (
+    block_columns,
+    blocked_whole_k,
+    gated_output_serves,
+    kernel_supports,
+    w4a16_gemm,
+)
 from torch import nn
 
 from kvfleet_runtime.distributed.parallel_state import get_tp_size
@@ -143,9 +149,18 @@ class IntWeightMethod(LinearMethod):
                 return (f"{self.name}: a g_idx gives groups of unequal size; such layers are "
                         "dequantized on load")
             q = q[perm]
-        _replace(layer, "qweight", pack_int32(q, self.bits, dim=0))
-        _replace(layer, "scales", w.scales.to(torch.float16).contiguous())
-        _replace(layer, "zeros", w.zeros.to(torch.float16).contiguous())
+        tensors = {"qweight": pack_int32(q, self.bits, dim=0),
+                   "scales": w.scales.to(torch.float16).contiguous(),
+                   "zeros": w.zeros.to(torch.float16).contiguous()}
+        n = q.shape[1]
+        whole_k = q.is_cuda and blocked_whole_k(n, k, self.bits, group_size, q.device)
+        if whole_k:
+            # batch 1 runs the whole-K GEMV: each of its programs then streams one contiguous
+            # run of words (prefill's tiled kernel reads this layout too)
+            tensors = {name: block_columns(t, whole_k.block_n) for name, t in tensors.items()}
+        for name, t in tensors.items():
+            _replace(layer, name, t)
+        layer.out_features_kernel = n
         layer.register_buffer("perm", perm, persistent=False)
         layer.kernel_group_size = group_size
         return None
@@ -165,7 +180,7 @@ class IntWeightMethod(LinearMethod):
         from inside its batch-1 GEMV (w4a16_gemm's silu_out), or None where that does not
         serve."""
         if not layer.uses_kernel or not gated_output_serves(
-                x.shape[0], layer.qweight.shape[1], x.shape[1], layer.kernel_group_size,
+                x.shape[0], layer.out_features_kernel, x.shape[1], layer.kernel_group_size,
                 x.device, self.bits):
             return None
         if layer.perm is not None:
