@@ -423,17 +423,88 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
 
 
 @triton.jit
+def _w4a16_gemv_tma_kernel(x_ptr, wa_desc, wb_desc, s_ptr, z_ptr, out_ptr, K, group_size,
+                           row_b, col_b, stride_sb, stride_sg,
+                           BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                           F16X2: tl.constexpr, STAGES: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """The whole-K GEMV with its weight steps brought into shared memory by the TMA, STAGES
+    of them in flight (Triton's software pipeline over tensor descriptors): no registers
+    hold the words in flight. wa_desc / wb_desc: the even / odd word rows of qweight as 2-D
+    tensors of word-row pairs; program p's step s is at [p * row_b + s * BLOCK_KW / 2,
+    p * col_b] (column-blocked: row_b = K / 16, col_b = 0; the checkpoint's layout: row_b = 0,
+    col_b = BLOCK_N). Scales and zeros as in the whole-K GEMV (stride_sb, stride_sg)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    s_ptr += pid * stride_sb
+    z_ptr += pid * stride_sb
+    kw = K // PER_WORD
+    n_steps = kw // BLOCK_KW
+    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
+    # the scales, zeros and x of a step are loaded into registers a step ahead (they are
+    # small gathers the pipeline does not take)
+    s, z = _whole_k_scales(s_ptr, z_ptr, 0, group_size, stride_sg, cols, BLOCK_KW, PER_WORD)
+    pdl_wait(PDL)
+    xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
+    for step in tl.range(0, n_steps, num_stages=STAGES):
+        wa = wa_desc.load([pid * row_b + step * HALF_KW, pid * col_b])
+        wb = wb_desc.load([pid * row_b + step * HALF_KW, pid * col_b])
+        ahead = tl.minimum(step + 1, n_steps - 1)      # the last step reloads its own
+        ns, nz = _whole_k_scales(s_ptr, z_ptr, ahead, group_size, stride_sg, cols, BLOCK_KW,
+                                 PER_WORD)
+        nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, ahead, kw, BLOCK_KW, F16X2, True)
+        acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
+                               BLOCK_KW, F16X2, X_BF16) * s
+        s, z = ns, nz
+        xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
+    out = tl.sum(acc, axis=0)
+    if F16X2:
+        out = out * 16.0
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty))
+
+
+def _tma_descriptors(qweight: torch.Tensor, block_n: int, half_kw: int):
+    """The even and odd word rows of qweight ([K / 8, N], or column-blocked [N / b, K / 8, b])
+    as 2-D tensor descriptors of [half_kw, block_n] boxes, and (row_b, col_b) for the kernel."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if qweight.dim() == 3:
+        blocks, kw, b = qweight.shape
+        shape, width, row_b, col_b = [blocks * kw // 2, b], b, kw // 2, 0
+    else:
+        kw, n = qweight.shape
+        shape, width, row_b, col_b = [kw // 2, n], n, 0, block_n
+    flat = qweight.reshape(-1)
+    descs = tuple(TensorDescriptor(flat[start:], shape, [2 * width, 1], [half_kw, block_n])
+                  for start in (0, width))
+    return descs, row_b, col_b
+
+
+@triton.jit
 def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_sg, cols,
                      BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
     """A whole-K step's even and odd word rows (wa, wb) and each pair's scales and zeros (fp32,
     [BLOCK_KW / 2, BLOCK_N]; a pair's 2 * PER_WORD rows lie in one group)."""
     row_a = (step * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None]
-    group = (row_a * PER_WORD) // group_size
     wa = tl.load(qw_ptr + row_a * stride_qk + cols)
     wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
+    s, z = _whole_k_scales(s_ptr, z_ptr, step, group_size, stride_sg, cols, BLOCK_KW, PER_WORD)
+    return wa, wb, s, z
+
+
+@triton.jit
+def _whole_k_scales(s_ptr, z_ptr, step, group_size, stride_sg, cols, BLOCK_KW: tl.constexpr,
+                    PER_WORD: tl.constexpr):
+    """Each word-row pair's scales and zeros of a whole-K step (fp32, [BLOCK_KW / 2, BLOCK_N])."""
+    row_a = (step * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None]
+    group = (row_a * PER_WORD) // group_size
     s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
     z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
-    return wa, wb, s, z
+    return s, z
 
 
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
@@ -492,6 +563,8 @@ class GemmConfig:
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
     # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
     whole_k: bool = False
+    # the whole-K GEMV's steps through the TMA, this many in flight (0: loaded into registers)
+    tma_stages: int = 0
 
 
 @functools.cache
@@ -506,7 +579,7 @@ def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
     GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k")
+            "whole_k", "tma")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -539,13 +612,14 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         block_k = over.get("block_k", WHOLE_K_TILES[1])
         if k % block_k == 0 and n % block_n == 0:
             return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]), 1,
-                              whole_k=True)
+                              whole_k=True, tma_stages=over.get("tma", 0))
     elif "whole_k" not in over and bits == 4 and device.type == "cuda" and (
             tiles := whole_k_tiles(n, k, _num_sms(device))):
         # the default on a GPU for 4 bits (measured there, on its fp16x2 path; whole_k=0: the
         # split GEMV everywhere); the interpreter keeps the split GEMV, which its tests cover
         # at every shape
-        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True)
+        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True,
+                          tma_stages=over.get("tma", 0))
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)
@@ -690,6 +764,15 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            scales.stride(1))
             else:
                 strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
+            if cfg.tma_stages:
+                half_kw = cfg.block_k // per_word // 2
+                (wa, wb), row_b, col_b = _tma_descriptors(qweight, cfg.block_n, half_kw)
+                _w4a16_gemv_tma_kernel[(n // cfg.block_n,)](
+                    x, wa, wb, scales, zeros, out, k, group_size, row_b, col_b, *strides[2:],
+                    BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word,
+                    F16X2=f16x2, STAGES=cfg.tma_stages, num_warps=cfg.num_warps,
+                    **pdl_args(x.device))
+                return out
             _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
                 x, qweight, scales, zeros, out, k, group_size, *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,
