@@ -258,46 +258,6 @@ def layouts(x, layers, bits, group_size) -> None:
           f"checkpoint layout's best {min(r[1] for r in rows):.1f} us")
 
 
-# --tma: the whole-K GEMV's steps through the TMA (GemmConfig.tma_stages), over the
-# column-blocked weight: (block_n, block_k, num_warps) x stages in flight
-SWEEP_TMA = [(bn, bk, w) for bn in (16, 32) for bk in (1024, 2048) for w in (4, 8)]
-SWEEP_TMA_STAGES = (2, 4, 6)
-
-
-def tma(x, layers, bits, group_size) -> None:
-    """--tma: SWEEP_TMA x SWEEP_TMA_STAGES over the column-blocked weight, L2-cold, next to
-    the register-loaded whole-K GEMV at the same tiles."""
-    k = x.shape[1]
-    n = layers[0][0].shape[1]
-    ref = w4a16_gemm_ref(x, *layers[0], bits, group_size).float()
-    best = None
-    for bn, bk, warps in SWEEP_TMA:
-        if k % bk or n % bn:
-            continue
-        blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
-        line = []
-        for stages in (0,) + SWEEP_TMA_STAGES:
-            cfg = GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True, tma_stages=stages)
-            fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in blocked]
-            try:
-                err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
-                if not err < 2e-2:
-                    line.append(f"{stages}: WRONG ({err:.3g})")
-                    continue
-                t = graph_us(fns, rep=30)
-            except Exception as e:  # noqa: BLE001 - out of shared memory etc.
-                line.append(f"{stages}: {type(e).__name__}: {str(e)[:80]}")
-                continue
-            line.append(f"{stages}: {t:.1f}")
-            if stages and (best is None or t < best[0]):
-                best = (t, bn, bk, warps, stages)
-        print(f"    {bn:>3} x {bk:>4}, {warps} warps, TMA stages (0 = registers) "
-              + "  ".join(line), flush=True)
-    if best:
-        print(f"  tma best: {best[0]:.1f} us at {best[1]} x {best[2]}, {best[3]} warps, "
-              f"{best[4]} stages")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=128)
@@ -310,8 +270,6 @@ def main() -> None:
     parser.add_argument("--layouts", action="store_true",
                         help="batch 1 only: the whole-K GEMV's tiles over the checkpoint's "
                              "layout and over the column-blocked one")
-    parser.add_argument("--tma", action="store_true",
-                        help="batch 1 only: the whole-K GEMV's steps through the TMA")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
@@ -351,8 +309,6 @@ def main() -> None:
                   f"{' prefetch' if cfg.prefetch else ''}")
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
-            if args.tma and m == 1:
-                tma(x, layers, args.bits, args.group_size)
             if args.layouts and m == 1:
                 layouts(x, layers, args.bits, args.group_size)
             if args.sweep:
