@@ -375,13 +375,13 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
                                stride_qb, stride_qk, stride_sb, stride_sg,
                                BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
-                               PRE2: tl.constexpr = False, PDL: tl.constexpr = False):
+                               PDL: tl.constexpr = False):
     """Batch 1, one program per BLOCK_N columns over the whole of K: no K slices, so nothing
     to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
     spreads over the program's warps; each pair's products are scaled by its own group and
     kept per pair, and the pairs are summed once at the end (the only exchange between the
     warps). The next step is loaded into registers before this one is multiplied; the first
-    step's weights before the PDL wait (PRE2, where K holds 2+ steps: the first two). (Pipelined by Triton through shared memory instead,
+    step's weights before the PDL wait. (Pipelined by Triton through shared memory instead,
     2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
     tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0,
     N % BLOCK_N == 0 and x, qweight, scales and zeros with contiguous rows; out is contiguous
@@ -404,25 +404,15 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
     wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk, stride_sg,
                                     cols, BLOCK_KW, PER_WORD)
-    if PRE2:
-        # the second step's weights before the wait too; each step's loads then go out
-        # after its predecessor's products, one step ahead of use
-        na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 1, group_size, stride_qk,
-                                          stride_sg, cols, BLOCK_KW, PER_WORD)
     pdl_wait(PDL)
     xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
     for step in range(0, n_steps - 1):
-        if not PRE2:
-            na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
-                                              stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
+        na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
+                                          stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
         nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, step + 1, kw, BLOCK_KW, F16X2, True)
         acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
                                BLOCK_KW, F16X2, X_BF16) * s
         wa, wb, s, z = na, nb, ns, nz
-        if PRE2:
-            na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 2, group_size,
-                                              stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD,
-                                              kw)
         xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
     acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, n_steps - 1, x_ptr, kw,
                            BITS, BLOCK_KW, F16X2, X_BF16) * s
@@ -434,23 +424,15 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
 
 @triton.jit
 def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_sg, cols,
-                     BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr, kw=None):
+                     BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
     """A whole-K step's even and odd word rows (wa, wb) and each pair's scales and zeros (fp32,
-    [BLOCK_KW / 2, BLOCK_N]; a pair's 2 * PER_WORD rows lie in one group). kw: the word rows
-    there are, if the step may lie past them (it then loads nothing: zeros)."""
+    [BLOCK_KW / 2, BLOCK_N]; a pair's 2 * PER_WORD rows lie in one group)."""
     row_a = (step * BLOCK_KW + 2 * tl.arange(0, BLOCK_KW // 2))[:, None]
     group = (row_a * PER_WORD) // group_size
-    if kw is None:
-        wa = tl.load(qw_ptr + row_a * stride_qk + cols)
-        wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
-        s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
-        z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
-    else:     # a step lies wholly inside K or wholly past it
-        exists = row_a < kw
-        wa = tl.load(qw_ptr + row_a * stride_qk + cols, mask=exists, other=0)
-        wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols, mask=exists, other=0)
-        s = tl.load(s_ptr + group * stride_sg + cols, mask=exists, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + group * stride_sg + cols, mask=exists, other=0.0).to(tl.float32)
+    wa = tl.load(qw_ptr + row_a * stride_qk + cols)
+    wb = tl.load(qw_ptr + (row_a + 1) * stride_qk + cols)
+    s = tl.load(s_ptr + group * stride_sg + cols).to(tl.float32)
+    z = tl.load(z_ptr + group * stride_sg + cols).to(tl.float32)
     return wa, wb, s, z
 
 
@@ -510,8 +492,6 @@ class GemmConfig:
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
     # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
     whole_k: bool = False
-    # the whole-K GEMV loads its first two steps' weights before the PDL wait (else one)
-    pre2: bool = False
 
 
 @functools.cache
@@ -526,7 +506,7 @@ def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
     GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k", "pre2")
+            "whole_k")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -559,14 +539,13 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         block_k = over.get("block_k", WHOLE_K_TILES[1])
         if k % block_k == 0 and n % block_n == 0:
             return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]), 1,
-                              whole_k=True, pre2=bool(over.get("pre2", 0)))
+                              whole_k=True)
     elif "whole_k" not in over and bits == 4 and device.type == "cuda" and (
             tiles := whole_k_tiles(n, k, _num_sms(device))):
         # the default on a GPU for 4 bits (measured there, on its fp16x2 path; whole_k=0: the
         # split GEMV everywhere); the interpreter keeps the split GEMV, which its tests cover
         # at every shape
-        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True,
-                          pre2=bool(over.get("pre2", 0)))
+        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True)
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)
@@ -714,8 +693,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
                 x, qweight, scales, zeros, out, k, group_size, *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,
-                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
-                PRE2=cfg.pre2 and k >= 2 * cfg.block_k, num_warps=cfg.num_warps,
+                BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
                 num_stages=1, **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])

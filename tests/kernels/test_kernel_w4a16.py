@@ -94,15 +94,14 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
     (4, 256, 256, 32, 64, 16, 1),     # one group for all of K (group_size -1)
     (4, 64, 256, 32, 256, 16, 4)])    # all of K in one step (a TP=2 rank's o_proj: 2048 rows)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("blocked, pre2", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("blocked", [False, True])
 def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype,
-                                        blocked, pre2):
+                                        blocked):
     # one program per block_n columns over all of K: no K slices, no counters; blocked: the
-    # weight column-blocked by block_n (each program's words one contiguous run); pre2: two
-    # steps loaded ahead of the (here absent) PDL wait, at 1, 2 and 4 steps of K
+    # weight column-blocked by block_n (each program's words one contiguous run)
     qweight, scales, zeros = _layer(k, n, bits, group_size, seed=k + n + bits)
     x = torch.randn(1, k).to(dtype)
-    cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True, pre2=pre2)
+    cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
     ref = w4a16_gemm_ref(x.float(), qweight, scales.to(dtype), zeros.to(dtype), bits, group_size)
     scales, zeros = scales.to(dtype), zeros.to(dtype)
     if blocked:
