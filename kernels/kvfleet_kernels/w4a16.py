@@ -492,6 +492,8 @@ class GemmConfig:
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
     # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
     whole_k: bool = False
+    # ptxas' register cap for the whole-K GEMV (0: none; an experiment's knob)
+    maxnreg: int = 0
 
 
 @functools.cache
@@ -506,7 +508,7 @@ def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
     GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k")
+            "whole_k", "maxnreg")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -539,13 +541,14 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         block_k = over.get("block_k", WHOLE_K_TILES[1])
         if k % block_k == 0 and n % block_n == 0:
             return GemmConfig(1, block_n, block_k, 1, over.get("warps", WHOLE_K_TILES[2]), 1,
-                              whole_k=True)
+                              whole_k=True, maxnreg=over.get("maxnreg", 0))
     elif "whole_k" not in over and bits == 4 and device.type == "cuda" and (
             tiles := whole_k_tiles(n, k, _num_sms(device))):
         # the default on a GPU for 4 bits (measured there, on its fp16x2 path; whole_k=0: the
         # split GEMV everywhere); the interpreter keeps the split GEMV, which its tests cover
         # at every shape
-        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True)
+        return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True,
+                          maxnreg=over.get("maxnreg", 0))
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)
@@ -694,7 +697,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 x, qweight, scales, zeros, out, k, group_size, *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,
                 BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
-                num_stages=1, **pdl_args(x.device))
+                num_stages=1, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         act = pairs = out     # never touched unless silu_out

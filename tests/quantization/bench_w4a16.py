@@ -258,6 +258,28 @@ def layouts(x, layers, bits, group_size) -> None:
           f"checkpoint layout's best {min(r[1] for r in rows):.1f} us")
 
 
+def regcaps(x, layers, bits, group_size) -> None:
+    """--maxnreg: the default whole-K tiles over column-blocked weights under register caps."""
+    k = x.shape[1]
+    n = layers[0][0].shape[1]
+    ref = w4a16_gemm_ref(x, *layers[0], bits, group_size).float()
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for bn, bk, warps in {whole_k_tiles(n, k, sms) or WHOLE_K_TILES, (16, 2048, 8),
+                          (16, 1024, 8), (16, 2048, 4)}:
+        if k % bk or n % bn:
+            continue
+        blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
+        line = []
+        for cap in (0, 128, 96, 80, 64):
+            cfg = GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True, maxnreg=cap)
+            fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in blocked]
+            err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
+            assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
+            line.append(f"{cap or 'none'}: {graph_us(fns, rep=30):.1f}")
+        print(f"    {bn:>3} x {bk:>4}, {warps} warps, blocked, by register cap: "
+              + "  ".join(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=128)
@@ -270,6 +292,8 @@ def main() -> None:
     parser.add_argument("--layouts", action="store_true",
                         help="batch 1 only: the whole-K GEMV's tiles over the checkpoint's "
                              "layout and over the column-blocked one")
+    parser.add_argument("--maxnreg", action="store_true",
+                        help="batch 1 only: the whole-K GEMV under register caps")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
@@ -309,6 +333,8 @@ def main() -> None:
                   f"{' prefetch' if cfg.prefetch else ''}")
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
+            if args.maxnreg and m == 1:
+                regcaps(x, layers, args.bits, args.group_size)
             if args.layouts and m == 1:
                 layouts(x, layers, args.bits, args.group_size)
             if args.sweep:
