@@ -451,26 +451,36 @@ GEMV_TILES_PER_SLICE = 4
 WHOLE_K_TILES = (16, 1024, 8)
 # By default the whole-K GEMV serves N up to WHOLE_K_MAX_N at K >= WHOLE_K_MIN_K, where the
 # L2-cold H200 sweep (bench_w4a16.py --m 1 --sweep, commit 8f7785c) had it ahead of the split
-# GEMV: qkv 4096x6144 7.8 vs 8.1 us (32 columns x 1024 rows), o 4096x4096 5.4 vs 6.4 and down
-# 14336x4096 12.6 vs 13.0 (16 x 2048); gate_up 4096x28672 stays split (21.7 vs 22.4). Its
-# tiles: 32 columns where that still gives every SM a program (1024-row steps; 128
-# registers), else 16 (2048-row steps; 138 registers), 8 warps.
+# GEMV; gate_up 4096x28672 stays split (21.7 us against the whole-K's best 22.4). Its tiles:
+# 16 columns x 2048 rows (1024 where K % 2048) on 8 warps, each program's registers capped
+# (ptxas' maxnreg) so that every program of the launch is resident at once, up to
+# WHOLE_K_MAX_PER_SM a SM; else 32 columns x 1024 rows. On column-blocked weights
+# (bench_w4a16.py --maxnreg, commit f88da6c) qkv 4096x6144 went 7.7 -> 6.6 us (384 programs, 3
+# a SM at 80 registers; the uncapped default was 32 x 1024 at 128), o 4096x4096 5.1 -> 5.0
+# and down 14336x4096 11.7 -> 11.3 (256 programs, 2 a SM at 128 registers, 138 uncapped).
 WHOLE_K_MAX_N = 8192
 WHOLE_K_MIN_K = 2048
+WHOLE_K_MAX_PER_SM = 3
 
 
-def whole_k_tiles(n: int, k: int, sms: int) -> tuple[int, int, int] | None:
-    """The default whole-K tiles (block_n, block_k, num_warps) for [K, N], or None where the
-    split GEMV serves it (N above WHOLE_K_MAX_N, K below WHOLE_K_MIN_K, shapes that do not
-    tile)."""
+def whole_k_tiles(n: int, k: int, sms: int) -> tuple[int, int, int, int] | None:
+    """The default whole-K tiles (block_n, block_k, num_warps, maxnreg; maxnreg 0: no cap) for
+    [K, N], or None where the split GEMV serves it (N above WHOLE_K_MAX_N, K below
+    WHOLE_K_MIN_K, shapes that do not tile)."""
     if n > WHOLE_K_MAX_N or k < WHOLE_K_MIN_K:
         return None
-    block_n = 32 if n // 32 >= sms else 16
-    if n % block_n:
+    warps = 8
+    fits = [(block_n, block_ks, -(-(n // block_n) // sms))     # programs a SM
+            for block_n, block_ks in ((16, (2048, 1024, 512)), (32, (1024, 512)))
+            if n % block_n == 0 and -(-(n // block_n) // sms) <= WHOLE_K_MAX_PER_SM]
+    if not fits:
         return None
-    for block_k in ((1024, 512) if block_n == 32 else (2048, 1024, 512)):
+    block_n, block_ks, per_sm = fits[0]
+    # the register file (64K) shared by per_sm programs, in ptxas' steps of 8
+    cap = 0 if per_sm == 1 else 65536 // (per_sm * 32 * warps) // 8 * 8
+    for block_k in block_ks:
         if k % block_k == 0:
-            return block_n, block_k, 8
+            return block_n, block_k, warps, cap
     return None
 
 
@@ -492,7 +502,7 @@ class GemmConfig:
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
     # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
     whole_k: bool = False
-    # ptxas' register cap for the whole-K GEMV (0: none; an experiment's knob)
+    # ptxas' register cap for the whole-K GEMV (0: none; whole_k_tiles)
     maxnreg: int = 0
 
 
@@ -548,7 +558,7 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
         # split GEMV everywhere); the interpreter keeps the split GEMV, which its tests cover
         # at every shape
         return GemmConfig(1, tiles[0], tiles[1], 1, tiles[2], 1, whole_k=True,
-                          maxnreg=over.get("maxnreg", 0))
+                          maxnreg=over.get("maxnreg", tiles[3]))
     warps = over.get("warps", 2)
     block_n = over.get("block_n", 128 * warps)
     block_k = over.get("block_k", 64)

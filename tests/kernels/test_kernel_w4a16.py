@@ -185,10 +185,12 @@ def test_gemv_tiles_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("n, k, tiles", [
-    (6144, 4096, (32, 1024, 8)),      # qkv of the 8B shape: 192 programs of 32 columns
-    (4096, 4096, (16, 2048, 8)),      # o: 128 programs of 32 columns would leave SMs idle
-    (4096, 14336, (16, 2048, 8)),     # down
-    (4096, 7168, (16, 1024, 8)),      # down of a TP=2 rank: 7168 % 2048
+    (6144, 4096, (16, 2048, 8, 80)),  # qkv of the 8B shape: 384 programs, 3 a SM
+    (4096, 4096, (16, 2048, 8, 128)),  # o: 256 programs, 2 a SM
+    (4096, 14336, (16, 2048, 8, 128)),  # down
+    (4096, 7168, (16, 1024, 8, 128)),  # down of a TP=2 rank: 7168 % 2048
+    (2048, 4096, (16, 2048, 8, 0)),   # 128 programs: one a SM, no cap
+    (8192, 4096, (32, 1024, 8, 128)),  # 512 programs of 16 columns would be 4 a SM
     (28672, 4096, None),              # gate_up: the split GEMV
     (4096, 1536, None),               # K too short
     (1000, 4096, None)])              # N % 16
@@ -212,7 +214,7 @@ def test_the_gpu_default_is_whole_k_for_4_bits_only(monkeypatch):
     try:
         cuda = torch.device("cuda")
         assert pick_config(1, 4096, 4096, 128, cuda) == GemmConfig(1, 16, 2048, 1, 8, 1,
-                                                                   whole_k=True)
+                                                                   whole_k=True, maxnreg=128)
         assert not pick_config(1, 4096, 4096, 128, cuda, bits=8).whole_k
     finally:
         w4a16._gemv_config.cache_clear()

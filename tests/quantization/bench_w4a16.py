@@ -169,8 +169,8 @@ def floor_rows(name: str, x: torch.Tensor, layers, group_size: int, q_bytes: int
              "contiguous read of the words": (graph_us([partial(read, layer)
                                                         for layer in layers]), words)}
     # the whole-K GEMV at its default tiles for the shape, else at KVFLEET_W4A16_GEMV=whole_k=1's
-    block_n, block_k, warps = whole_k_tiles(n, k, sms) or WHOLE_K_TILES
-    whole_k = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
+    block_n, block_k, warps, cap = whole_k_tiles(n, k, sms) or (*WHOLE_K_TILES, 0)
+    whole_k = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True, maxnreg=cap)
     if k % block_k == 0 and n % block_n == 0:
         times["whole-K gemv"] = (graph_us([partial(w4a16_gemm, x, *layer, 4, group_size, whole_k)
                                            for layer in layers]), q_bytes)
@@ -264,8 +264,8 @@ def regcaps(x, layers, bits, group_size) -> None:
     n = layers[0][0].shape[1]
     ref = w4a16_gemm_ref(x, *layers[0], bits, group_size).float()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    for bn, bk, warps in {whole_k_tiles(n, k, sms) or WHOLE_K_TILES, (16, 2048, 8),
-                          (16, 1024, 8), (16, 2048, 4)}:
+    for bn, bk, warps in {(whole_k_tiles(n, k, sms) or WHOLE_K_TILES)[:3], (16, 2048, 8),
+                          (16, 1024, 8), (32, 1024, 8)}:
         if k % bk or n % bn:
             continue
         blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
