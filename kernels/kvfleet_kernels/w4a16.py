@@ -502,7 +502,7 @@ class GemmConfig:
     # batch 1: one program per block_n columns over the whole of K, its warps sharing each
     # block_k-row step (no K slices, split_k 1); needs K % block_k == 0 == N % block_n
     whole_k: bool = False
-    # ptxas' register cap for the whole-K GEMV (0: none; whole_k_tiles)
+    # ptxas' register cap for the batch-1 GEMVs (0: none; whole_k_tiles)
     maxnreg: int = 0
 
 
@@ -518,7 +518,7 @@ def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
     GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k", "maxnreg")
+            "whole_k", "maxnreg", "split_maxnreg")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -570,7 +570,8 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
                               tiles * warps),
                   k_tiles // over.get("tiles_per_slice", GEMV_TILES_PER_SLICE))
     return GemmConfig(1, block_n, block_k, max(1, min(k_tiles, split_k)), warps, 1,
-                      prefetch=bool(over.get("prefetch", 1)))
+                      prefetch=bool(over.get("prefetch", 1)),
+                      maxnreg=over.get("split_maxnreg", 0))
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
@@ -725,7 +726,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
             EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0, PREFETCH=cfg.prefetch,
             GATED=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **pdl_args(x.device))
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl_args(x.device))
         return act if silu_out else out
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)

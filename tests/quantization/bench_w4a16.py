@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -278,6 +279,17 @@ def regcaps(x, layers, bits, group_size) -> None:
             line.append(f"{cap or 'none'}: {graph_us(fns, rep=30):.1f}")
         print(f"    {bn:>3} x {bk:>4}, {warps} warps, blocked, by register cap: "
               + "  ".join(line), flush=True)
+    # the split GEMV (pick_config's tiles with KVFLEET_W4A16_GEMV=whole_k=0) likewise
+    cfg = _gemv_config(1, n, k, group_size, x.device, "whole_k=0")
+    line = []
+    for cap in (0, 128, 96, 80, 72, 64, 56, 48):
+        capped = replace(cfg, maxnreg=cap)
+        fns = [partial(w4a16_gemm, x, *layer, bits, group_size, capped) for layer in layers]
+        err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 2e-2, f"{capped}: off by {err:.3g} of max"
+        line.append(f"{cap or 'none'}: {graph_us(fns, rep=30):.1f}")
+    print(f"    split GEMV {cfg.block_n} x {cfg.block_k}, {cfg.num_warps} warps, split "
+          f"{cfg.split_k}, by register cap: " + "  ".join(line), flush=True)
 
 
 def main() -> None:
