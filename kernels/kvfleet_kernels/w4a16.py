@@ -518,7 +518,7 @@ def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
     GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k", "maxnreg", "split_maxnreg")
+            "whole_k", "maxnreg")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -570,8 +570,7 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
                               tiles * warps),
                   k_tiles // over.get("tiles_per_slice", GEMV_TILES_PER_SLICE))
     return GemmConfig(1, block_n, block_k, max(1, min(k_tiles, split_k)), warps, 1,
-                      prefetch=bool(over.get("prefetch", 1)),
-                      maxnreg=over.get("split_maxnreg", 0))
+                      prefetch=bool(over.get("prefetch", 1)))
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
