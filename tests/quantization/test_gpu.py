@@ -8,7 +8,8 @@ import torch
 from kvfleet_kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_fp8_rowwise
 from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref
 from kvfleet_runtime.layers.linear import Linear
-from kvfleet_runtime.layers.quantization import FP8Config, GPTQConfig
+from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig
+from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
 from kvfleet_runtime.layers.quantization.packing import pack_int32
 
@@ -276,3 +277,37 @@ def test_gate_up_layer_gives_the_activation_of_its_output_at_batch_one(method, b
     assert act is not None and act.shape == (1, 256)
     assert torch.equal(act, silu_and_mul(layer(x)))
     assert layer.gated_output(torch.randn(2, K, device="cuda", dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("method, desc_act, shards", [
+    ("gptq", True, [4096, 1024, 1024]),     # the 8B shape's qkv: 16-column blocks
+    ("awq", False, [4096])])                # its o_proj
+def test_layers_for_the_whole_k_gemv_are_column_blocked_and_exact(method, desc_act, shards):
+    # at the 8B shapes the batch-1 default is the whole-K GEMV, so the layer stores its
+    # weight column-blocked (block_columns); batch 1 (whole-K) and 9 rows (the tiled kernel)
+    # both read that layout and match the fp32 product of the dequantized weight
+    k = 4096
+    g = torch.Generator().manual_seed(11)
+    quantized = [quantize_int(torch.randn(n, k, generator=g) * 0.02, 4, 128, False, desc_act,
+                              min_zero=int(method == "gptq"), seed=5) for n in shards]
+    tensors = [pack_gptq(iq.q, iq.zeros, iq.scales, iq.g_idx, 4) if method == "gptq"
+               else pack_awq(iq.q, iq.zeros, iq.scales) for iq in quantized]
+    w = torch.cat([iq.dequantize() for iq in quantized]).cuda()
+    config = (GPTQConfig(bits=4, group_size=128, desc_act=desc_act) if method == "gptq"
+              else AWQConfig(group_size=128))
+    with torch.device("cuda"):
+        layer = Linear(k, shards, bias=False, dtype=torch.bfloat16,
+                       linear_method=config.get_linear_method("model.layers.0.x_proj"),
+                       prefix="model.layers.0.x_proj")
+    load(layer, [{name: t.cuda() for name, t in shard.items()} for shard in tensors])
+    layer.linear_method.process_weights_after_loading(layer)
+    n = sum(shards)
+    cfg = pick_config(1, n, k, 128, torch.device("cuda"))
+    assert layer.uses_kernel and cfg.whole_k
+    assert layer.qweight.shape == (n // cfg.block_n, k // 8, cfg.block_n)
+    assert layer.scales.shape == layer.zeros.shape == (n // cfg.block_n, k // 128, cfg.block_n)
+    for rows in (1, 9):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ w.t()
+        torch.testing.assert_close(layer(x).float(), ref, rtol=0,
+                                   atol=ref.abs().max().item() * 2e-2)

@@ -99,6 +99,30 @@ def test_kernel_path_matches_fp32_reference(method, bits, group_size, sym, desc_
     torch.testing.assert_close(layer(x).float(), expected, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("method, desc_act", [("gptq", True), ("awq", False)])
+def test_kernel_path_over_column_blocked_weights(method, desc_act, monkeypatch):
+    # where batch 1 runs the whole-K GEMV (a GPU's default at the 8B shapes; stubbed here),
+    # the layer keeps its weight blocked by the GEMV's columns, and both batch 1 and larger
+    # batches (the tiled kernel) read that layout
+    from kvfleet_kernels.w4a16 import GemmConfig, unblock_columns
+    from kvfleet_runtime.layers.quantization import int_weight
+    whole_k = GemmConfig(1, 16, 64, 1, 4, 1, whole_k=True)
+    monkeypatch.setattr(int_weight, "blocked_whole_k", lambda *args: whole_k)
+    tensors, w = int_checkpoint(method, 4, 32, False, desc_act)
+    layer = build(int_config(method, 4, 32, False, desc_act))
+    load(layer, tensors)
+    method_ = layer.linear_method
+    unpacked = method_.unpack(layer)
+    method_.finalize(layer, unpacked, use_kernel=True)
+    assert layer.whole_k_config == whole_k
+    assert layer.qweight.shape == (sum(SHARDS) // 16, K // 8, 16)
+    assert layer.scales.shape == (sum(SHARDS) // 16, K // 32, 16)
+    assert torch.equal(unblock_columns(layer.zeros).float(), unpacked.zeros.float())
+    for rows in (1, 3):
+        x = torch.randn(rows, K, dtype=torch.float16)
+        torch.testing.assert_close(layer(x).float(), x.float() @ w.t(), rtol=2e-3, atol=2e-3)
+
+
 def test_fused_shards_must_share_act_order():
     tensors, _ = int_checkpoint("gptq", 4, 32, False, desc_act=True)
     tensors[1]["g_idx"] = torch.flip(tensors[1]["g_idx"], [0])

@@ -153,11 +153,13 @@ class IntWeightMethod(LinearMethod):
                    "scales": w.scales.to(torch.float16).contiguous(),
                    "zeros": w.zeros.to(torch.float16).contiguous()}
         n = q.shape[1]
-        whole_k = q.is_cuda and blocked_whole_k(n, k, self.bits, group_size, q.device)
-        if whole_k:
-            # batch 1 runs the whole-K GEMV: each of its programs then streams one contiguous
-            # run of words (prefill's tiled kernel reads this layout too)
-            tensors = {name: block_columns(t, whole_k.block_n) for name, t in tensors.items()}
+        # where batch 1 runs the whole-K GEMV (on a GPU), its tiles, and the weight blocked by
+        # its columns: each of its programs then streams one contiguous run of words (prefill's
+        # tiled kernel reads this layout too)
+        layer.whole_k_config = blocked_whole_k(n, k, self.bits, group_size, q.device)
+        if layer.whole_k_config:
+            tensors = {name: block_columns(t, layer.whole_k_config.block_n)
+                       for name, t in tensors.items()}
         for name, t in tensors.items():
             _replace(layer, name, t)
         layer.out_features_kernel = n
@@ -172,7 +174,8 @@ class IntWeightMethod(LinearMethod):
         if layer.perm is not None:
             x = x[:, layer.perm]
         out = w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
-                         layer.kernel_group_size)
+                         layer.kernel_group_size,
+                         layer.whole_k_config if x.shape[0] == 1 else None)
         return out if bias is None else out + bias
 
     def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
