@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.env import on_off
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import meet_gate_up, store_or_reduce, workspace
 
@@ -639,10 +640,10 @@ def unblock_columns(t: torch.Tensor) -> torch.Tensor:
 def blocked_whole_k(n: int, k: int, bits: int, group_size: int,
                     device: torch.device) -> GemmConfig | None:
     """The batch-1 whole-K GEMV that a column-blocked weight is laid out for: pick_config's
-    where it picks the whole-K GEMV (4 bits on a GPU, KVFLEET_W4A16_GEMV unset), else None
-    (the weight keeps the checkpoint's layout)."""
-    if os.environ.get("KVFLEET_W4A16_BLOCKED", "1") == "0" or not kernel_supports(
-            k, bits, group_size):
+    where it picks the whole-K GEMV (4 bits on a GPU by default), else None (the weight keeps
+    the checkpoint's layout; also under KVFLEET_W4A16_BLOCKED=0)."""
+    if not on_off("KVFLEET_W4A16_BLOCKED", os.environ.get("KVFLEET_W4A16_BLOCKED", "")) or (
+            not kernel_supports(k, bits, group_size)):
         return None
     cfg = pick_config(1, n, k, group_size, device, bits)
     return cfg if cfg.whole_k else None

@@ -61,14 +61,16 @@ _NOT_ENGINE_FLAGS = {"served_model_name"}
 
 def check_kernel_environment() -> None:
     """The KVFLEET_* variables the kernels and layers read once at import (GEMV routing, PDL,
-    decode partitions, FP8 accumulation), parsed now: a bad value is refused before the model
+    decode partitions, FP8 accumulation, W4A16 tiles and layout), parsed now: a bad value is refused before the model
     loads."""
-    from kvfleet_kernels import env, fp8, paged_attention, pdl
+    from kvfleet_kernels import env, fp8, paged_attention, pdl, w4a16
 
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
-    for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH", "KVFLEET_DECODE_PRELOAD"):
+    for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH", "KVFLEET_DECODE_PRELOAD",
+                 "KVFLEET_W4A16_BLOCKED"):
         env.on_off(name, os.environ.get(name, ""))
+    w4a16.gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
     from kvfleet_runtime.distributed import communication, layers
     layers.embedding_mode(os.environ.get("KVFLEET_TP_EMBEDDING", ""))
     for name in communication.SIZE_SETTINGS:
