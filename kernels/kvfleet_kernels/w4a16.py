@@ -471,9 +471,11 @@ def whole_k_tiles(n: int, k: int, sms: int) -> tuple[int, int, int, int] | None:
     if n > WHOLE_K_MAX_N or k < WHOLE_K_MIN_K:
         return None
     warps = 8
-    fits = [(block_n, block_ks, -(-(n // block_n) // sms))     # programs a SM
+    fits = [(block_n, block_ks, per_sm)
             for block_n, block_ks in ((16, (2048, 1024, 512)), (32, (1024, 512)))
-            if n % block_n == 0 and -(-(n // block_n) // sms) <= WHOLE_K_MAX_PER_SM]
+            if n % block_n == 0
+            for per_sm in [triton.cdiv(n // block_n, sms)]     # programs a SM
+            if per_sm <= WHOLE_K_MAX_PER_SM]
     if not fits:
         return None
     block_n, block_ks, per_sm = fits[0]
@@ -649,6 +651,11 @@ def blocked_whole_k(n: int, k: int, bits: int, group_size: int,
     return cfg if cfg.whole_k else None
 
 
+def _register_cap(cfg: GemmConfig) -> dict:
+    """The launch's ptxas register cap (maxnreg), if cfg sets one."""
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int,
                config: GemmConfig | None = None, silu_out: bool = False) -> torch.Tensor:
@@ -708,8 +715,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 x, qweight, scales, zeros, out, k, group_size, *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,
                 BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
-                num_stages=1, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-                **pdl_args(x.device))
+                num_stages=1, **_register_cap(cfg), **pdl_args(x.device))
             return out
         part, count = workspace(x.device, m, n, cfg.split_k, grid[1])
         act = pairs = out     # never touched unless silu_out
@@ -726,7 +732,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2,
             EVEN=k % cfg.block_k == 0 and n % cfg.block_n == 0, PREFETCH=cfg.prefetch,
             GATED=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl_args(x.device))
+            **_register_cap(cfg), **pdl_args(x.device))
         return act if silu_out else out
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)

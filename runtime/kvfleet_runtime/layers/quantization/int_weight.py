@@ -9,7 +9,8 @@ so its slice of g_idx keeps the checkpoint's group numbers).
 
 After loading, a method unpacks its checkpoint tensors into an `IntWeight` and this module
 either repacks it into the kernel's layout (kvfleet_kernels.w4a16: qweight packed along K,
-rows sorted by group, fp16 scales and zero points per group) or, where the kernel cannot
+rows sorted by group, fp16 scales and zero points per group; column-blocked where batch 1
+runs the whole-K GEMV) or, where the kernel cannot
 serve the layer (CPU, an odd shape, unequal act-order groups), stores the dequantized weight
 in the model's dtype and logs why, once per reason.
 """
@@ -162,7 +163,6 @@ class IntWeightMethod(LinearMethod):
                        for name, t in tensors.items()}
         for name, t in tensors.items():
             _replace(layer, name, t)
-        layer.out_features_kernel = n
         layer.register_buffer("perm", perm, persistent=False)
         layer.kernel_group_size = group_size
         return None
@@ -183,7 +183,7 @@ class IntWeightMethod(LinearMethod):
         from inside its batch-1 GEMV (w4a16_gemm's silu_out), or None where that does not
         serve."""
         if not layer.uses_kernel or not gated_output_serves(
-                x.shape[0], layer.out_features_kernel, x.shape[1], layer.kernel_group_size,
+                x.shape[0], layer.output_size, x.shape[1], layer.kernel_group_size,
                 x.device, self.bits):
             return None
         if layer.perm is not None:
