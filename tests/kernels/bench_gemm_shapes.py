@@ -2,7 +2,11 @@
 engine runs them at (not a test): which row counts run well below the GEMM rate, and whether
 padding the rows to a multiple of 64/128 would pay.
 
-    python tests/kernels/bench_gemm_shapes.py
+    python tests/kernels/bench_gemm_shapes.py [--kernels]
+
+--kernels also names the kernel cuBLAS runs for each shape and row count under F.linear, the
+engine's call (a profile of one call), to tell apart shapes whose launches look alike in the
+engine's per-kernel profile (e.g. qkv and o_proj at 1024 rows).
 
 Each shape is timed over enough weight copies to exceed L2 (as the engine's 32 layers pass
 through it), as CUDA-graph replays; TFLOP/s counts 2 * M * N * K.
@@ -10,7 +14,10 @@ through it), as CUDA-graph replays; TFLOP/s counts 2 * M * N * K.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.testing
 
@@ -32,7 +39,21 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=50)
 
 
+def kernel_names(fn) -> str:
+    """The CUDA kernels one call of fn runs, by name."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return ", ".join(sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"}))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", action="store_true",
+                        help="also name cuBLAS's kernel for F.linear at each shape and row count")
+    args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | " + " | ".join(f"M={m}" for m in ROWS) + " |")
     print("|---|" + "---:|" * len(ROWS))
@@ -51,6 +72,11 @@ def main() -> None:
             t = graph_ms(run) / copies
             cells.append(f"{2 * m * n * k / t / 1e9:.0f} ({t * 1e3:.0f} us)")
         print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
+        if args.kernels:
+            for m in ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                print(f"#   {name} M={m}: {kernel_names(lambda x=x, w=weights[0]: F.linear(x, w))}",
+                      flush=True)
         weights.clear()
 
 
