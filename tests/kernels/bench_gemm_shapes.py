@@ -40,13 +40,25 @@ def graph_ms(fn) -> float:
 
 
 def kernel_names(fn) -> str:
-    """The CUDA kernels one call of fn runs, by name."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    """The CUDA kernels one call of fn runs, by name, eagerly and replayed from a CUDA graph
+    (as the engine's decode runs it: cuBLAS may choose otherwise under capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    names = []
+    for call in (fn, graph.replay):
         torch.cuda.synchronize()
-    return ", ".join(sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"}))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        names.append(", ".join(sorted({e.name for e in prof.events()
+                                       if e.device_type.name == "CUDA"})))
+    return f"eager {names[0]}; graph {names[1]}"
 
 
 def main() -> None:
