@@ -27,7 +27,8 @@ ROWS = [128, 256, 384, 512, 880, 896, 1000, 1024, 16384]
 L2_BYTES = 50 * 2 ** 20
 
 
-def graph_ms(fn) -> float:
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn warmed up on a side stream, then captured."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -36,22 +37,18 @@ def graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=50)
+    return graph
+
+
+def graph_ms(fn) -> float:
+    return triton.testing.do_bench(capture(fn).replay, warmup=10, rep=50)
 
 
 def kernel_names(fn) -> str:
     """The CUDA kernels one call of fn runs, by name, eagerly and replayed from a CUDA graph
     (as the engine's decode runs it: cuBLAS may choose otherwise under capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     names = []
-    for call in (fn, graph.replay):
+    for call in (fn, capture(fn).replay):
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call()
