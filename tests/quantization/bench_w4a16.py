@@ -233,6 +233,14 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
     return best
 
 
+def checked_us(x, copies, bits, group_size, cfg, ref) -> float:
+    """cfg's L2-cold time over the weight copies, after its output is checked against ref."""
+    fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in copies]
+    err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
+    return graph_us(fns, rep=30)
+
+
 def layouts(x, layers, bits, group_size) -> None:
     """--layouts: every whole-K tile of SWEEP_WHOLE_K over the checkpoint's layout and over
     the weight column-blocked by its block_n (block_columns), L2-cold."""
@@ -245,12 +253,8 @@ def layouts(x, layers, bits, group_size) -> None:
             continue
         cfg = GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True)
         blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
-        times = []
-        for copies in (layers, blocked):
-            fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in copies]
-            err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
-            assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
-            times.append(graph_us(fns, rep=30))
+        times = [checked_us(x, copies, bits, group_size, cfg, ref)
+                 for copies in (layers, blocked)]
         rows.append((times[1], times[0], bn, bk, warps))
         print(f"    {bn:>3} x {bk:>4}, {warps:>2} warps: checkpoint layout {times[0]:6.1f} us, "
               f"blocked {times[1]:6.1f} us", flush=True)
@@ -270,24 +274,17 @@ def regcaps(x, layers, bits, group_size) -> None:
         if k % bk or n % bn:
             continue
         blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
-        line = []
-        for cap in (0, 128, 96, 80, 64):
-            cfg = GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True, maxnreg=cap)
-            fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg) for layer in blocked]
-            err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
-            assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
-            line.append(f"{cap or 'none'}: {graph_us(fns, rep=30):.1f}")
+        line = [f"{cap or 'none'}: " + format(checked_us(
+                    x, blocked, bits, group_size,
+                    GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True, maxnreg=cap), ref), ".1f")
+                for cap in (0, 128, 96, 80, 64)]
         print(f"    {bn:>3} x {bk:>4}, {warps} warps, blocked, by register cap: "
               + "  ".join(line), flush=True)
     # the split GEMV (pick_config's tiles with KVFLEET_W4A16_GEMV=whole_k=0) likewise
     cfg = _gemv_config(1, n, k, group_size, x.device, "whole_k=0")
-    line = []
-    for cap in (0, 128, 96, 80, 72, 64, 56, 48):
-        capped = replace(cfg, maxnreg=cap)
-        fns = [partial(w4a16_gemm, x, *layer, bits, group_size, capped) for layer in layers]
-        err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
-        assert err < 2e-2, f"{capped}: off by {err:.3g} of max"
-        line.append(f"{cap or 'none'}: {graph_us(fns, rep=30):.1f}")
+    line = [f"{cap or 'none'}: " + format(checked_us(
+                x, layers, bits, group_size, replace(cfg, maxnreg=cap), ref), ".1f")
+            for cap in (0, 128, 96, 80, 72, 64, 56, 48)]
     print(f"    split GEMV {cfg.block_n} x {cfg.block_k}, {cfg.num_warps} warps, split "
           f"{cfg.split_k}, by register cap: " + "  ".join(line), flush=True)
 
@@ -305,7 +302,8 @@ def main() -> None:
                         help="batch 1 only: the whole-K GEMV's tiles over the checkpoint's "
                              "layout and over the column-blocked one")
     parser.add_argument("--maxnreg", action="store_true",
-                        help="batch 1 only: the whole-K GEMV under register caps")
+                        help="batch 1 only: the whole-K and the split GEMV under register "
+                             "caps")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
