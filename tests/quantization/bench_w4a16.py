@@ -289,6 +289,55 @@ def regcaps(x, layers, bits, group_size) -> None:
           f"{cfg.split_k}, by register cap: " + "  ".join(line), flush=True)
 
 
+def stream_rows(x, layers, bits, group_size, gated: bool) -> None:
+    """--stream: the stream whole-K GEMV (several column blocks a program, loads 1 or 2 steps
+    ahead; gated: gate_up's SiLU(gate) * up written by the program holding both halves) over
+    column-blocked weights, against the default path, L2-cold."""
+    k = x.shape[1]
+    n = layers[0][0].shape[1]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    ref = w4a16_gemm_ref(x, *layers[0], bits, group_size).float()
+    if gated:
+        ref = silu_mul_ref(ref.to(x.dtype)).float()
+    base = [partial(w4a16_gemm, x, *layer, bits, group_size, silu_out=gated) for layer in layers]
+    print(f"    default path{' (gated)' if gated else ''}: {graph_us(base, rep=30):.1f} us",
+          flush=True)
+    rows = []
+    for bn, bk in ((16, 2048), (16, 1024), (32, 1024)):
+        if k % bk or n % (bn * (2 if gated else 1)):
+            continue
+        units = n // bn // (2 if gated else 1)
+        blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
+        for blocks in ((1, 2, 4, 7, 14) if gated else (1, 2)):
+            programs = triton.cdiv(units, blocks)
+            per_sm = triton.cdiv(programs, sms)
+            cap = min(255, 65536 // (per_sm * 256) // 8 * 8) if per_sm > 1 else 0
+            for depth in (1, 2):
+                cfg = GemmConfig(1, bn, bk, 1, 8, 1, whole_k=True, maxnreg=cap, stream=True,
+                                 blocks=blocks, depth=depth)
+                fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg, silu_out=gated)
+                       for layer in blocked]
+                try:
+                    err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
+                    assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
+                    t = graph_us(fns, rep=30)
+                except Exception as e:  # noqa: BLE001 - out of resources: report, go on
+                    print(f"    {bn} x {bk} blocks {blocks} depth {depth}: {type(e).__name__} {e}")
+                    continue
+                rows.append((t, bn, bk, blocks, depth, cap, programs))
+                print(f"    {bn:>3} x {bk:>4}, {blocks:>2} blocks ({programs} programs, cap "
+                      f"{cap or 'none'}), depth {depth}: {t:6.1f} us", flush=True)
+    best = min(rows)
+    print(f"  stream best: {best[0]:.1f} us at {best[1]} x {best[2]}, {best[3]} blocks, depth "
+          f"{best[4]}")
+
+
+def silu_mul_ref(y: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of [gate | up] in fp32 (the activation's reference)."""
+    gate, up = y.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=128)
@@ -304,6 +353,9 @@ def main() -> None:
     parser.add_argument("--maxnreg", action="store_true",
                         help="batch 1 only: the whole-K and the split GEMV under register "
                              "caps")
+    parser.add_argument("--stream", action="store_true",
+                        help="batch 1 only: the stream whole-K GEMV's blocks a program and "
+                             "load depth (gate_up gated) against the default path")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
@@ -345,6 +397,8 @@ def main() -> None:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
             if args.maxnreg and m == 1:
                 regcaps(x, layers, args.bits, args.group_size)
+            if args.stream and m == 1:
+                stream_rows(x, layers, args.bits, args.group_size, name == "gate_up_proj")
             if args.layouts and m == 1:
                 layouts(x, layers, args.bits, args.group_size)
             if args.sweep:
