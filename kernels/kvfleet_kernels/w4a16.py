@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.activation import silu_mul
 from kvfleet_kernels.env import on_off
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 from kvfleet_kernels.split_k import meet_gate_up, store_or_reduce, workspace
@@ -92,6 +91,39 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                       stride_qk, stride_qn, stride_sg, stride_sn,
+                       BITS: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr,
+                       LB: tl.constexpr = 1):
+    """out [K, N] (contiguous, x's dtype) = (q - z) * s in fp32, rounded once: dequantize_ref's
+    values. A program takes BLOCK_KW word rows (BLOCK_KW * 32 / BITS rows of K, one group)
+    of BLOCK_N columns; columns addressed as in _w4a16_kernel (LB: the column-blocked
+    layout's block)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_KW * PER_WORD
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_kw = pid_k * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    col_q = (offs_n // LB) * stride_qn + offs_n % LB
+    col_s = (offs_n // LB) * stride_sn + offs_n % LB
+    words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
+                    mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+    shifts = tl.arange(0, PER_WORD) * BITS
+    q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1),
+                   (ROWS, BLOCK_N))
+    # the host picks BLOCK_KW so that the tile lies in one group
+    group = (pid_k * ROWS) // group_size
+    sc = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0).to(tl.float32)
+    w = (_small_int_to_float(q) - z[None, :]) * sc[None, :]
+    rows = pid_k * ROWS + tl.arange(0, ROWS)
+    tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(rows < K)[:, None] & mask_n[None, :])
 
 
 # fp16x2 dequantization for the GEMV (sm_80+ PTX; Triton's interpreter cannot run it, so the
@@ -425,95 +457,6 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
 
 
 @triton.jit
-def _w4a16_gemv_stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_size, NB, BLOCKS,
-                              stride_qb, stride_qk, stride_sb, stride_sg,
-                              BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
-                              GATED: tl.constexpr = False, DEPTH: tl.constexpr = 1,
-                              PDL: tl.constexpr = False):
-    """The whole-K GEMV over BLOCKS column blocks a program (an experiment against
-    _w4a16_gemv_whole_k_kernel, which is BLOCKS = 1, DEPTH = 1): program p takes blocks
-    p * BLOCKS .. + BLOCKS - 1 of the NB blocks of BLOCK_N columns, one after another, its
-    loads running DEPTH steps ahead of its arithmetic across the blocks' seams (so a
-    column-blocked weight is one contiguous stream a program). GATED: the weight is a gated
-    MLP's [gate | up] and the program's units are pairs (gate block j, up block j + NB / 2):
-    it writes SiLU(gate) * up of the pair's BLOCK_N columns into out ([1, N / 2]) from the
-    two blocks' sums rounded to x's dtype (the activation kernel's bits). Blocks past the end
-    (the last program's) are read again from the last block and not stored."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    HALF_KW: tl.constexpr = BLOCK_KW // 2
-    HALVES: tl.constexpr = 2 if GATED else 1
-    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    kw = K // PER_WORD
-    n_steps = kw // BLOCK_KW
-    total = BLOCKS * HALVES * n_steps
-    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    wa, wb, s, z = _stream_weights(qw_ptr, s_ptr, z_ptr, 0, pid, n_steps, NB, BLOCKS,
-                                   group_size, stride_qb, stride_qk, stride_sb, stride_sg,
-                                   cols, BLOCK_KW, PER_WORD, GATED)
-    if DEPTH == 2:
-        wa2, wb2, s2, z2 = _stream_weights(qw_ptr, s_ptr, z_ptr, tl.minimum(1, total - 1), pid,
-                                           n_steps, NB, BLOCKS, group_size, stride_qb,
-                                           stride_qk, stride_sb, stride_sg, cols, BLOCK_KW,
-                                           PER_WORD, GATED)
-    pdl_wait(PDL)
-    xa01, xa23, xb01, xb23 = _gemv_load_x(x64, 0, kw, BLOCK_KW, F16X2, True)
-    t = 0
-    for i in range(0, BLOCKS):
-        for h in tl.static_range(HALVES):
-            acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
-            for step in range(0, n_steps):
-                na, nb, ns, nz = _stream_weights(
-                    qw_ptr, s_ptr, z_ptr, tl.minimum(t + DEPTH, total - 1), pid, n_steps, NB,
-                    BLOCKS, group_size, stride_qb, stride_qk, stride_sb, stride_sg, cols,
-                    BLOCK_KW, PER_WORD, GATED)
-                nstep = (step + 1) % n_steps
-                nxa01, nxa23, nxb01, nxb23 = _gemv_load_x(x64, nstep, kw, BLOCK_KW, F16X2, True)
-                acc += _word_pair_sums(wa, wb, z, xa01, xa23, xb01, xb23, step, x_ptr, kw, BITS,
-                                       BLOCK_KW, F16X2, X_BF16) * s
-                if DEPTH == 2:
-                    wa, wb, s, z = wa2, wb2, s2, z2
-                    wa2, wb2, s2, z2 = na, nb, ns, nz
-                else:
-                    wa, wb, s, z = na, nb, ns, nz
-                xa01, xa23, xb01, xb23 = nxa01, nxa23, nxb01, nxb23
-                t += 1
-            res = tl.sum(acc, axis=0)
-            if F16X2:
-                res = res * 16.0
-            unit = pid * BLOCKS + i
-            offs = unit * BLOCK_N + tl.arange(0, BLOCK_N)
-            if GATED:
-                if h == 0:
-                    gate = res.to(out_ptr.dtype.element_ty).to(tl.float32)
-                else:
-                    up = res.to(out_ptr.dtype.element_ty).to(tl.float32)
-                    tl.store(out_ptr + offs, silu_mul(gate, up, out_ptr.dtype.element_ty),
-                             mask=offs < NB // 2 * BLOCK_N)
-            else:
-                tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty),
-                         mask=offs < NB * BLOCK_N)
-
-
-@triton.jit
-def _stream_weights(qw_ptr, s_ptr, z_ptr, t, pid, n_steps, NB, BLOCKS, group_size, stride_qb,
-                    stride_qk, stride_sb, stride_sg, cols, BLOCK_KW: tl.constexpr,
-                    PER_WORD: tl.constexpr, GATED: tl.constexpr):
-    """_whole_k_weights of the stream kernel's t-th step (its block's, clamped to the last)."""
-    i = t // n_steps
-    if GATED:
-        blk = pid * BLOCKS + i // 2 + (i % 2) * (NB // 2)
-    else:
-        blk = pid * BLOCKS + i
-    blk = tl.minimum(blk, NB - 1)
-    return _whole_k_weights(qw_ptr + blk * stride_qb, s_ptr + blk * stride_sb,
-                            z_ptr + blk * stride_sb, t - i * n_steps, group_size, stride_qk,
-                            stride_sg, cols, BLOCK_KW, PER_WORD)
-
-
-@triton.jit
 def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_sg, cols,
                      BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
     """A whole-K step's even and odd word rows (wa, wb) and each pair's scales and zeros (fp32,
@@ -527,6 +470,10 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
     return wa, wb, s, z
 
 
+# M from this many rows (on a GPU): the weight dequantized into a scratch [K, N] (one pass,
+# ~2.5 bytes of traffic a weight) and cuBLAS's GEMM, as vLLM's AWQ layer does from 256 rows,
+# instead of the tiled kernel (KVFLEET_W4A16_DEQUANT_M overrides; 0: never)
+DEQUANT_MIN_M = 256
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
@@ -597,11 +544,6 @@ class GemmConfig:
     whole_k: bool = False
     # ptxas' register cap for the batch-1 GEMVs (0: none; whole_k_tiles)
     maxnreg: int = 0
-    # the whole-K GEMV through _w4a16_gemv_stream_kernel: `blocks` column blocks a program,
-    # its loads `depth` steps ahead (an experiment)
-    stream: bool = False
-    blocks: int = 1
-    depth: int = 1
 
 
 @functools.cache
@@ -709,11 +651,6 @@ def _tiles_gate_up(cfg: GemmConfig, n: int) -> bool:
     return cfg.block_m == 1 and not cfg.whole_k and n % 2 == 0 and (n // 2) % cfg.block_n == 0
 
 
-def _stream_gate_up(cfg: GemmConfig, n: int) -> bool:
-    """cfg is the stream whole-K GEMV and its column blocks pair up across [gate | up]."""
-    return cfg.whole_k and cfg.stream and n % (2 * cfg.block_n) == 0
-
-
 # per (device, M, pairs): the gated GEMV's pair counters (meet_gate_up; back at 0 after a launch)
 _PAIR_COUNTERS: dict[tuple, torch.Tensor] = {}
 
@@ -756,6 +693,43 @@ def _register_cap(cfg: GemmConfig) -> dict:
     return {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
 
 
+def _column_layout(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, tuple]:
+    """(N, LB, (stride_qk, stride_qn, stride_sg, stride_sn)) of the checkpoint's layout (LB 1)
+    or the column-blocked one (LB the block; stride_qn / stride_sn the block's stride)."""
+    if qweight.dim() == 3:
+        lb = qweight.shape[2]
+        return (qweight.shape[0] * lb, lb, (qweight.stride(1), qweight.stride(0),
+                                            scales.stride(1), scales.stride(0)))
+    return (qweight.shape[1], 1, (qweight.stride(0), qweight.stride(1), scales.stride(0),
+                                  scales.stride(1)))
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [K, N] weight in `dtype` (dequantize_ref's values, rounded once), from either
+    layout (qweight [K / 8, N] or column-blocked)."""
+    n, lb, strides = _column_layout(qweight, scales)
+    per_word = 32 // bits
+    k = qweight.shape[-2] * per_word
+    block_kw = 128 // per_word     # 128 rows of K, halved until a group holds them
+    while group_size < k and group_size % (block_kw * per_word):
+        block_kw //= 2
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(k // per_word, block_kw), triton.cdiv(n, 128))
+    _dequantize_kernel[grid](qweight, scales, zeros, out, n, k, group_size, *strides,
+                             BITS=bits, BLOCK_KW=block_kw, BLOCK_N=128, LB=lb, num_warps=4)
+    return out
+
+
+def dequant_min_m() -> int:
+    """Rows from which w4a16_gemm dequantizes the weight and multiplies with torch.matmul
+    (cuBLAS) on a GPU instead of the tiled kernel: KVFLEET_W4A16_DEQUANT_M (0: never)."""
+    value = os.environ.get("KVFLEET_W4A16_DEQUANT_M", "")
+    if value and not value.isdigit():
+        raise ValueError(f"KVFLEET_W4A16_DEQUANT_M must be a row count (0: never); got {value!r}")
+    return int(value) if value else DEQUANT_MIN_M
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, bits: int, group_size: int,
                config: GemmConfig | None = None, silu_out: bool = False) -> torch.Tensor:
@@ -766,15 +740,13 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     batch 1 runs the whole-K GEMV with block_n the layout's block."""
     m, k = x.shape
     blocked = qweight.dim() == 3
-    lb = qweight.shape[2] if blocked else 1
-    n = qweight.shape[0] * lb if blocked else qweight.shape[1]
+    n, lb, _ = _column_layout(qweight, scales)
     if not kernel_supports(k, bits, group_size):
         raise ValueError(f"w4a16_gemm does not serve K={k}, bits={bits}, group_size={group_size}")
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must share strides")
     if blocked and (scales.dim() != 3 or scales.shape[2] != lb or not qweight.is_contiguous()
-                    or not scales.is_contiguous()
-                    or (silu_out and not (config and config.stream))):
+                    or not scales.is_contiguous() or silu_out):
         raise ValueError(f"a column-blocked qweight {tuple(qweight.shape)} needs contiguous "
                          f"scales and zeros blocked alike (got {tuple(scales.shape)}) and no "
                          f"silu_out")
@@ -782,7 +754,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if blocked and cfg.block_m == 1 and not (cfg.whole_k and cfg.block_n == lb):
         raise ValueError(f"a weight blocked by {lb} columns serves batch 1 through the whole-K "
                          f"GEMV at block_n {lb}; got {cfg}")
-    if silu_out and not (_tiles_gate_up(cfg, n) or _stream_gate_up(cfg, n)):
+    if silu_out and not _tiles_gate_up(cfg, n):
         raise ValueError(f"silu_out needs the split batch-1 GEMV with tiles of a half's columns; "
                          f"got M={m}, N={n}, {cfg}")
     per_word = 32 // bits
@@ -812,17 +784,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            scales.stride(1))
             else:
                 strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
-            if cfg.stream:
-                units = n // cfg.block_n // (2 if silu_out else 1)
-                if silu_out:
-                    out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-                _w4a16_gemv_stream_kernel[(triton.cdiv(units, cfg.blocks),)](
-                    x, qweight, scales, zeros, out, k, group_size, n // cfg.block_n,
-                    cfg.blocks, *strides, BITS=bits, BLOCK_N=cfg.block_n,
-                    BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, GATED=silu_out,
-                    DEPTH=cfg.depth, num_warps=cfg.num_warps, num_stages=1,
-                    **_register_cap(cfg), **pdl_args(x.device))
-                return out
             _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
                 x, qweight, scales, zeros, out, k, group_size, *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,
@@ -846,14 +807,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             GATED=silu_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_register_cap(cfg), **pdl_args(x.device))
         return act if silu_out else out
+    if config is None and x.is_cuda and 0 < dequant_min_m() <= m and not (
+            triton.knobs.runtime.interpret):
+        return torch.matmul(x, dequantize(qweight, scales, zeros, bits, group_size, x.dtype))
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    if blocked:     # rows stride(1) apart, a block's columns stride(0)
-        strides = (qweight.stride(1), qweight.stride(0), scales.stride(1), scales.stride(0))
-    else:
-        strides = (qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1))
+    strides = _column_layout(qweight, scales)[2]
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, out, m, n, k, group_size,
         x.stride(0), x.stride(1), *strides, out.stride(0), out.stride(1),

@@ -11,6 +11,9 @@ import torch
 from kvfleet_kernels.w4a16 import (
     GemmConfig,
     block_columns,
+    dequant_min_m,
+    dequantize,
+    dequantize_ref,
     pick_config,
     unblock_columns,
     w4a16_gemm,
@@ -253,3 +256,36 @@ def test_gated_gemv_serves_the_split_gemv_with_tiles_of_one_half():
     assert gated_output_serves(1, 28672, 4096, 128, cpu)         # the 8B gate_up: 256-column tiles
     assert not gated_output_serves(1, 2 * 200, 4096, 128, cpu)   # 200 columns a half
     assert not gated_output_serves(4, 28672, 4096, 128, cpu)     # the tiled kernel's rows
+
+
+@pytest.mark.parametrize("bits, k, group_size", [(4, 256, 32), (4, 192, 192), (8, 256, 64),
+                                                 (4, 512, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("block", [1, 16])      # the checkpoint's layout, column-blocked
+def test_dequantize_kernel_gives_the_reference_rounded_once(bits, k, group_size, dtype, block):
+    # the weight prefill multiplies with cuBLAS from dequant_min_m() rows: the fp32
+    # reference's values rounded once to x's dtype, bit for bit, from either layout (N = 96:
+    # a partial 128-column tile; K = 192: a partial 128-row tile of one group)
+    qweight, scales, zeros = _layer(k, 96, bits, group_size, seed=bits + k)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    tensors = (qweight, scales, zeros)
+    if block > 1:
+        tensors = tuple(block_columns(t, block) for t in tensors)
+    out = dequantize(*tensors, bits, group_size, dtype)
+    ref = dequantize_ref(qweight, scales, zeros, bits, group_size)
+    assert out.shape == (k, 96) and out.dtype == dtype
+    assert torch.equal(out, ref.to(dtype))
+    assert not torch.equal(out, torch.zeros_like(out))
+
+
+def test_dequant_rows_from_the_environment(monkeypatch):
+    from kvfleet_kernels.w4a16 import DEQUANT_MIN_M
+    monkeypatch.delenv("KVFLEET_W4A16_DEQUANT_M", raising=False)
+    assert dequant_min_m() == DEQUANT_MIN_M
+    monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", "0")
+    assert dequant_min_m() == 0
+    monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", "64")
+    assert dequant_min_m() == 64
+    monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", "many")
+    with pytest.raises(ValueError, match="KVFLEET_W4A16_DEQUANT_M must be a row count"):
+        dequant_min_m()

@@ -30,6 +30,8 @@ from kvfleet_kernels.w4a16 import (  # noqa: E402
     _gemv_config,
     _gemv_load_weights,
     block_columns,
+    dequant_min_m,
+    dequantize,
     pick_config,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -289,53 +291,9 @@ def regcaps(x, layers, bits, group_size) -> None:
           f"{cfg.split_k}, by register cap: " + "  ".join(line), flush=True)
 
 
-def stream_rows(x, layers, bits, group_size, gated: bool) -> None:
-    """--stream: the stream whole-K GEMV (several column blocks a program, loads 1 or 2 steps
-    ahead; gated: gate_up's SiLU(gate) * up written by the program holding both halves) over
-    column-blocked weights, against the default path, L2-cold."""
-    k = x.shape[1]
-    n = layers[0][0].shape[1]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    ref = w4a16_gemm_ref(x, *layers[0], bits, group_size).float()
-    if gated:
-        ref = silu_mul_ref(ref.to(x.dtype)).float()
-    base = [partial(w4a16_gemm, x, *layer, bits, group_size, silu_out=gated) for layer in layers]
-    print(f"    default path{' (gated)' if gated else ''}: {graph_us(base, rep=30):.1f} us",
-          flush=True)
-    rows = []
-    for bn, bk in ((16, 2048), (16, 1024), (32, 1024)):
-        if k % bk or n % (bn * (2 if gated else 1)):
-            continue
-        units = n // bn // (2 if gated else 1)
-        blocked = [tuple(block_columns(t, bn) for t in layer) for layer in layers]
-        for blocks in ((1, 2, 4, 7, 14) if gated else (1, 2)):
-            programs = triton.cdiv(units, blocks)
-            per_sm = triton.cdiv(programs, sms)
-            cap = min(255, 65536 // (per_sm * 256) // 8 * 8) if per_sm > 1 else 0
-            for depth in (1, 2):
-                cfg = GemmConfig(1, bn, bk, 1, 8, 1, whole_k=True, maxnreg=cap, stream=True,
-                                 blocks=blocks, depth=depth)
-                fns = [partial(w4a16_gemm, x, *layer, bits, group_size, cfg, silu_out=gated)
-                       for layer in blocked]
-                try:
-                    err = (fns[0]().float() - ref).abs().max().item() / ref.abs().max().item()
-                    assert err < 2e-2, f"{cfg}: off by {err:.3g} of max"
-                    t = graph_us(fns, rep=30)
-                except Exception as e:  # noqa: BLE001 - out of resources: report, go on
-                    print(f"    {bn} x {bk} blocks {blocks} depth {depth}: {type(e).__name__} {e}")
-                    continue
-                rows.append((t, bn, bk, blocks, depth, cap, programs))
-                print(f"    {bn:>3} x {bk:>4}, {blocks:>2} blocks ({programs} programs, cap "
-                      f"{cap or 'none'}), depth {depth}: {t:6.1f} us", flush=True)
-    best = min(rows)
-    print(f"  stream best: {best[0]:.1f} us at {best[1]} x {best[2]}, {best[3]} blocks, depth "
-          f"{best[4]}")
-
-
-def silu_mul_ref(y: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of [gate | up] in fp32 (the activation's reference)."""
-    gate, up = y.float().chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+def dequantized_matmul(x, qweight, scales, zeros, bits, group_size) -> torch.Tensor:
+    """w4a16_gemm's route from dequant_min_m() rows."""
+    return torch.matmul(x, dequantize(qweight, scales, zeros, bits, group_size, x.dtype))
 
 
 def main() -> None:
@@ -353,9 +311,6 @@ def main() -> None:
     parser.add_argument("--maxnreg", action="store_true",
                         help="batch 1 only: the whole-K and the split GEMV under register "
                              "caps")
-    parser.add_argument("--stream", action="store_true",
-                        help="batch 1 only: the stream whole-K GEMV's blocks a program and "
-                             "load depth (gate_up gated) against the default path")
     parser.add_argument("--floor", action="store_true",
                         help="batch 1 only: the GEMV next to its loads alone and a contiguous "
                              "read of the same bytes")
@@ -393,12 +348,18 @@ def main() -> None:
                   f"{(k * n * 2 + io) / t_b / 1e6:>7.2f}{t_b / t_q:>8.2f}x  "
                   f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split_k={cfg.split_k}"
                   f"{' prefetch' if cfg.prefetch else ''}")
+            if m > 1:
+                # the tiled kernel and the dequantize + cuBLAS route, each forced
+                tiled = graph_us([partial(w4a16_gemm, x, *layer, args.bits, args.group_size,
+                                          cfg) for layer in layers])
+                deq = graph_us([partial(dequantized_matmul, x, *layer, args.bits,
+                                        args.group_size) for layer in layers])
+                print(f"    tiled kernel {tiled:.1f} us, dequantize + cuBLAS {deq:.1f} us "
+                      f"(default from {dequant_min_m()} rows)", flush=True)
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
             if args.maxnreg and m == 1:
                 regcaps(x, layers, args.bits, args.group_size)
-            if args.stream and m == 1:
-                stream_rows(x, layers, args.bits, args.group_size, name == "gate_up_proj")
             if args.layouts and m == 1:
                 layouts(x, layers, args.bits, args.group_size)
             if args.sweep:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from kvfleet_kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_fp8_rowwise
-from kvfleet_kernels.w4a16 import GemmConfig, pick_config, w4a16_gemm, w4a16_gemm_ref
+from kvfleet_kernels.w4a16 import (
+    DEQUANT_MIN_M,
+    GemmConfig,
+    block_columns,
+    dequantize_ref,
+    pick_config,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
 from kvfleet_runtime.layers.linear import Linear
 from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig
 from kvfleet_runtime.layers.quantization.awq import pack_awq
@@ -41,6 +49,7 @@ SHAPES = [  # m, k, n, bits, group_size
     (1, 4096, 4096, 4, 128), (1, 4096, 6144, 4, 64), (3, 14336, 4096, 4, 128),
     (16, 4096, 28672, 4, 32), (17, 2048, 1000, 4, -1), (64, 4096, 4096, 8, 128),
     (100, 1024, 3000, 4, 128), (256, 4096, 14336, 4, 128), (1000, 512, 512, 8, 64),
+    (300, 2048, 1000, 4, -1),
 ]
 
 
@@ -55,6 +64,31 @@ def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
     # bf16/fp16 rounding of the dequantized weight (<= 2**-8 relative) summed over K
     tol = ref.abs().max().item() * 1e-2
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("m", [DEQUANT_MIN_M, 2000])
+@pytest.mark.parametrize("block", [1, 16])      # the checkpoint's layout, column-blocked
+def test_w4a16_from_dequant_rows_is_cublas_over_the_dequantized_weight(m, block, monkeypatch):
+    # from DEQUANT_MIN_M rows the weight is dequantized (rounded once to x's dtype) and
+    # multiplied by torch.matmul: bit for bit that product; KVFLEET_W4A16_DEQUANT_M=0 keeps
+    # the tiled kernel, within the reference's tolerance and not that product
+    monkeypatch.delenv("KVFLEET_W4A16_DEQUANT_M", raising=False)
+    k, n, group_size = 4096, 6144, 128
+    qweight, scales, zeros = random_layer(k, n, 4, group_size, seed=m + block)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    tensors = (qweight, scales, zeros)
+    if block > 1:
+        tensors = tuple(block_columns(t, block) for t in tensors)
+    cublas = torch.matmul(x, dequantize_ref(qweight, scales, zeros, 4, group_size).to(x.dtype))
+    out = w4a16_gemm(x, *tensors, 4, group_size)
+    assert torch.equal(out, cublas)
+    monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", "0")
+    tiled = w4a16_gemm(x, *tensors, 4, group_size)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
+    tol = ref.abs().max().item() * 1e-2
+    torch.testing.assert_close(tiled.float(), ref, rtol=0, atol=tol)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+    assert not torch.equal(tiled, cublas)     # the two routes sum in different orders
 
 
 @pytest.mark.parametrize("gemv", ["", "whole_k=0"])     # the default (whole-K where it won), split
