@@ -51,16 +51,26 @@ def _small_int_to_float(q):
 
 
 @triton.jit
+def _split_words(words, BITS: tl.constexpr):
+    """[R, C] words -> the [R * 32 / BITS, C] values they pack (row r * 32 / BITS + j of a
+    word's column at bits [j * BITS, (j + 1) * BITS))."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    return tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1),
+                      (words.shape[0] * PER_WORD, words.shape[1]))
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_om, stride_on,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1,
-                  UNPACK: tl.constexpr = True):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1):
     """Column n of qweight (and of scales, zeros) sits at (n // LB) * stride_qn + n % LB:
     the checkpoint's layout with LB = 1, the column-blocked one (`block_columns`) with LB its
-    block and stride_qn (stride_sn) the block's stride. UNPACK: a tile's words are loaded
-    once and split into their rows (else each word is loaded once per row it holds)."""
+    block and stride_qn (stride_sn) the block's stride. A tile's words are loaded once and
+    split into their rows (loaded once per row they hold, through L1, the kernel ran 1.3-2x
+    slower on the H200: docs/PERFORMANCE.md, eighteenth session)."""
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -77,18 +87,10 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         mask_k = offs_k < K
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if UNPACK:
-            offs_kw = tile * (BLOCK_K // PER_WORD) + tl.arange(0, BLOCK_K // PER_WORD)
-            words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
-                            mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
-            shifts = tl.arange(0, PER_WORD) * BITS
-            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1),
-                           (BLOCK_K, BLOCK_N))
-        else:
-            # each word is loaded PER_WORD times in a row; those hit L1
-            words = tl.load(qw_ptr + (offs_k // PER_WORD)[:, None] * stride_qk + col_q[None, :],
-                            mask=mask_k[:, None] & mask_n[None, :], other=0)
-            q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        offs_kw = tile * (BLOCK_K // PER_WORD) + tl.arange(0, BLOCK_K // PER_WORD)
+        words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
+                        mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+        q = _split_words(words, BITS)
         # the host picks BLOCK_K dividing group_size: one group per tile
         group = (tile * BLOCK_K) // group_size
         s = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
@@ -123,9 +125,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
     col_s = (offs_n // LB) * stride_sn + offs_n % LB
     words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
                     mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
-    shifts = tl.arange(0, PER_WORD) * BITS
-    q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1),
-                   (ROWS, BLOCK_N))
+    q = _split_words(words, BITS)
     # the host picks BLOCK_KW so that the tile lies in one group
     group = (pid_k * ROWS) // group_size
     sc = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0).to(tl.float32)
@@ -483,7 +483,7 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
 # M from this many rows (on a GPU): the weight dequantized into a scratch [K, N] (one pass,
 # ~2.5 bytes of traffic a weight) and cuBLAS's GEMM, as vLLM's AWQ layer does from 256 rows,
 # instead of the tiled kernel (KVFLEET_W4A16_DEQUANT_M overrides; 0: never)
-DEQUANT_MIN_M = 256
+DEQUANT_MIN_M = 128
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
@@ -554,8 +554,6 @@ class GemmConfig:
     whole_k: bool = False
     # ptxas' register cap for the batch-1 GEMVs (0: none; whole_k_tiles)
     maxnreg: int = 0
-    # the tiled kernel loads a tile's words once and splits them into rows (_w4a16_kernel)
-    unpack: bool = True
 
 
 @functools.cache
@@ -831,6 +829,5 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, zeros, out, m, n, k, group_size,
         x.stride(0), x.stride(1), *strides, out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, LB=lb, UNPACK=cfg.unpack, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        SPLIT_K=cfg.split_k, LB=lb, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if cfg.split_k == 1 else out.to(x.dtype)

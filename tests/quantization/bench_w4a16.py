@@ -352,14 +352,10 @@ def main() -> None:
                 # the tiled kernel and the dequantize + cuBLAS route, each forced
                 tiled = graph_us([partial(w4a16_gemm, x, *layer, args.bits, args.group_size,
                                           cfg) for layer in layers])
-                per_row = graph_us([partial(w4a16_gemm, x, *layer, args.bits,
-                                            args.group_size, replace(cfg, unpack=False))
-                                    for layer in layers])
                 deq = graph_us([partial(dequantized_matmul, x, *layer, args.bits,
                                         args.group_size) for layer in layers])
-                print(f"    tiled kernel {tiled:.1f} us ({per_row:.1f} loading each word per "
-                      f"row), dequantize + cuBLAS {deq:.1f} us (default from "
-                      f"{dequant_min_m()} rows)", flush=True)
+                print(f"    tiled kernel {tiled:.1f} us, dequantize + cuBLAS {deq:.1f} us "
+                      f"(default from {dequant_min_m()} rows)", flush=True)
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
             if args.maxnreg and m == 1:

@@ -71,7 +71,12 @@ def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
 def test_w4a16_from_dequant_rows_is_cublas_over_the_dequantized_weight(m, block, monkeypatch):
     # from DEQUANT_MIN_M rows the weight is dequantized (rounded once to x's dtype) and
     # multiplied by torch.matmul: bit for bit that product; KVFLEET_W4A16_DEQUANT_M=0 keeps
-    # the tiled kernel, within the reference's tolerance and not that product
+    # the tiled kernel (no dequantized weight), within the reference's tolerance
+    from kvfleet_kernels import w4a16 as w4a16_module
+    calls = []
+    dequantize = w4a16_module.dequantize
+    monkeypatch.setattr(w4a16_module, "dequantize",
+                        lambda *a: calls.append(a[-1]) or dequantize(*a))
     monkeypatch.delenv("KVFLEET_W4A16_DEQUANT_M", raising=False)
     k, n, group_size = 4096, 6144, 128
     qweight, scales, zeros = random_layer(k, n, 4, group_size, seed=m + block)
@@ -81,14 +86,18 @@ def test_w4a16_from_dequant_rows_is_cublas_over_the_dequantized_weight(m, block,
         tensors = tuple(block_columns(t, block) for t in tensors)
     cublas = torch.matmul(x, dequantize_ref(qweight, scales, zeros, 4, group_size).to(x.dtype))
     out = w4a16_gemm(x, *tensors, 4, group_size)
-    assert torch.equal(out, cublas)
+    assert torch.equal(out, cublas) and calls == [torch.bfloat16]
     monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", "0")
     tiled = w4a16_gemm(x, *tensors, 4, group_size)
+    assert calls == [torch.bfloat16]
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
     tol = ref.abs().max().item() * 1e-2
     torch.testing.assert_close(tiled.float(), ref, rtol=0, atol=tol)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
-    assert not torch.equal(tiled, cublas)     # the two routes sum in different orders
+    # and one row fewer than the threshold keeps the tiled kernel too
+    monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", str(m + 1))
+    w4a16_gemm(x, *tensors, 4, group_size)
+    assert calls == [torch.bfloat16]
 
 
 @pytest.mark.parametrize("gemv", ["", "whole_k=0"])     # the default (whole-K where it won), split
