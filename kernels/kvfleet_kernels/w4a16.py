@@ -482,8 +482,12 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
 
 # M from this many rows (on a GPU): the weight dequantized into a scratch [K, N] (one pass,
 # ~2.5 bytes of traffic a weight) and cuBLAS's GEMM, as vLLM's AWQ layer does from 256 rows,
-# instead of the tiled kernel (KVFLEET_W4A16_DEQUANT_M overrides; 0: never)
-DEQUANT_MIN_M = 128
+# instead of the tiled kernel (KVFLEET_W4A16_DEQUANT_M overrides; 0: never). On the H200
+# (bench_w4a16.py, 8B layer's four projections): at 64 rows the tiled kernel's 64 x 64 tiles
+# 230 us against 278; from 65 rows its 128 x 128 tiles lose: 96 rows 592 against 288, 2048
+# rows 2.9 ms against 1.4; GPTQ TTFT of 2048 tokens 105.7 -> 55.7 ms, 128/128 at 256 running
+# 6,647 -> 12,320 output tok/s (docs/PERFORMANCE.md, eighteenth session)
+DEQUANT_MIN_M = 65
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
 GEMV_MAX_M = 1
