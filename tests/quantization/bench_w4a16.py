@@ -43,7 +43,11 @@ SHAPES = [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
           ("gate_up_proj", 4096, 28672), ("down_proj", 14336, 4096)]
 # --sweep: candidate tiles (block_m, block_n, block_k, num_warps, num_stages); split-K of
 # decode tiles is tried at 1 and at pick_config's choice
-SWEEP_SMALL_M = [(16, n, k, 4, 4) for n in (32, 64, 128) for k in (64, 128, 256)]
+SWEEP_SMALL_M = [(16, n, k, w, st) for n in (64, 128) for k in (128, 256) for w in (4, 8)
+                 for st in (2, 4)]
+# 16 < M <= 64
+SWEEP_MID_M = [(bm, n, k, 4, st) for bm in (32, 64) for n in (64, 128) for k in (64, 128)
+               for st in (3, 4)]
 # the GEMV kernel (block_m 1) for M <= GEMV_MAX_M, (block_m, block_n, block_k, num_warps,
 # f16x2): block_n = 128 * num_warps keeps the scales in the words' layout (~20 SASS
 # instructions per word); 128 columns on 2-4 warps shuffle through shared memory but won the
@@ -195,10 +199,9 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
     qweight, scales, zeros = layers[0]
     m, k = x.shape
     n = qweight.shape[1]
-    auto = pick_config(m, n, k, group_size, x.device)
     best: tuple[float, GemmConfig] | None = None
     candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
-                  else SWEEP_LARGE_M)
+                  else SWEEP_MID_M if m <= 64 else SWEEP_LARGE_M)
     ref = w4a16_gemm_ref(x, qweight, scales, zeros, bits, group_size).float()
     configs = [GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True)
                for bn, bk, warps in SWEEP_WHOLE_K
@@ -213,7 +216,10 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
             makes = [partial(GemmConfig, bm, bn, bk, num_warps=warps, num_stages=1, f16x2=last,
                              prefetch=pf) for pf in ((False, True) if last else (False,))]
         else:
-            splits = sorted({1, auto.split_k})
+            # 1 and pick_config's rule for this tile (about 2 programs an SM)
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
+            splits = sorted({1, max(1, min(k_tiles // 4, triton.cdiv(2 * sms, tiles)))})
             makes = [partial(GemmConfig, bm, bn, bk, num_warps=warps, num_stages=last)]
         configs += [make(split_k=split) for make in makes for split in splits]
     for cfg in configs:

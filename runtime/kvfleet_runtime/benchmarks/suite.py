@@ -35,7 +35,7 @@ from kvfleet_runtime.benchmarks.cli import (
 from kvfleet_runtime.engine.gc_tuning import tune_gc
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
-ROWS = ("bs1", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
+ROWS = ("bs1", "bs16", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
         "tp1000-max")
 
 
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "bs1" in rows:
         latency("bs1", 1, 128, 256, 3)
+    if "bs16" in rows:      # 16 at once: the projections' tiled kernels (4-bit), not GEMVs
+        latency("bs16", 16, 128, 256, 3)
     if "ttft" in rows:
         latency("ttft2048", 1, 2048, 2, 5)
     shapes = (((1, 2048), (min(256, own_max), 128)) if "profile" in rows else ())
