@@ -633,21 +633,25 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     if m <= GEMV_MAX_M:
         return _gemv_config(m, n, k, group_size, device,
                             os.environ.get("KVFLEET_W4A16_GEMV", ""), bits)
-    if m <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
-    elif m <= 64:
-        block_m, block_n, block_k, warps, stages = 64, 64, 64, 4, 4
+    sms = _num_sms(device)
+    if m <= 64:
+        # H200 sweep (bench_w4a16.py --m 16 64 --sweep, commit 154b151; the 8B projections):
+        # 128-row K tiles, 128 columns where 64-column tiles would be 2 or more an SM (gate_up:
+        # 16 rows 91.8 -> 73.3 us, 64 rows 100.7 -> 85.2), K split only while there are fewer
+        # column tiles than SMs
+        block_m, block_k, warps = (16 if m <= 16 else 64), 128, 4
+        block_n = 128 if triton.cdiv(n, 64) >= 2 * sms else 64
+        stages = 4 if m <= 16 else 3
     else:
         block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     # one group per K tile: halve BLOCK_K until it divides the group (tl.dot needs >= 16)
     while group_size < k and group_size % block_k:
         block_k //= 2
     split_k = 1
-    if m <= 64:
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if m <= 64 and tiles < sms:
         # enough programs for every SM to stream its share of the weight
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        k_tiles = triton.cdiv(k, block_k)
-        split_k = max(1, min(k_tiles // 4, triton.cdiv(2 * _num_sms(device), tiles)))
+        split_k = max(1, min(triton.cdiv(k, block_k) // 4, triton.cdiv(2 * sms, tiles)))
     return GemmConfig(block_m, block_n, block_k, split_k, warps, stages)
 
 
@@ -782,6 +786,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                or (group_size < k and group_size % cfg.block_k)):
         raise ValueError(f"GEMV block_k {cfg.block_k} must be a multiple of {2 * per_word} "
                          f"dividing group_size {group_size}")
+    elif cfg.block_m > 1 and (cfg.block_k % per_word
+                              or (group_size < k and group_size % cfg.block_k)):
+        # a tile reads one group's scales and zeros
+        raise ValueError(f"block_k {cfg.block_k} must be a multiple of {per_word} dividing "
+                         f"group_size {group_size}")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     if cfg.block_m == 1:
         f16x2 = (cfg.f16x2 and bits == 4 and x.dtype in (torch.float16, torch.bfloat16)

@@ -68,6 +68,17 @@ def test_gemv_kernel_at_the_picked_config(k, n, group_size):
                                atol=ref.float().abs().max().item() * 2e-3)
 
 
+def test_tiled_block_k_must_divide_the_group():
+    # a tile reads one group's scales: 128 rows over groups of 64 would read half of them
+    # wrong (the H200 sweep's block_k 256 at group size 128 was off by ~55%)
+    qweight, scales, zeros = _layer(256, 64, 4, 64, seed=0)
+    with pytest.raises(ValueError, match="block_k 128 must be a multiple of 8 dividing group_size 64"):
+        w4a16_gemm(torch.randn(16, 256), qweight, scales, zeros, 4, 64,
+                   GemmConfig(16, 64, 128, 1, 4, 2))
+    cfg = pick_config(16, 64, 256, 64, torch.device("cpu"))
+    assert cfg.block_m == 16 and 64 % cfg.block_k == 0
+
+
 def test_gemv_block_k_must_divide_the_group():
     qweight, scales, zeros = _layer(256, 32, 4, 32, seed=0)
     with pytest.raises(ValueError, match="dividing group_size 32"):
