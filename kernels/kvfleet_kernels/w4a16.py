@@ -61,61 +61,16 @@ def _split_words(words, BITS: tl.constexpr):
 
 
 @triton.jit
-def _nibbles_minus_zero(words, z, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """[R, C] 4-bit words and their columns' zeros (fp32, [C]) -> [R * 8, C] q - z in DTYPE
-    (exact), rows as _split_words'. ASM (DTYPE fp16 or bf16, on a GPU): each word's nibbles
-    j and j + 4 are OR-ed into the mantissas of a 16-bit pair of 2**m (1024 in fp16, 128 in
-    bf16: 2**m + q exact) and one fma per pair subtracts 2**m + z; else per value in fp32."""
-    if ASM:
-        if DTYPE == tl.bfloat16:
-            nz = (-(128.0 + z)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-            nz2 = ((nz & 0xFFFF) | (nz << 16))[None, :] + tl.zeros_like(words)
-            r0, r1, r2, r3, r4, r5, r6, r7 = tl.inline_asm_elementwise(
-                _NIBBLES_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, nz2],
-                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-        else:
-            nz = (-(1024.0 + z)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            nz2 = ((nz & 0xFFFF) | (nz << 16))[None, :] + tl.zeros_like(words)
-            r0, r1, r2, r3, r4, r5, r6, r7 = tl.inline_asm_elementwise(
-                _NIBBLES_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, nz2],
-                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        r0 = _nibble_minus_zero(words, 0, z, DTYPE)
-        r1 = _nibble_minus_zero(words, 1, z, DTYPE)
-        r2 = _nibble_minus_zero(words, 2, z, DTYPE)
-        r3 = _nibble_minus_zero(words, 3, z, DTYPE)
-        r4 = _nibble_minus_zero(words, 4, z, DTYPE)
-        r5 = _nibble_minus_zero(words, 5, z, DTYPE)
-        r6 = _nibble_minus_zero(words, 6, z, DTYPE)
-        r7 = _nibble_minus_zero(words, 7, z, DTYPE)
-    # [R, C, a, b, c] = row 4c + 2b + a of each word
-    w = tl.join(tl.join(tl.join(r0, r1), tl.join(r2, r3)),
-                tl.join(tl.join(r4, r5), tl.join(r6, r7)))
-    w = tl.permute(w, (0, 4, 3, 2, 1))
-    return tl.reshape(w, (words.shape[0] * 8, words.shape[1]))
-
-
-@triton.jit
-def _nibble_minus_zero(words, j: tl.constexpr, z, DTYPE: tl.constexpr):
-    # row j of each word, minus its column's zero, in DTYPE
-    return (_small_int_to_float((words >> (4 * j)) & 0xF) - z[None, :]).to(DTYPE)
-
-
-@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_om, stride_on,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1,
-                  ASM: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1):
     """Column n of qweight (and of scales, zeros) sits at (n // LB) * stride_qn + n % LB:
     the checkpoint's layout with LB = 1, the column-blocked one (`block_columns`) with LB its
     block and stride_qn (stride_sn) the block's stride. A tile's words are loaded once and
     split into their rows (loaded once per row they hold, through L1, the kernel ran 1.3-2x
-    slower on the H200: docs/PERFORMANCE.md, eighteenth session). The tile multiplied is
-    q - z, small integers exact in x's dtype; its group's scales multiply the product's
-    columns (one group per tile). ASM (4 bits, 16-bit x, on a GPU): q - z comes out of PTX
-    two rows an instruction (_nibbles_minus_zero)."""
+    slower on the H200: docs/PERFORMANCE.md, eighteenth session)."""
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -135,16 +90,13 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
         offs_kw = tile * (BLOCK_K // PER_WORD) + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
                         mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+        q = _split_words(words, BITS)
         # the host picks BLOCK_K dividing group_size: one group per tile
         group = (tile * BLOCK_K) // group_size
         s = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
         z = tl.load(z_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
-        if BITS == 4:
-            w = _nibbles_minus_zero(words, z.to(tl.float32), a.dtype, ASM)
-        else:
-            w = (_small_int_to_float(_split_words(words, BITS))
-                 - z.to(tl.float32)[None, :]).to(a.dtype)
-        acc += tl.dot(a, w) * s.to(tl.float32)[None, :]
+        w = (_small_int_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+        acc += tl.dot(a, w.to(a.dtype))
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -182,22 +134,6 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
     rows = pid_k * ROWS + tl.arange(0, ROWS)
     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(rows < K)[:, None] & mask_n[None, :])
-
-
-def _nibbles_asm(kind: str, magic: int, one: int) -> str:
-    """PTX: word $8's nibbles (j, j + 4) for j = 0..3 as 16-bit pairs 2**m + q (magic: the
-    pair 2**m | 2**m), times one plus $9 (the pair -(2**m + z)): q - z in $j and $j+4."""
-    lines = ["{", ".reg .b32 s1, s2, s3, t0, t1, t2, t3, one;", f"mov.b32 one, {one:#010x};",
-             "shr.u32 s1, $8, 4;", "shr.u32 s2, $8, 8;", "shr.u32 s3, $8, 12;"]
-    for i, src in enumerate(("$8", "s1", "s2", "s3")):
-        lines.append(f"lop3.b32 t{i}, {src}, 0x000F000F, {magic:#010x}, 0xEA;")
-    for i in range(4):
-        lines += [f"fma.rn.{kind}x2 t{i}, t{i}, one, $9;", f"mov.b32 {{${i}, ${i + 4}}}, t{i};"]
-    return "\n".join(lines + ["}"])
-
-
-_NIBBLES_F16 = tl.constexpr(_nibbles_asm("f16", 0x64006400, 0x3C003C00))
-_NIBBLES_BF16 = tl.constexpr(_nibbles_asm("bf16", 0x43004300, 0x3F803F80))
 
 
 # fp16x2 dequantization for the GEMV (sm_80+ PTX; Triton's interpreter cannot run it, so the
@@ -606,8 +542,7 @@ def whole_k_tiles(n: int, k: int, sms: int) -> tuple[int, int, int, int] | None:
 class GemmConfig:
     """Tiles of one launch; block_m == 1 selects the GEMV kernel (block_k rows per tile, at
     least 2 words: 16 for 4 bits). f16x2: the GEMV dequantizes in fp16x2 PTX where it can
-    (4 bits, fp16/bf16 x, compiled for a GPU), and the tiled kernel takes q - z two rows an
-    instruction (_nibbles_minus_zero); else, and in the interpreter, in fp32.
+    (4 bits, fp16/bf16 x, compiled for a GPU); else, and in the interpreter, in fp32.
     prefetch: the GEMV loads a slice's next K tile before multiplying the current one
     (the whole-K GEMV always does)."""
     block_m: int
@@ -907,8 +842,5 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, zeros, out, m, n, k, group_size,
         x.stride(0), x.stride(1), *strides, out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, LB=lb,
-        ASM=(cfg.f16x2 and bits == 4 and x.dtype in (torch.float16, torch.bfloat16)
-             and x.is_cuda and not triton.knobs.runtime.interpret),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT_K=cfg.split_k, LB=lb, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if cfg.split_k == 1 else out.to(x.dtype)

@@ -66,27 +66,6 @@ def test_w4a16_kernel_matches_reference(m, k, n, bits, group_size, dtype):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m, n, block", [(5, 6144, 1), (16, 28672, 1), (40, 4096, 16)])
-def test_w4a16_tiled_q_minus_z_in_ptx_equals_the_fp32_path(m, n, block, dtype):
-    # the tiled kernel's q - z two rows an instruction (lop3 into 2**m's mantissa, one fma a
-    # pair) is exact, as the fp32 path's: the same products bit for bit, near the reference
-    from dataclasses import replace
-    k, group_size = 4096, 128
-    qweight, scales, zeros = random_layer(k, n, 4, group_size, seed=m)
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    cfg = pick_config(m, n, k, group_size, x.device)
-    assert cfg.block_m > 1 and cfg.f16x2
-    tensors = (qweight, scales, zeros)
-    if block > 1:
-        tensors = tuple(block_columns(t, block) for t in tensors)
-    ptx = w4a16_gemm(x, *tensors, 4, group_size, cfg)
-    fp32 = w4a16_gemm(x, *tensors, 4, group_size, replace(cfg, f16x2=False))
-    assert torch.equal(ptx, fp32)
-    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
-    torch.testing.assert_close(ptx.float(), ref, rtol=0, atol=ref.abs().max().item() * 1e-2)
-
-
 @pytest.mark.parametrize("m", [DEQUANT_MIN_M, 2000])
 @pytest.mark.parametrize("block", [1, 16])      # the checkpoint's layout, column-blocked
 def test_w4a16_from_dequant_rows_is_cublas_over_the_dequantized_weight(m, block, monkeypatch):
