@@ -127,7 +127,7 @@ def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n
 
 @pytest.mark.parametrize("m, block", [(3, 16), (20, 32), (70, 16)])
 def test_tiled_kernel_reads_column_blocked_weights(m, block):
-    # prefill's tiled kernel (16-, 64- and 128-row tiles by M) over a weight column-blocked
+    # the tiled kernel (16-, 64- and 128-row tiles by M) over a weight column-blocked
     # for the whole-K GEMV gives what it gives over the checkpoint's layout; the round trip
     # through block_columns is exact
     k, n, group_size = 256, 128, 64

@@ -155,8 +155,8 @@ class IntWeightMethod(LinearMethod):
                    "zeros": w.zeros.to(torch.float16).contiguous()}
         n = q.shape[1]
         # where batch 1 runs the whole-K GEMV (on a GPU), its tiles, and the weight blocked by
-        # its columns: each of its programs then streams one contiguous run of words (prefill's
-        # tiled kernel reads this layout too)
+        # its columns: each of its programs then streams one contiguous run of words (the
+        # tiled kernel of 2-64 rows and the dequantize kernel of more read this layout too)
         layer.whole_k_config = blocked_whole_k(n, k, self.bits, group_size, q.device)
         if layer.whole_k_config:
             tensors = {name: block_columns(t, layer.whole_k_config.block_n)
