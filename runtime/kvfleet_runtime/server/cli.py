@@ -61,8 +61,8 @@ _NOT_ENGINE_FLAGS = {"served_model_name"}
 
 def check_kernel_environment() -> None:
     """The KVFLEET_* variables the kernels and layers read once at import (GEMV routing, PDL,
-    decode partitions, FP8 accumulation, W4A16 tiles and layout), parsed now: a bad value is
-    refused before the model loads."""
+    decode partitions, FP8 accumulation, W4A16 tiles, layout and dequantize route), parsed
+    now: a bad value is refused before the model loads."""
     from kvfleet_kernels import env, fp8, paged_attention, pdl, w4a16
 
     from kvfleet_runtime.layers import linear
@@ -71,6 +71,7 @@ def check_kernel_environment() -> None:
                  "KVFLEET_W4A16_BLOCKED"):
         env.on_off(name, os.environ.get(name, ""))
     w4a16.gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
+    w4a16.dequant_min_m()
     from kvfleet_runtime.distributed import communication, layers
     layers.embedding_mode(os.environ.get("KVFLEET_TP_EMBEDDING", ""))
     for name in communication.SIZE_SETTINGS:
