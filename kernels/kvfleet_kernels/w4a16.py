@@ -758,7 +758,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     batch 1 runs the whole-K GEMV with block_n the layout's block."""
     m, k = x.shape
     blocked = qweight.dim() == 3
-    n, lb, _ = _column_layout(qweight, scales)
+    n, lb, tiled_strides = _column_layout(qweight, scales)
     if not kernel_supports(k, bits, group_size):
         raise ValueError(f"w4a16_gemm does not serve K={k}, bits={bits}, group_size={group_size}")
     if scales.stride() != zeros.stride():
@@ -837,10 +837,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    strides = _column_layout(qweight, scales)[2]
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, out, m, n, k, group_size,
-        x.stride(0), x.stride(1), *strides, out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), *tiled_strides, out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, LB=lb, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if cfg.split_k == 1 else out.to(x.dtype)
