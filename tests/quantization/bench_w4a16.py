@@ -216,7 +216,7 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
             makes = [partial(GemmConfig, bm, bn, bk, num_warps=warps, num_stages=1, f16x2=last,
                              prefetch=pf) for pf in ((False, True) if last else (False,))]
         else:
-            # 1 and pick_config's rule for this tile (about 2 programs an SM)
+            # no split, and a split to about 2 programs an SM
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             tiles, k_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk)
             splits = sorted({1, max(1, min(k_tiles // 4, triton.cdiv(2 * sms, tiles)))})
