@@ -739,6 +739,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
+def dequantized_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """w4a16_gemm's route from dequant_min_m() rows: x @ the dequantized weight, by cuBLAS."""
+    return torch.matmul(x, dequantize(qweight, scales, zeros, bits, group_size, x.dtype))
+
+
 def dequant_min_m() -> int:
     """Rows from which w4a16_gemm dequantizes the weight and multiplies with torch.matmul
     (cuBLAS) on a GPU instead of the tiled kernel: KVFLEET_W4A16_DEQUANT_M (0: never)."""
@@ -832,7 +838,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return act if silu_out else out
     if config is None and x.is_cuda and 0 < dequant_min_m() <= m and not (
             triton.knobs.runtime.interpret):
-        return torch.matmul(x, dequantize(qweight, scales, zeros, bits, group_size, x.dtype))
+        return dequantized_gemm(x, qweight, scales, zeros, bits, group_size)
     if cfg.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:

@@ -31,7 +31,7 @@ from kvfleet_kernels.w4a16 import (  # noqa: E402
     _gemv_load_weights,
     block_columns,
     dequant_min_m,
-    dequantize,
+    dequantized_gemm,
     pick_config,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -297,11 +297,6 @@ def regcaps(x, layers, bits, group_size) -> None:
           f"{cfg.split_k}, by register cap: " + "  ".join(line), flush=True)
 
 
-def dequantized_matmul(x, qweight, scales, zeros, bits, group_size) -> torch.Tensor:
-    """w4a16_gemm's route from dequant_min_m() rows."""
-    return torch.matmul(x, dequantize(qweight, scales, zeros, bits, group_size, x.dtype))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=128)
@@ -358,7 +353,7 @@ def main() -> None:
                 # the tiled kernel and the dequantize + cuBLAS route, each forced
                 tiled = graph_us([partial(w4a16_gemm, x, *layer, args.bits, args.group_size,
                                           cfg) for layer in layers])
-                deq = graph_us([partial(dequantized_matmul, x, *layer, args.bits,
+                deq = graph_us([partial(dequantized_gemm, x, *layer, args.bits,
                                         args.group_size) for layer in layers])
                 print(f"    tiled kernel {tiled:.1f} us, dequantize + cuBLAS {deq:.1f} us "
                       f"(default from {dequant_min_m()} rows)", flush=True)
