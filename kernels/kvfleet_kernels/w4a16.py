@@ -415,13 +415,13 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr
 
 
 @triton.jit
-def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_size,
-                               stride_qb, stride_qk, stride_sb, stride_sg,
+def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                               stride_xm, stride_qb, stride_qk, stride_sb, stride_sg,
                                BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
                                PDL: tl.constexpr = False):
-    """Batch 1, one program per BLOCK_N columns over the whole of K: no K slices, so nothing
-    to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
+    """Batch 1 (and up to gemv_max_m() rows: a program a row and BLOCK_N columns), one program
+    per BLOCK_N columns over the whole of K: no K slices, so nothing to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
     spreads over the program's warps; each pair's products are scaled by its own group and
     kept per pair, and the pairs are summed once at the end (the only exchange between the
     warps). The next step is loaded into registers before this one is multiplied; the first
@@ -429,14 +429,15 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
     tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0,
     N % BLOCK_N == 0 and x, qweight, scales and zeros with contiguous rows; out is contiguous
-    [1, N]. Program p's columns of qweight start at qw_ptr + p * stride_qb, its rows
+    [M, N]. Program p's columns of qweight start at qw_ptr + p * stride_qb, its rows
     stride_qk apart (the checkpoint's [K / 8, N]: BLOCK_N and N; column-blocked,
     `block_columns`: K / 8 * BLOCK_N and BLOCK_N); scales and zeros likewise (stride_sb,
     stride_sg)."""
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    pid = tl.program_id(0)
+    m = tl.program_id(0)      # rows of one column block run side by side: their words meet in L2
+    pid = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)[None, :]
     qw_ptr += pid * stride_qb
@@ -444,7 +445,8 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     z_ptr += pid * stride_sb
     kw = K // PER_WORD
     n_steps = kw // BLOCK_KW
-    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + m * (stride_xm // 4)
+    x_ptr += m * stride_xm
     acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
     wa, wb, s, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk, stride_sg,
                                     cols, BLOCK_KW, PER_WORD)
@@ -463,7 +465,7 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, K, group_si
     out = tl.sum(acc, axis=0)
     if F16X2:
         out = out * 16.0
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + m * N + offs_n, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -490,7 +492,17 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
 DEQUANT_MIN_M = 65
 # M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
 # M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
+# (KVFLEET_W4A16_GEMV_MAX_M overrides: a program a row, the rows of a tile side by side.)
 GEMV_MAX_M = 1
+
+
+def gemv_max_m() -> int:
+    """Rows up to which the batch-1 GEMV kernels serve (a program a row):
+    KVFLEET_W4A16_GEMV_MAX_M, else GEMV_MAX_M."""
+    value = os.environ.get("KVFLEET_W4A16_GEMV_MAX_M", "")
+    if value and (not value.isdigit() or int(value) < 1):
+        raise ValueError(f"KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1; got {value!r}")
+    return int(value) if value else GEMV_MAX_M
 # The GEMV's K split: at least this many warps per SM (nothing is staged through shared
 # memory, so the warps' own loads are what hides the latency), and slices of at most this many
 # K tiles (a slice is a chain of tiles; with prefetch each waits on the one before). The L2-cold
@@ -630,7 +642,7 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
                 bits: int = 4) -> GemmConfig:
     """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
-    if m <= GEMV_MAX_M:
+    if m <= gemv_max_m():
         return _gemv_config(m, n, k, group_size, device,
                             os.environ.get("KVFLEET_W4A16_GEMV", ""), bits)
     sms = _num_sms(device)
@@ -783,9 +795,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"got M={m}, N={n}, {cfg}")
     per_word = 32 // bits
     if cfg.whole_k:
-        if m != 1 or cfg.block_m != 1 or k % cfg.block_k or n % cfg.block_n or (
+        if cfg.block_m != 1 or k % cfg.block_k or n % cfg.block_n or (
                 cfg.block_k % (2 * per_word)):
-            raise ValueError(f"the whole-K GEMV serves M = 1 with K % block_k == 0 == "
+            raise ValueError(f"the whole-K GEMV serves K % block_k == 0 == "
                              f"N % block_n and block_k a multiple of {2 * per_word}; got M={m}, "
                              f"K={k}, N={n}, block_k={cfg.block_k}, block_n={cfg.block_n}")
     elif cfg.block_m == 1 and (cfg.block_k % (2 * per_word)
@@ -813,8 +825,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            scales.stride(1))
             else:
                 strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
-            _w4a16_gemv_whole_k_kernel[(n // cfg.block_n,)](
-                x, qweight, scales, zeros, out, k, group_size, *strides,
+            _w4a16_gemv_whole_k_kernel[(m, n // cfg.block_n)](
+                x, qweight, scales, zeros, out, n, k, group_size, x.stride(0), *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,
                 BLOCK_KW=cfg.block_k // per_word, F16X2=f16x2, num_warps=cfg.num_warps,
                 num_stages=1, **_register_cap(cfg), **pdl_args(x.device))

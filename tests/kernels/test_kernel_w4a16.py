@@ -109,20 +109,39 @@ def test_gemv_split_k_meets_in_one_launch_and_leaves_its_counters_at_zero(split_
     (4, 64, 256, 32, 256, 16, 4)])    # all of K in one step (a TP=2 rank's o_proj: 2048 rows)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
 def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n, warps, dtype,
-                                        blocked):
-    # one program per block_n columns over all of K: no K slices, no counters; blocked: the
-    # weight column-blocked by block_n (each program's words one contiguous run)
+                                        blocked, m):
+    # one program per row and block_n columns over all of K: no K slices, no counters;
+    # blocked: the weight column-blocked by block_n (each program's words one contiguous run)
     qweight, scales, zeros = _layer(k, n, bits, group_size, seed=k + n + bits)
-    x = torch.randn(1, k).to(dtype)
+    x = torch.randn(m, k).to(dtype)
     cfg = GemmConfig(1, block_n, block_k, 1, warps, 1, whole_k=True)
     ref = w4a16_gemm_ref(x.float(), qweight, scales.to(dtype), zeros.to(dtype), bits, group_size)
     scales, zeros = scales.to(dtype), zeros.to(dtype)
     if blocked:
         qweight, scales, zeros = (block_columns(t, block_n) for t in (qweight, scales, zeros))
     out = w4a16_gemm(x, qweight, scales, zeros, bits, group_size, cfg)
-    assert out.dtype == dtype and out.shape == (1, n)
+    assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+    if m > 1:       # each row alone: the same bits
+        for row in range(m):
+            assert torch.equal(out[row:row + 1], w4a16_gemm(x[row:row + 1], qweight, scales,
+                                                            zeros, bits, group_size, cfg))
+
+
+def test_gemv_rows_from_the_environment(monkeypatch):
+    # KVFLEET_W4A16_GEMV_MAX_M: the GEMV kernels (a program a row) up to that many rows
+    from kvfleet_kernels.w4a16 import gemv_max_m
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("KVFLEET_W4A16_GEMV_MAX_M", raising=False)
+    assert gemv_max_m() == 1 and pick_config(2, 4096, 4096, 128, cpu).block_m == 16
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "4")
+    assert pick_config(4, 4096, 4096, 128, cpu).block_m == 1
+    assert pick_config(5, 4096, 4096, 128, cpu).block_m == 16
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "0")
+    with pytest.raises(ValueError, match="KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1"):
+        gemv_max_m()
 
 
 @pytest.mark.parametrize("m, block", [(3, 16), (20, 32), (70, 16)])
@@ -155,12 +174,11 @@ def test_column_blocked_weights_refuse_the_split_gemv():
         w4a16_gemm(x, blocked[0], scales, zeros, 4, 64)
 
 
-@pytest.mark.parametrize("m, k, n, block_k, block_n", [(2, 256, 32, 128, 16),   # batch 1 only
-                                                       (1, 384, 32, 256, 16),   # K % block_k
-                                                       (1, 256, 40, 128, 16)])  # N % block_n
+@pytest.mark.parametrize("m, k, n, block_k, block_n", [(1, 384, 32, 256, 16),   # K % block_k
+                                                       (2, 256, 40, 128, 16)])  # N % block_n
 def test_whole_k_gemv_refuses_what_it_cannot_tile(m, k, n, block_k, block_n):
     qweight, scales, zeros = _layer(k, n, 4, 128, seed=1)
-    with pytest.raises(ValueError, match="the whole-K GEMV serves M = 1"):
+    with pytest.raises(ValueError, match="the whole-K GEMV serves K % block_k == 0"):
         w4a16_gemm(torch.randn(m, k), qweight, scales, zeros, 4, 128,
                    GemmConfig(1, block_n, block_k, 1, 4, 1, whole_k=True))
 
@@ -237,7 +255,8 @@ def test_the_gpu_default_is_whole_k_for_4_bits_only(monkeypatch):
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gated_gemv_gives_silu_and_mul_of_its_output(split_k, bits, dtype):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gated_gemv_gives_silu_and_mul_of_its_output(split_k, bits, dtype, rows):
     # a gated MLP's gate_up ([gate | up], 4 column tiles of 32 a half): silu_out's result is
     # the activation kernel's over the plain GEMV's output, bit for bit; the pair counters are
     # back at 0 for the next launch
@@ -246,12 +265,12 @@ def test_gated_gemv_gives_silu_and_mul_of_its_output(split_k, bits, dtype):
     qweight, scales, zeros = _layer(256, 256, bits, 64, seed=split_k + bits)
     cfg = GemmConfig(1, 32, 64, split_k, 4, 1, prefetch=True)
     for seed in (1, 2):
-        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed)).to(dtype)
         plain = w4a16_gemm(x, qweight, scales, zeros, bits, 64, cfg)
         act = w4a16_gemm(x, qweight, scales, zeros, bits, 64, cfg, silu_out=True)
-        assert act.shape == (1, 128) and act.dtype == dtype
+        assert act.shape == (rows, 128) and act.dtype == dtype
         assert torch.equal(act, silu_and_mul(plain))
-        assert w4a16_module._PAIR_COUNTERS[(x.device, 1, 4)].tolist() == [0] * 4
+        assert w4a16_module._PAIR_COUNTERS[(x.device, rows, 4)].tolist() == [0] * 4 * rows
 
 
 def test_gated_gemv_serves_the_split_gemv_with_tiles_of_one_half():

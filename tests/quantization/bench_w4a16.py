@@ -24,7 +24,6 @@ import triton.language as tl  # noqa: E402
 from kvfleet_kernels.pdl import pdl_args, pdl_wait  # noqa: E402
 from kvfleet_kernels.split_k import store_or_reduce, workspace  # noqa: E402
 from kvfleet_kernels.w4a16 import (  # noqa: E402
-    GEMV_MAX_M,
     WHOLE_K_TILES,
     GemmConfig,
     _gemv_config,
@@ -32,6 +31,7 @@ from kvfleet_kernels.w4a16 import (  # noqa: E402
     block_columns,
     dequant_min_m,
     dequantized_gemm,
+    gemv_max_m,
     pick_config,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -48,7 +48,7 @@ SWEEP_SMALL_M = [(16, n, k, w, st) for n in (64, 128) for k in (128, 256) for w 
 # 16 < M <= 64
 SWEEP_MID_M = [(bm, n, k, 4, st) for bm in (32, 64) for n in (64, 128) for k in (64, 128)
                for st in (3, 4)]
-# the GEMV kernel (block_m 1) for M <= GEMV_MAX_M, (block_m, block_n, block_k, num_warps,
+# the GEMV kernel (block_m 1) for M <= gemv_max_m(), (block_m, block_n, block_k, num_warps,
 # f16x2): block_n = 128 * num_warps keeps the scales in the words' layout (~20 SASS
 # instructions per word); 128 columns on 2-4 warps shuffle through shared memory but won the
 # last sweep (commit ab8e752); 64-column tiles and the plain-Triton fp32 path (f16x2=False)
@@ -200,7 +200,7 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
     m, k = x.shape
     n = qweight.shape[1]
     best: tuple[float, GemmConfig] | None = None
-    candidates = (SWEEP_GEMV if m <= GEMV_MAX_M else SWEEP_SMALL_M if m <= 16
+    candidates = (SWEEP_GEMV if m <= gemv_max_m() else SWEEP_SMALL_M if m <= 16
                   else SWEEP_MID_M if m <= 64 else SWEEP_LARGE_M)
     ref = w4a16_gemm_ref(x, qweight, scales, zeros, bits, group_size).float()
     configs = [GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True)
@@ -355,8 +355,14 @@ def main() -> None:
                                           cfg) for layer in layers])
                 deq = graph_us([partial(dequantized_gemm, x, *layer, args.bits,
                                         args.group_size) for layer in layers])
+                # the batch-1 GEMVs at this many rows, a program a row
+                gcfg = _gemv_config(m, n, k, args.group_size, dev,
+                                    os.environ.get("KVFLEET_W4A16_GEMV", ""), args.bits)
+                gemv = graph_us([partial(w4a16_gemm, x, *layer, args.bits, args.group_size,
+                                         gcfg) for layer in layers])
                 print(f"    tiled kernel {tiled:.1f} us, dequantize + cuBLAS {deq:.1f} us "
-                      f"(default from {dequant_min_m()} rows)", flush=True)
+                      f"(default from {dequant_min_m()} rows), GEMV a program a row "
+                      f"{gemv:.1f} us", flush=True)
             if args.floor and m == 1 and args.bits == 4:
                 floor_rows(name, x, layers, args.group_size, q_bytes)
             if args.maxnreg and m == 1:

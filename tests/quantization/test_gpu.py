@@ -100,6 +100,7 @@ def test_w4a16_from_dequant_rows_is_cublas_over_the_dequantized_weight(m, block,
     assert calls == [torch.bfloat16]
 
 
+@pytest.mark.parametrize("rows", [1, 3])    # 3: KVFLEET_W4A16_GEMV_MAX_M, a program a row
 @pytest.mark.parametrize("gemv", ["", "whole_k=0"])     # the default (whole-K where it won), split
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k, n, group_size", [(4096, 6144, 128), (14336, 4096, 128),
@@ -107,15 +108,17 @@ def test_w4a16_from_dequant_rows_is_cublas_over_the_dequantized_weight(m, block,
                                               # a TP=2 rank's o (one 2048-row step), down
                                               (2048, 4096, 128), (7168, 4096, 128)])
 def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_size, dtype, gemv,
-                                                                   monkeypatch):
-    # batch 1 at pick_config's tiles, the fp16x2 PTX against the plain-Triton fp32 path; a
-    # few activations in the thousands (as the FFN's massive activations) stay finite in fp16
+                                                                   rows, monkeypatch):
+    # the GEMVs at pick_config's tiles, the fp16x2 PTX against the plain-Triton fp32 path; a
+    # few activations in the thousands (as the FFN's massive activations) stay finite in fp16;
+    # several rows: each row's bits are its own launch's
     monkeypatch.setenv("KVFLEET_W4A16_GEMV", gemv)
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", str(rows))
     qweight, scales, zeros = random_layer(k, n, 4, group_size, seed=k + n)
-    x = torch.randn(1, k, device="cuda", dtype=dtype)
-    x[0, :: k // 4] = torch.tensor([3000.0, -2000.0, 500.0, -4000.0], dtype=dtype)
-    cfg = pick_config(1, n, k, group_size, x.device)
-    assert cfg.f16x2
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    x[:, :: k // 4] = torch.tensor([3000.0, -2000.0, 500.0, -4000.0], dtype=dtype)
+    cfg = pick_config(rows, n, k, group_size, x.device)
+    assert cfg.f16x2 and cfg.block_m == 1
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, group_size)
     out = w4a16_gemm(x, qweight, scales, zeros, 4, group_size, cfg)
     fp32 = w4a16_gemm(x, qweight, scales, zeros, 4, group_size,
@@ -127,6 +130,11 @@ def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_si
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
     torch.testing.assert_close(fp32.float(), ref, rtol=0, atol=tol)
     torch.testing.assert_close(prefetched.float(), ref, rtol=0, atol=tol)
+    if rows > 1 and cfg.whole_k:
+        one = pick_config(1, n, k, group_size, x.device)
+        for row in range(rows):
+            assert torch.equal(out[row:row + 1], w4a16_gemm(x[row:row + 1], qweight, scales,
+                                                            zeros, 4, group_size, one))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

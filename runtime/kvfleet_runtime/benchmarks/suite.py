@@ -5,6 +5,7 @@
 
 Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
   bs1        latency, batch 1, 128 in / 256 out
+  bs4, bs16  latency, 4 / 16 at once, 128 in / 256 out
   ttft       latency, batch 1, 2048 in / 2 out, 5 iterations (TTFT on an idle engine)
   profile    `--profile` of batch 1 x 2048 in and batch 256 x 128 in (32 decode steps profiled
              after the last prompt is in, with every request still running)
@@ -35,7 +36,7 @@ from kvfleet_runtime.benchmarks.cli import (
 from kvfleet_runtime.engine.gc_tuning import tune_gc
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
-ROWS = ("bs1", "bs16", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
+ROWS = ("bs1", "bs4", "bs16", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
         "tp1000-max")
 
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "bs1" in rows:
         latency("bs1", 1, 128, 256, 3)
+    if "bs4" in rows:       # a few at once (4-bit: the tiled kernels, or the GEMVs a row each
+        latency("bs4", 4, 128, 256, 3)        # up to KVFLEET_W4A16_GEMV_MAX_M rows)
     if "bs16" in rows:      # 16 at once: the projections' tiled kernels (4-bit), not GEMVs
         latency("bs16", 16, 128, 256, 3)
     if "ttft" in rows:

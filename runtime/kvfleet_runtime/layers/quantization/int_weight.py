@@ -25,6 +25,7 @@ from kvfleet_kernels.w4a16 import (
     block_columns,
     blocked_whole_k,
     gated_output_serves,
+    gemv_max_m,
     kernel_supports,
     w4a16_gemm,
 )
@@ -175,7 +176,7 @@ class IntWeightMethod(LinearMethod):
             x = x[:, layer.perm]
         out = w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
                          layer.kernel_group_size,
-                         layer.whole_k_config if x.shape[0] == 1 else None)
+                         layer.whole_k_config if x.shape[0] <= gemv_max_m() else None)
         return out if bias is None else out + bias
 
     def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
