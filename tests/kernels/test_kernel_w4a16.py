@@ -319,3 +319,31 @@ def test_dequant_rows_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVFLEET_W4A16_DEQUANT_M", "many")
     with pytest.raises(ValueError, match="KVFLEET_W4A16_DEQUANT_M must be a row count"):
         dequant_min_m()
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m", [5, 20])
+def test_tiled_kernel_with_the_next_tile_loaded_ahead_gives_the_same_bits(split_k, m):
+    # the tiled kernel's PREFETCH (KVFLEET_W4A16_TILED=prefetch=1): the same tiles in the same
+    # order, so the same sums; the last slice's look-ahead past K reads nothing
+    qweight, scales, zeros = _layer(384, 64, 4, 64, seed=m + split_k)
+    x = torch.randn(m, 384, dtype=torch.float16)
+    cfg = GemmConfig(16, 32, 64, split_k, 4, 1)
+    plain = w4a16_gemm(x, qweight, scales, zeros, 4, 64, cfg)
+    ahead = w4a16_gemm(x, qweight, scales, zeros, 4, 64, GemmConfig(**{**cfg.__dict__,
+                                                                        "prefetch": True}))
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 64)
+    torch.testing.assert_close(ahead.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+    if split_k == 1:
+        assert torch.equal(ahead, plain)
+
+
+def test_tiled_settings_from_the_environment(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KVFLEET_W4A16_TILED", "prefetch=1,per_sm=4,stages=1")
+    cfg = pick_config(16, 4096, 4096, 128, cpu)
+    assert cfg.prefetch and cfg.num_stages == 1 and cfg.block_m == 16
+    assert not pick_config(100, 4096, 4096, 128, cpu).prefetch      # from 65 rows: untouched
+    monkeypatch.setenv("KVFLEET_W4A16_TILED", "depth=2")
+    with pytest.raises(ValueError, match="KVFLEET_W4A16_TILED: expected"):
+        pick_config(16, 4096, 4096, 128, cpu)

@@ -80,6 +80,7 @@ def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.Monkey
     ("KVFLEET_W4A16_GEMV", "tiles=3", "KVFLEET_W4A16_GEMV: expected comma-separated"),
     ("KVFLEET_W4A16_DEQUANT_M", "-1", "KVFLEET_W4A16_DEQUANT_M must be a row count (0: never)"),
     ("KVFLEET_W4A16_GEMV_MAX_M", "0", "KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1"),
+    ("KVFLEET_W4A16_TILED", "per_sm=0", "KVFLEET_W4A16_TILED: expected comma-separated"),
     ("KVFLEET_TP_FUSED_NORM_MAX_BYTES", "512k",
      "KVFLEET_TP_FUSED_NORM_MAX_BYTES must be a number of bytes (an integer >= 0); got '512k'"),
     ("KVFLEET_TP_ONE_SHOT_MAX_BYTES", "-1", "KVFLEET_TP_ONE_SHOT_MAX_BYTES must be a number of")])

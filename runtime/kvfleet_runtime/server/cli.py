@@ -73,6 +73,7 @@ def check_kernel_environment() -> None:
     w4a16.gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
     w4a16.dequant_min_m()
     w4a16.gemv_max_m()
+    w4a16.tiled_overrides(os.environ.get("KVFLEET_W4A16_TILED", ""))
     from kvfleet_runtime.distributed import communication, layers
     layers.embedding_mode(os.environ.get("KVFLEET_TP_EMBEDDING", ""))
     for name in communication.SIZE_SETTINGS:
