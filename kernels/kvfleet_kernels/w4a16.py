@@ -523,10 +523,12 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
 # rows 2.9 ms against 1.4; GPTQ TTFT of 2048 tokens 105.7 -> 55.7 ms, 128/128 at 256 running
 # 6,647 -> 12,320 output tok/s (docs/PERFORMANCE.md, eighteenth session)
 DEQUANT_MIN_M = 65
-# M up to this many rows runs the GEMV kernel. On the H200 (bench_w4a16.py, commit 06e9c73)
-# M=4 re-reading the tiles per row was 3-10x slower than the tiled kernel at M=16: batch 1 only.
-# (KVFLEET_W4A16_GEMV_MAX_M overrides: a program a row, the rows of a tile side by side.)
-GEMV_MAX_M = 1
+# M up to this many rows runs the GEMV kernels, a program a row (the rows of a column block
+# side by side; KVFLEET_W4A16_GEMV_MAX_M overrides). On the H200 (bench_w4a16.py, commit
+# 6309c58; the 8B layer's four projections) they took 74 us at 2 rows and 135 at 4 against the
+# tiled kernel's 162 at any of 2-16 rows, and 254 at 8; GPTQ 4 at once 6.01 -> 5.04 ms a token
+# (docs/PERFORMANCE.md, nineteenth session).
+GEMV_MAX_M = 4
 
 
 def gemv_max_m() -> int:
@@ -674,7 +676,8 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
 
 def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
                 bits: int = 4) -> GemmConfig:
-    """Tile sizes by M: decode (M <= 16) streams the weight, prefill reuses each tile over M."""
+    """Tile sizes by M: the GEMVs up to gemv_max_m() rows, the tiled kernel to 64 (both stream
+    the weight), from dequant_min_m() (w4a16_gemm) cuBLAS over the dequantized weight."""
     if m <= gemv_max_m():
         return _gemv_config(m, n, k, group_size, device,
                             os.environ.get("KVFLEET_W4A16_GEMV", ""), bits)

@@ -135,10 +135,10 @@ def test_gemv_rows_from_the_environment(monkeypatch):
     from kvfleet_kernels.w4a16 import gemv_max_m
     cpu = torch.device("cpu")
     monkeypatch.delenv("KVFLEET_W4A16_GEMV_MAX_M", raising=False)
-    assert gemv_max_m() == 1 and pick_config(2, 4096, 4096, 128, cpu).block_m == 16
-    monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "4")
-    assert pick_config(4, 4096, 4096, 128, cpu).block_m == 1
+    assert gemv_max_m() == 4 and pick_config(4, 4096, 4096, 128, cpu).block_m == 1
     assert pick_config(5, 4096, 4096, 128, cpu).block_m == 16
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "1")
+    assert pick_config(2, 4096, 4096, 128, cpu).block_m == 16
     monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "0")
     with pytest.raises(ValueError, match="KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1"):
         gemv_max_m()
@@ -285,7 +285,8 @@ def test_gated_gemv_serves_the_split_gemv_with_tiles_of_one_half():
     cpu = torch.device("cpu")
     assert gated_output_serves(1, 28672, 4096, 128, cpu)         # the 8B gate_up: 256-column tiles
     assert not gated_output_serves(1, 2 * 200, 4096, 128, cpu)   # 200 columns a half
-    assert not gated_output_serves(4, 28672, 4096, 128, cpu)     # the tiled kernel's rows
+    assert gated_output_serves(4, 28672, 4096, 128, cpu)         # the GEMVs' rows
+    assert not gated_output_serves(5, 28672, 4096, 128, cpu)     # the tiled kernel's rows
 
 
 @pytest.mark.parametrize("bits, k, group_size", [(4, 256, 32), (4, 192, 192), (8, 256, 64),

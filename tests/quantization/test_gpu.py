@@ -161,8 +161,9 @@ def test_w4a16_whole_k_gemv_matches_the_fp32_path_and_the_reference(k, n, block_
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_w4a16_split_k_is_exact_up_to_summation_order(split_k):
     qweight, scales, zeros = random_layer(4096, 512, 4, 128, seed=1)
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
-    base = pick_config(4, 512, 4096, 128, x.device)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.float16)
+    base = pick_config(8, 512, 4096, 128, x.device)        # the tiled kernel
+    assert base.block_m > 1
     cfg = GemmConfig(base.block_m, base.block_n, base.block_k, split_k, base.num_warps,
                      base.num_stages)
     ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 128)
@@ -323,11 +324,12 @@ def test_gate_up_layer_gives_the_activation_of_its_output_at_batch_one(method, b
                                                 desc_act).get_linear_method(prefix))
     load(layer, [{k: v.cuda() for k, v in t.items()} for t in tensors])
     layer.linear_method.process_weights_after_loading(layer)
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    act = layer.gated_output(x)
-    assert act is not None and act.shape == (1, 256)
-    assert torch.equal(act, silu_and_mul(layer(x)))
-    assert layer.gated_output(torch.randn(2, K, device="cuda", dtype=torch.bfloat16)) is None
+    for rows in (1, 3):     # 3: the GEMVs' rows (GEMV_MAX_M)
+        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        act = layer.gated_output(x)
+        assert act is not None and act.shape == (rows, 256)
+        assert torch.equal(act, silu_and_mul(layer(x)))
+    assert layer.gated_output(torch.randn(5, K, device="cuda", dtype=torch.bfloat16)) is None
 
 
 @pytest.mark.parametrize("method, desc_act, shards", [

@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "bs1" in rows:
         latency("bs1", 1, 128, 256, 3)
-    if "bs4" in rows:       # a few at once (4-bit: the tiled kernels, or the GEMVs a row each
-        latency("bs4", 4, 128, 256, 3)        # up to KVFLEET_W4A16_GEMV_MAX_M rows)
+    if "bs4" in rows:       # a few at once (4-bit: the GEMVs, a program a row, up to
+        latency("bs4", 4, 128, 256, 3)        # KVFLEET_W4A16_GEMV_MAX_M rows)
     if "bs16" in rows:      # 16 at once: the projections' tiled kernels (4-bit), not GEMVs
         latency("bs16", 16, 128, 256, 3)
     if "ttft" in rows:
