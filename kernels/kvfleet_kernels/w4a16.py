@@ -61,46 +61,17 @@ def _split_words(words, BITS: tl.constexpr):
 
 
 @triton.jit
-def _tiled_loads(x_ptr, qw_ptr, s_ptr, z_ptr, tile, K, group_size, offs_m, mask_m,
-                 mask_n, col_q, col_s, stride_xm, stride_xk, stride_qk, stride_sg,
-                 BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tile `tile`'s x [BLOCK_M, BLOCK_K], words [BLOCK_K / PER_WORD, BLOCK_N] and its group's
-    scales and zeros (past the last tile: x and words zero, the last group's scales)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-    offs_kw = tile * (BLOCK_K // PER_WORD) + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
-                    mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
-    # the host picks BLOCK_K dividing group_size: one group per tile
-    group = tl.minimum(tile * BLOCK_K, K - 1) // group_size
-    s = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
-    z = tl.load(z_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
-    return a, words, s, z
-
-
-@triton.jit
-def _tiled_dot(a, words, s, z, BITS: tl.constexpr):
-    """a @ the tile's dequantized words, fp32 [BLOCK_M, BLOCK_N]."""
-    q = _split_words(words, BITS)
-    w = (_small_int_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
-    return tl.dot(a, w.to(a.dtype))
-
-
-@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_om, stride_on,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1,
-                  PREFETCH: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LB: tl.constexpr = 1):
     """Column n of qweight (and of scales, zeros) sits at (n // LB) * stride_qn + n % LB:
     the checkpoint's layout with LB = 1, the column-blocked one (`block_columns`) with LB its
     block and stride_qn (stride_sn) the block's stride. A tile's words are loaded once and
     split into their rows (loaded once per row they hold, through L1, the kernel ran 1.3-2x
-    slower on the H200: docs/PERFORMANCE.md, eighteenth session). PREFETCH: the next tile's
-    loads are issued before this tile is dequantized and multiplied (two tiles in registers)."""
+    slower on the H200: docs/PERFORMANCE.md, eighteenth session)."""
+    PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -110,26 +81,22 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
     mask_n = offs_n < N
     col_q = (offs_n // LB) * stride_qn + offs_n % LB
     col_s = (offs_n // LB) * stride_sn + offs_n % LB
-    n_tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        a, words, s, z = _tiled_loads(x_ptr, qw_ptr, s_ptr, z_ptr, pid_k, K,
-                                      group_size, offs_m, mask_m, mask_n, col_q, col_s,
-                                      stride_xm, stride_xk, stride_qk, stride_sg, BITS, BLOCK_K)
-        for tile in range(pid_k, n_tiles, SPLIT_K):
-            na, nwords, ns, nz = _tiled_loads(x_ptr, qw_ptr, s_ptr, z_ptr, tile + SPLIT_K,
-                                              K, group_size, offs_m, mask_m, mask_n,
-                                              col_q, col_s, stride_xm, stride_xk, stride_qk,
-                                              stride_sg, BITS, BLOCK_K)
-            acc += _tiled_dot(a, words, s, z, BITS)
-            a, words, s, z = na, nwords, ns, nz
-    else:
-        for tile in range(pid_k, n_tiles, SPLIT_K):
-            a, words, s, z = _tiled_loads(x_ptr, qw_ptr, s_ptr, z_ptr, tile, K,
-                                          group_size, offs_m, mask_m, mask_n, col_q, col_s,
-                                          stride_xm, stride_xk, stride_qk, stride_sg, BITS,
-                                          BLOCK_K)
-            acc += _tiled_dot(a, words, s, z, BITS)
+    for tile in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        offs_kw = tile * (BLOCK_K // PER_WORD) + tl.arange(0, BLOCK_K // PER_WORD)
+        words = tl.load(qw_ptr + offs_kw[:, None] * stride_qk + col_q[None, :],
+                        mask=(offs_kw < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+        q = _split_words(words, BITS)
+        # the host picks BLOCK_K dividing group_size: one group per tile
+        group = (tile * BLOCK_K) // group_size
+        s = tl.load(s_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
+        z = tl.load(z_ptr + group * stride_sg + col_s, mask=mask_n, other=0.0)
+        w = (_small_int_to_float(q) - z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+        acc += tl.dot(a, w.to(a.dtype))
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -453,11 +420,11 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group
                                BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_KW: tl.constexpr, F16X2: tl.constexpr,
                                PDL: tl.constexpr = False):
-    """Batch 1 (and up to gemv_max_m() rows: a program a row and BLOCK_N columns), one program
-    per BLOCK_N columns over the whole of K: no K slices, so nothing to meet. A step loads BLOCK_KW word rows (as BLOCK_KW / 2 even-odd pairs), which Triton
-    spreads over the program's warps; each pair's products are scaled by its own group and
-    kept per pair, and the pairs are summed once at the end (the only exchange between the
-    warps). The next step is loaded into registers before this one is multiplied; the first
+    """Batch 1 (up to gemv_max_m() rows, a program a row), one program per BLOCK_N columns
+    over the whole of K: no K slices, so nothing to meet. A step loads BLOCK_KW word rows (as
+    BLOCK_KW / 2 even-odd pairs), which Triton spreads over the program's warps; each pair's
+    products are scaled by its own group and kept per pair, and the pairs are summed once at
+    the end (the only exchange between the warps). The next step is loaded into registers before this one is multiplied; the first
     step's weights before the PDL wait. (Pipelined by Triton through shared memory instead,
     2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
     tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0,
@@ -469,7 +436,7 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    m = tl.program_id(0)      # rows of one column block run side by side: their words meet in L2
+    m = tl.program_id(0)      # a column block's rows are neighbouring programs (words via L2)
     pid = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -695,28 +662,29 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     # one group per K tile: halve BLOCK_K until it divides the group (tl.dot needs >= 16)
     while group_size < k and group_size % block_k:
         block_k //= 2
+    over = tiled_overrides(os.environ.get("KVFLEET_W4A16_TILED", "")) if m <= 64 else {}
+    block_n = over.get("block_n", block_n)
     split_k = 1
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    over = tiled_overrides(os.environ.get("KVFLEET_W4A16_TILED", "")) if m <= 64 else {}
     if m <= 64 and tiles < sms:
         # enough programs for every SM to stream its share of the weight
         split_k = max(1, min(triton.cdiv(k, block_k) // 4,
                              triton.cdiv(over.get("per_sm", 2) * sms, tiles)))
-    return GemmConfig(block_m, over.get("block_n", block_n), block_k, split_k,
-                      over.get("warps", warps), over.get("stages", stages),
-                      prefetch=bool(over.get("prefetch", 0)))
+    return GemmConfig(block_m, block_n, block_k, split_k, over.get("warps", warps),
+                      over.get("stages", stages))
 
 
 @functools.cache
 def tiled_overrides(value: str) -> dict[str, int]:
-    """KVFLEET_W4A16_TILED (e.g. "prefetch=1,per_sm=4,stages=1"): the tiled kernel's settings
-    for 2-64 rows, for experiments on a GPU (prefetch: the next tile loaded before this one is
-    multiplied; per_sm: the K split aims at this many programs a SM)."""
-    keys = ("prefetch", "per_sm", "stages", "warps", "block_n")
+    """KVFLEET_W4A16_TILED (e.g. "per_sm=4,stages=2"): the tiled kernel's settings for rows
+    past gemv_max_m() up to 64, for experiments on a GPU (per_sm: the K split aims at this many
+    programs a SM, 2 by default). (Its next tile loaded ahead in registers, as the GEMVs do,
+    measured slower on the H200: docs/PERFORMANCE.md, nineteenth session.)"""
+    keys = ("per_sm", "stages", "warps", "block_n")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
-        if key not in keys or not number.isdigit() or (key != "prefetch" and int(number) < 1):
+        if key not in keys or not number.isdigit() or int(number) < 1:
             raise ValueError(f"KVFLEET_W4A16_TILED: expected comma-separated key=integer with "
                              f"keys {', '.join(keys)}; got {item!r}")
         out[key] = int(number)
@@ -915,6 +883,5 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, zeros, out, m, n, k, group_size,
         x.stride(0), x.stride(1), *tiled_strides, out.stride(0), out.stride(1),
         BITS=bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, LB=lb, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        SPLIT_K=cfg.split_k, LB=lb, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if cfg.split_k == 1 else out.to(x.dtype)
