@@ -648,6 +648,11 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     if m <= gemv_max_m():
         return _gemv_config(m, n, k, group_size, device,
                             os.environ.get("KVFLEET_W4A16_GEMV", ""), bits)
+    return tiled_config(m, n, k, group_size, device)
+
+
+def tiled_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemmConfig:
+    """The tiled kernel's tiles for M rows (pick_config's past gemv_max_m() rows)."""
     sms = _num_sms(device)
     if m <= 64:
         # H200 sweep (bench_w4a16.py --m 16 64 --sweep, commit 154b151; the 8B projections):

@@ -33,6 +33,7 @@ from kvfleet_kernels.w4a16 import (  # noqa: E402
     dequantized_gemm,
     gemv_max_m,
     pick_config,
+    tiled_config,
     w4a16_gemm,
     w4a16_gemm_ref,
     whole_k_tiles,
@@ -351,8 +352,9 @@ def main() -> None:
                   f"{' prefetch' if cfg.prefetch else ''}")
             if m > 1:
                 # the tiled kernel and the dequantize + cuBLAS route, each forced
+                tcfg = tiled_config(m, n, k, args.group_size, dev)
                 tiled = graph_us([partial(w4a16_gemm, x, *layer, args.bits, args.group_size,
-                                          cfg) for layer in layers])
+                                          tcfg) for layer in layers])
                 deq = graph_us([partial(dequantized_gemm, x, *layer, args.bits,
                                         args.group_size) for layer in layers])
                 # the batch-1 GEMVs at this many rows, a program a row
