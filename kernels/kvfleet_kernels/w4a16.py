@@ -490,21 +490,22 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
 # rows 2.9 ms against 1.4; GPTQ TTFT of 2048 tokens 105.7 -> 55.7 ms, 128/128 at 256 running
 # 6,647 -> 12,320 output tok/s (docs/PERFORMANCE.md, eighteenth session)
 DEQUANT_MIN_M = 65
-# M up to this many rows runs the GEMV kernels, a program a row (the rows of a column block
-# side by side; KVFLEET_W4A16_GEMV_MAX_M overrides). On the H200 (bench_w4a16.py, commit
+# M up to this many rows of 4-bit weights runs the GEMV kernels, a program a row (the rows of
+# a column block side by side; 8 bits: batch 1 only; KVFLEET_W4A16_GEMV_MAX_M overrides). On the H200 (bench_w4a16.py, commit
 # 6309c58; the 8B layer's four projections) they took 74 us at 2 rows and 135 at 4 against the
 # tiled kernel's 162 at any of 2-16 rows, and 254 at 8; GPTQ 4 at once 6.01 -> 5.04 ms a token
 # (docs/PERFORMANCE.md, nineteenth session).
 GEMV_MAX_M = 4
 
 
-def gemv_max_m() -> int:
+def gemv_max_m(bits: int = 4) -> int:
     """Rows up to which the batch-1 GEMV kernels serve (a program a row):
-    KVFLEET_W4A16_GEMV_MAX_M, else GEMV_MAX_M."""
+    KVFLEET_W4A16_GEMV_MAX_M, else GEMV_MAX_M for 4 bits and 1 for 8 (whose GEMV has no
+    fp16x2 path and was not measured at several rows)."""
     value = os.environ.get("KVFLEET_W4A16_GEMV_MAX_M", "")
     if value and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1; got {value!r}")
-    return int(value) if value else GEMV_MAX_M
+    return int(value) if value else GEMV_MAX_M if bits == 4 else 1
 # The GEMV's K split: at least this many warps per SM (nothing is staged through shared
 # memory, so the warps' own loads are what hides the latency), and slices of at most this many
 # K tiles (a slice is a chain of tiles; with prefetch each waits on the one before). The L2-cold
@@ -645,7 +646,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, device: torch.device,
                 bits: int = 4) -> GemmConfig:
     """Tile sizes by M: the GEMVs up to gemv_max_m() rows, the tiled kernel to 64 (both stream
     the weight), from dequant_min_m() (w4a16_gemm) cuBLAS over the dequantized weight."""
-    if m <= gemv_max_m():
+    if m <= gemv_max_m(bits):
         return _gemv_config(m, n, k, group_size, device,
                             os.environ.get("KVFLEET_W4A16_GEMV", ""), bits)
     return tiled_config(m, n, k, group_size, device)

@@ -137,6 +137,7 @@ def test_gemv_rows_from_the_environment(monkeypatch):
     monkeypatch.delenv("KVFLEET_W4A16_GEMV_MAX_M", raising=False)
     assert gemv_max_m() == 4 and pick_config(4, 4096, 4096, 128, cpu).block_m == 1
     assert pick_config(5, 4096, 4096, 128, cpu).block_m == 16
+    assert pick_config(2, 4096, 4096, 128, cpu, bits=8).block_m == 16     # 8 bits: batch 1
     monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "1")
     assert pick_config(2, 4096, 4096, 128, cpu).block_m == 16
     monkeypatch.setenv("KVFLEET_W4A16_GEMV_MAX_M", "0")

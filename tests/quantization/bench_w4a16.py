@@ -201,7 +201,7 @@ def sweep(x, layers, bits, group_size, args_verbose: bool = False, whole_k_only:
     m, k = x.shape
     n = qweight.shape[1]
     best: tuple[float, GemmConfig] | None = None
-    candidates = (SWEEP_GEMV if m <= gemv_max_m() else SWEEP_SMALL_M if m <= 16
+    candidates = (SWEEP_GEMV if m <= gemv_max_m(bits) else SWEEP_SMALL_M if m <= 16
                   else SWEEP_MID_M if m <= 64 else SWEEP_LARGE_M)
     ref = w4a16_gemm_ref(x, qweight, scales, zeros, bits, group_size).float()
     configs = [GemmConfig(1, bn, bk, 1, warps, 1, whole_k=True)

@@ -176,7 +176,7 @@ class IntWeightMethod(LinearMethod):
             x = x[:, layer.perm]
         out = w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
                          layer.kernel_group_size,
-                         layer.whole_k_config if x.shape[0] <= gemv_max_m() else None)
+                         layer.whole_k_config if x.shape[0] <= gemv_max_m(self.bits) else None)
         return out if bias is None else out + bias
 
     def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
