@@ -424,19 +424,19 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group
     over the whole of K: no K slices, so nothing to meet. A step loads BLOCK_KW word rows (as
     BLOCK_KW / 2 even-odd pairs), which Triton spreads over the program's warps; each pair's
     products are scaled by its own group and kept per pair, and the pairs are summed once at
-    the end (the only exchange between the warps). The next step is loaded into registers before this one is multiplied; the first
-    step's weights before the PDL wait. (Pipelined by Triton through shared memory instead,
-    2 or 4 steps in flight with 48-80 registers, it ran slower: GPTQ batch 1 407.1 / 397.8
-    tok/s against 442.4; removed.) The host requires K % (BLOCK_KW * 32 // BITS) == 0,
-    N % BLOCK_N == 0 and x, qweight, scales and zeros with contiguous rows; out is contiguous
-    [M, N]. Program p's columns of qweight start at qw_ptr + p * stride_qb, its rows
-    stride_qk apart (the checkpoint's [K / 8, N]: BLOCK_N and N; column-blocked,
-    `block_columns`: K / 8 * BLOCK_N and BLOCK_N); scales and zeros likewise (stride_sb,
-    stride_sg)."""
+    the end (the only exchange between the warps). The next step is loaded into registers
+    before this one is multiplied; the first step's weights before the PDL wait. (Pipelined by
+    Triton through shared memory instead, 2 or 4 steps in flight with 48-80 registers, it ran
+    slower: GPTQ batch 1 407.1 / 397.8 tok/s against 442.4; removed.) The host requires
+    K % (BLOCK_KW * 32 // BITS) == 0, N % BLOCK_N == 0 and x, qweight, scales and zeros with
+    contiguous rows; out is contiguous [M, N]. Program p's columns of qweight start at
+    qw_ptr + p * stride_qb, its rows stride_qk apart (the checkpoint's [K / 8, N]: BLOCK_N and
+    N; column-blocked, `block_columns`: K / 8 * BLOCK_N and BLOCK_N); scales and zeros
+    likewise (stride_sb, stride_sg)."""
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    m = tl.program_id(0)      # a column block's rows are neighbouring programs (words via L2)
+    m = tl.program_id(0)      # a column block's rows are neighbouring programs
     pid = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -490,10 +490,10 @@ def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_s
 # rows 2.9 ms against 1.4; GPTQ TTFT of 2048 tokens 105.7 -> 55.7 ms, 128/128 at 256 running
 # 6,647 -> 12,320 output tok/s (docs/PERFORMANCE.md, eighteenth session)
 DEQUANT_MIN_M = 65
-# M up to this many rows of 4-bit weights runs the GEMV kernels, a program a row (the rows of
-# a column block side by side; 8 bits: batch 1 only; KVFLEET_W4A16_GEMV_MAX_M overrides). On the H200 (bench_w4a16.py, commit
-# 6309c58; the 8B layer's four projections) they took 74 us at 2 rows and 135 at 4 against the
-# tiled kernel's 162 at any of 2-16 rows, and 254 at 8; GPTQ 4 at once 6.01 -> 5.04 ms a token
+# M up to this many rows of 4-bit weights runs the GEMV kernels, a program a row (8 bits: batch
+# 1 only; KVFLEET_W4A16_GEMV_MAX_M overrides). On the H200 (bench_w4a16.py, commit 6309c58; the
+# 8B layer's four projections) they took 74 us at 2 rows and 135 at 4 against the tiled
+# kernel's 162 at any of 2-16 rows, and 254 at 8; GPTQ 4 at once 6.07 -> 5.06 ms a token
 # (docs/PERFORMANCE.md, nineteenth session).
 GEMV_MAX_M = 4
 
@@ -506,6 +506,8 @@ def gemv_max_m(bits: int = 4) -> int:
     if value and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1; got {value!r}")
     return int(value) if value else GEMV_MAX_M if bits == 4 else 1
+
+
 # The GEMV's K split: at least this many warps per SM (nothing is staged through shared
 # memory, so the warps' own loads are what hides the latency), and slices of at most this many
 # K tiles (a slice is a chain of tiles; with prefetch each waits on the one before). The L2-cold
