@@ -1,7 +1,9 @@
 """Paged attention over block tables, and the KV-cache write: torch references and Triton twins.
 
 Layout (shared by the engine, the torch references and the Triton kernels):
-  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; v_cache may also be a
+                    token-major view (`token_major_v`: each block's values stored
+                    [num_kv_heads, head_dim, block_size], the engine's choice for fp8 caches)
   block_tables:     [num_seqs, max_blocks_per_seq] int32 (padded with 0)
   seq_lens:         [num_seqs] int32, tokens in context after this step (cached + new)
   query_start_loc:  [num_seqs + 1] int32, cumulative new-token counts
@@ -12,7 +14,12 @@ and decode (one query token) in the same batch.
 
 The cache may be float8_e4m3fn (`--kv-cache-dtype fp8`) with scale 1.0: K/V are clamped to
 +-FP8_E4M3_MAX and cast on write (so out-of-range values saturate instead of becoming NaN), and
-cast back to the query's dtype on read; the attention math is unchanged.
+cast back to the query's dtype on read; the attention math is unchanged. An fp8 cache keeps V
+token-major: the P @ V product reduces over keys, and the tensor cores' operand wants them
+adjacent. Triton reads a [keys, head_dim] e4m3 tile into that operand one byte at a time from
+shared memory (16-bit elements have a transposing `ldmatrix`, 8-bit ones none); stored
+token-major the tile loads with `ldmatrix` like K. On an H200 decode over an fp8 cache ran
+9-15% faster (docs/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -38,6 +45,22 @@ def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     if cache_dtype == FP8_KV_DTYPE:
         x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_dtype)
+
+
+def token_major_v(v_cache: torch.Tensor) -> torch.Tensor:
+    """A contiguous [num_blocks, block_size, num_kv_heads, head_dim] V cache reinterpreted as each
+    block's values stored [num_kv_heads, head_dim, block_size] (keys adjacent), returned as a
+    [num_blocks, block_size, num_kv_heads, head_dim] view of that storage: every function here
+    takes it where it takes v_cache (the engine's layout for fp8 caches)."""
+    if not v_cache.is_contiguous():
+        raise ValueError("token_major_v needs the contiguous cache it reinterprets")
+    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
+    return v_cache.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
+def is_token_major(v_cache: torch.Tensor) -> bool:
+    """Whether v_cache is a token_major_v view (its keys adjacent within a block)."""
+    return v_cache.stride(1) == 1 and v_cache.stride(3) != 1
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -145,7 +168,7 @@ def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              stride_vcd, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     # One program per new token: its [num_kv_heads, head_dim] K and V rows go to one slot.
     token = tl.program_id(0)
@@ -160,7 +183,9 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    # stride_vcd: 1, or block_size for a token-major V cache
+    v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch
+             + d[None, :] * stride_vcd)
     tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -171,12 +196,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _require_unit_last_stride(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    _require_unit_last_stride(key=key, value=value, k_cache=k_cache)
+    check_v_cache_strides(v_cache)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
@@ -213,24 +239,82 @@ def _kv_rows(table, n, mask, kv_head, stride_kb, stride_ks, stride_kh, stride_vb
 
 @triton.jit
 def _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM: tl.constexpr,
-             MASKED: tl.constexpr, K_BY_ROWS: tl.constexpr):
+             MASKED: tl.constexpr, K_BY_ROWS: tl.constexpr, LOAD_V: tl.constexpr = True):
     # a K/V tile in the cache's dtype: V as [N, D], K as [N, D] (K_BY_ROWS) or gathered [D, N];
-    # keys outside mask (MASKED) read as 0
+    # keys outside mask (MASKED) read as 0. LOAD_V=False: K only (v is K, unused)
     d = tl.arange(0, HEAD_DIM)
-    v_ptrs = v_cache_ptr + row_v[:, None] + d[None, :]
     if K_BY_ROWS:
         k_ptrs = k_cache_ptr + row_k[:, None] + d[None, :]
     else:
         k_ptrs = k_cache_ptr + row_k[None, :] + d[:, None]
     if not MASKED:
         k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)                                              # [N, D]
     elif K_BY_ROWS:
         k = tl.load(k_ptrs, mask=mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs, mask=mask[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
+    v = k
+    if LOAD_V:
+        v_ptrs = v_cache_ptr + row_v[:, None] + d[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)                                          # [N, D]
+    return k, v
+
+
+@triton.jit
+def _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb, stride_vh,
+                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    # Where the V tile of keys [start, start + BLOCK_N) lies in a token-major cache (a block's
+    # values [kv_heads, head_dim, block_size]): pointers [D, NB, SEG] (NB runs of SEG adjacent
+    # keys, one block each) and those keys' positions [1, NB, SEG]. Each block's id is read once
+    # (a scalar per run, not per key; MASKED: block 0 from hi on), so the compiler sees SEG
+    # adjacent keys: 16-byte copies into shared memory, then ldmatrix into the P @ V operand.
+    # start is a multiple of BLOCK_N.
+    SEG: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_SIZE else BLOCK_SIZE
+    NB: tl.constexpr = BLOCK_N // SEG
+    first = tl.multiple_of(start, BLOCK_N) + tl.arange(0, NB) * SEG          # [NB] first keys
+    if MASKED:
+        block = tl.load(table + first // BLOCK_SIZE, mask=first < hi, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + first // BLOCK_SIZE).to(tl.int64)
+    j = tl.arange(0, SEG)
+    d = tl.arange(0, HEAD_DIM)
+    ptrs = (v_cache_ptr + kv_head * stride_vh + block[None, :, None] * stride_vb
+            + (first % BLOCK_SIZE)[None, :, None] + d[:, None, None] * BLOCK_SIZE
+            + j[None, None, :])
+    return ptrs, first[None, :, None] + j[None, None, :]
+
+
+@triton.jit
+def _v_rows(v, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # a [D, NB, SEG] tile loaded through _v_token_major_ptrs as the [N, D] V tile
+    return tl.trans(tl.reshape(v, (HEAD_DIM, BLOCK_N)))
+
+
+@triton.jit
+def _load_tile(k_cache_ptr, v_cache_ptr, table, start, lo, hi, kv_head, stride_kb, stride_ks,
+               stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+               K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+    # The K and V tiles of keys [start, start + BLOCK_N) through the block table (_load_kv's
+    # shapes); keys outside [lo, hi) read as 0 (MASKED).
+    n = start + tl.arange(0, BLOCK_N)
+    mask = (n >= lo) & (n < hi)
+    row_k, row_v = _kv_rows(table, n, n < hi, kv_head, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, MASKED)
+    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM, MASKED, K_BY_ROWS,
+                    not V_TOKEN_MAJOR)
+    if V_TOKEN_MAJOR:
+        v_ptrs, n3 = _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb,
+                                         stride_vh, BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED)
+        if MASKED:
+            v = _v_rows(tl.load(v_ptrs, mask=(n3 >= lo) & (n3 < hi), other=0.0), BLOCK_N,
+                        HEAD_DIM)
+        else:
+            v = _v_rows(tl.load(v_ptrs), BLOCK_N, HEAD_DIM)
     return k, v
 
 
@@ -263,18 +347,17 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
                  k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr):
+                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
     # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
     # K_BY_ROWS loads K as the [N, D] rows it is stored in and transposes it for the dot;
     # otherwise K is gathered straight into [D, N]. On an H200 the first is faster for prefill
-    # tiles, the second for decode's 16-row tiles.
+    # tiles, the second for decode's 16-row tiles. V_TOKEN_MAJOR: v_cache is token_major_v's.
     n = start + tl.arange(0, BLOCK_N)
     masked: tl.constexpr = MASK != _MASK_NONE
-    row_k, row_v = _kv_rows(table, n, n < kv_end, kv_head, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, masked)
-    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, n < kv_end, HEAD_DIM, masked,
-                    K_BY_ROWS)
+    k, v = _load_tile(k_cache_ptr, v_cache_ptr, table, start, 0, kv_end, kv_head, stride_kb,
+                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
+                      BLOCK_SIZE, masked, K_BY_ROWS, V_TOKEN_MAJOR)
     return _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK, K_BY_ROWS)
 
 
@@ -288,7 +371,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    DOT_FP16: tl.constexpr):
+                    DOT_FP16: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr = False):
     # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
@@ -329,12 +412,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, True)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, True,
+                                     V_TOKEN_MAJOR)
     for start in range(kv_full, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True,
+                                     V_TOKEN_MAJOR)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -350,7 +435,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
-                   PRELOAD: tl.constexpr = False):
+                   PRELOAD: tl.constexpr = False, V_TOKEN_MAJOR: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
@@ -381,7 +466,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         row_k, row_v = _kv_rows(table, n, n < first_end, kv_head, stride_kb, stride_ks,
                                 stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v,
-                        n < tl.minimum(first_end, seq_len - 1), HEAD_DIM, True, K_BY_ROWS)
+                        n < tl.minimum(first_end, seq_len - 1), HEAD_DIM, True, K_BY_ROWS,
+                        not V_TOKEN_MAJOR)
+        if V_TOKEN_MAJOR:     # kept [D, NB, SEG] until this step's key is in
+            v_ptrs, n3 = _v_token_major_ptrs(v_cache_ptr, table, part_start, first_end, kv_head,
+                                             stride_vb, stride_vh, BLOCK_N, HEAD_DIM,
+                                             BLOCK_SIZE, True)
+            v3 = tl.load(v_ptrs, mask=n3 < tl.minimum(first_end, seq_len - 1), other=0.0)
         pdl_wait(PDL)
     # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
     if (q_len != 1) | (part_start >= seq_len):
@@ -390,12 +481,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         if seq_len - 1 < first_end:     # the first tile holds this step's key
             newest = n == seq_len - 1
             k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, newest, HEAD_DIM,
-                                    True, K_BY_ROWS)
+                                    True, K_BY_ROWS, not V_TOKEN_MAJOR)
             if K_BY_ROWS:
                 k = tl.where(newest[:, None], k_new, k)
             else:
                 k = tl.where(newest[None, :], k_new, k)
-            v = tl.where(newest[:, None], v_new, v)
+            if V_TOKEN_MAJOR:
+                v3 = tl.where(n3 == seq_len - 1,
+                              tl.load(v_ptrs, mask=n3 == seq_len - 1, other=0.0), v3)
+            else:
+                v = tl.where(newest[:, None], v_new, v)
+        if V_TOKEN_MAJOR:
+            v = _v_rows(v3, BLOCK_N, HEAD_DIM)
 
     g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + g
@@ -419,12 +516,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS,
+                                     V_TOKEN_MAJOR)
     if (full_end >= loop_start) & (full_end < part_end):    # the last, partial tile
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS)
+                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS,
+                                     V_TOKEN_MAJOR)
 
     out = acc / l_i[:, None]
     if num_splits == 1:
@@ -605,6 +704,17 @@ def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
                              f"got strides {tuple(t.stride())}")
 
 
+def check_v_cache_strides(v_cache: torch.Tensor) -> None:
+    """v_cache ([num_blocks, block_size, num_kv_heads, head_dim]) has a contiguous head_dim, or is
+    token_major_v's view (keys adjacent, each block's [kv_heads, head_dim, block_size] packed)."""
+    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
+    if v_cache.stride(3) == 1 or (is_token_major(v_cache) and v_cache.stride(3) == block_size
+                                  and v_cache.stride(2) == head_dim * block_size):
+        return
+    raise ValueError("v_cache must have a contiguous last dimension or be token_major_v's view; "
+                     f"got shape {tuple(v_cache.shape)}, strides {tuple(v_cache.stride())}")
+
+
 def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -615,7 +725,8 @@ def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
                          f"{head_dim}]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _require_unit_last_stride(query=query, k_cache=k_cache, v_cache=v_cache)
+    _require_unit_last_stride(query=query, k_cache=k_cache)
+    check_v_cache_strides(v_cache)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -625,7 +736,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     *, out: torch.Tensor | None = None,
                     plan_num_seqs: int | None = None,
                     min_query_len: int | None = None) -> torch.Tensor:
-    """Triton twin of `paged_attention_ref` (same layout and result).
+    """Triton twin of `paged_attention_ref` (same layout and result; v_cache may be
+    token_major_v's view).
 
     Sequences of one query (decode rows) take the split-KV decode kernel, longer ones the
     prefill kernel; a mixed batch launches both (each skips the other's sequences), a batch
@@ -656,6 +768,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp8_cache = k_cache.dtype == FP8_KV_DTYPE
     # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
     bf16_over_fp8 = fp8_cache and query.dtype == torch.bfloat16
+    v_token_major = is_token_major(v_cache)
 
     # Sequences of one query (decode rows) run the split-KV decode kernel, also in a mixed
     # batch: there the prefill kernel would spend a whole BLOCK_M-row tile on each one's GQA
@@ -669,8 +782,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
             *strides, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, V_TOKEN_MAJOR=v_token_major,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if min_query_len is not None and min_query_len > 1:
             return out
@@ -692,7 +805,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        V_TOKEN_MAJOR=v_token_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, head_dim,
                                k_cache.element_size()),
         **pdl_args(query.device),

@@ -12,7 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.paged_attention import reshape_and_cache_ref, to_cache_dtype
+from kvfleet_kernels.paged_attention import (
+    check_v_cache_strides,
+    reshape_and_cache_ref,
+    to_cache_dtype,
+)
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
@@ -153,7 +157,7 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
                              slot_mapping_ptr, cos_sin_ptr,
                              stride_q, stride_k, stride_v, stride_qo, stride_cache,
                              stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                             stride_vcd, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                              HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -178,7 +182,9 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
         d = tl.arange(0, BLOCK_D)
         mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_SIZE)
         src = v_ptr + token * stride_v + h[:, None] * HEAD_SIZE + d[None, :]
-        v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        # stride_vcd: 1, or block_size for a token-major V cache (paged_attention.token_major_v)
+        v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch
+                 + d[None, :] * stride_vcd)
         _store_rounded(v_dst, tl.load(src, mask=mask), mask, src)
 
 
@@ -190,7 +196,8 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     KV-cache write (a decode step's three small per-layer kernels and a copy in one).
 
     query [T, Hq * D], key and value [T, Hkv * D] (views into a fused qkv output are fine: only
-    the last dimension must be contiguous); caches [num_blocks, block_size, Hkv, D].
+    the last dimension must be contiguous); caches [num_blocks, block_size, Hkv, D], v_cache
+    with a contiguous last dimension or token_major_v's view.
     """
     num_tokens = positions.shape[0]
     rot_dim = cos_sin_cache.shape[1]
@@ -203,9 +210,12 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         raise ValueError(f"key and value must have one shape; got {tuple(key.shape)} and {tuple(value.shape)}")
     num_kv_heads = key.shape[1] // head_size
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[2:] != (num_kv_heads, head_size) or c.stride(3) != 1:
-            raise ValueError(f"{name} must be [num_blocks, block_size, {num_kv_heads}, {head_size}] "
-                             f"with a contiguous last dimension; got {tuple(c.shape)}")
+        if c.dim() != 4 or c.shape[2:] != (num_kv_heads, head_size):
+            raise ValueError(f"{name} must be [num_blocks, block_size, {num_kv_heads}, {head_size}]; "
+                             f"got {tuple(c.shape)}")
+    if k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache must have a contiguous last dimension; got strides {tuple(k_cache.stride())}")
+    check_v_cache_strides(v_cache)
     if rot_dim % 2 or not 0 < rot_dim <= head_size:
         raise ValueError(f"cos_sin_cache's rot_dim must be even and in (0, head_size={head_size}]; got {rot_dim}")
     q_out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -215,7 +225,7 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             positions, query, key, value, q_out, k_cache, v_cache, slot_mapping, cos_sin_cache,
             query.stride(0), key.stride(0), value.stride(0), q_out.stride(0), cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, ROT_DIM=rot_dim,
             IS_NEOX=is_neox, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),

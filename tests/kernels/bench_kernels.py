@@ -13,6 +13,9 @@ prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
 (decode-short: a wider grid over many short contexts; decode-stages: those batches through
 deeper pipelines, 2-5 stages, on one or two warps).
 --kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
+V is laid out as the engine lays it (token-major in an fp8 cache: paged_attention.token_major_v);
+--v-rows keeps every cache's V in [block, key, head, dim] rows (the layout before the twentieth
+session, for A/B timings).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] 
                  ([2048], [8192])]                                      # (q_lens, seq_lens)
 
 
+# --v-rows: every cache's V in rows (else as the engine lays it out)
+V_ROWS = False
+
+
 def ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
@@ -69,6 +76,8 @@ def batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size
     if kv_fp8:
         b.k_cache = pa.quantize_kv_ref(b.k_cache, pa.FP8_KV_DTYPE)
         b.v_cache = pa.quantize_kv_ref(b.v_cache, pa.FP8_KV_DTYPE)
+        if not V_ROWS:      # as the engine allocates an fp8 cache
+            b.v_cache = pa.token_major_v(torch.empty_like(b.v_cache)).copy_(b.v_cache)
     return b
 
 
@@ -233,7 +242,11 @@ def main() -> None:
     parser.add_argument("--no-tables", action="store_true", help="only the sweep")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: e4m3 caches, as --kv-cache-dtype fp8")
+    parser.add_argument("--v-rows", action="store_true",
+                        help="V in [block, key, head, dim] rows even in an fp8 cache")
     args = parser.parse_args()
+    global V_ROWS
+    V_ROWS = args.v_rows
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     dtype = DTYPES[args.dtype]

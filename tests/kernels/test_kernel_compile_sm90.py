@@ -293,3 +293,20 @@ def test_the_gated_gemv_divides_as_the_activation_kernel() -> None:
         "    print(case, sorted(set(re.findall(r'div\\.[a-z0-9.]+', t.compile_for_sm90(*spec)))))\n")
     lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("gated", "act")))
     assert lines["gated"] == lines["act"] and lines["act"] != "[]", out
+
+
+@pytest.mark.slow
+def test_fp8_decode_reads_a_token_major_v_without_byte_loads() -> None:
+    # P @ V reduces over keys. V in rows (keys 128 bytes apart) reached the tensor cores' operand
+    # through byte-wise shared-memory reads (no transposing ldmatrix for 8-bit elements);
+    # token-major V (paged_attention.token_major_v, the engine's fp8 layout) needs none
+    out = _compile_in_child(
+        "for vt in (False, True):\n"
+        "    for pre in (False, True):\n"
+        "        spec = t._paged_attention('_decode_kernel', DOT_FP16=True, V_TOKEN_MAJOR=vt,\n"
+        "                                  PRELOAD=pre)\n"
+        "        print('token-major' if vt else 'rows', pre, t.compile_for_sm90(*spec).count('ld.shared.b8'))\n")
+    counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()
+              if line.startswith(("rows", "token-major"))}
+    assert counts[("rows", "False")] > 0 and counts[("rows", "True")] > 0, out
+    assert counts[("token-major", "False")] == 0 == counts[("token-major", "True")], out

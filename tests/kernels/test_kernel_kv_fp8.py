@@ -24,6 +24,7 @@ from kvfleet_kernels.paged_attention import (
     quantize_kv_ref,
     reshape_and_cache,
     reshape_and_cache_ref,
+    token_major_v,
 )
 from paged_batch import ATTENTION_TOLERANCE as TOLERANCE
 from paged_batch import CPU_DTYPES, DEVICE, PagedBatch, make_paged_batch
@@ -100,15 +101,18 @@ def test_reshape_and_cache_fp8_writes_the_references_bytes_and_saturates(dtype: 
 
 def _fp8_batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *, num_heads: int = 4,
                num_kv_heads: int = 2, head_dim: int = 32, block_size: int = 16,
-               seed: int = 0) -> PagedBatch:
+               seed: int = 0, v_layout: str = "token-major") -> PagedBatch:
     """A paged batch in `dtype` whose caches hold fp8: randn * 4 rounded to e4m3 (magnitudes
-    from e4m3's subnormals to ~20, so several exponents and rounding steps are in play)."""
+    from e4m3's subnormals to ~20, so several exponents and rounding steps are in play). V
+    token-major as the engine lays out an fp8 cache (token_major_v), or in rows."""
     batch = make_paged_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, block_size=block_size, dtype=torch.float32,
                              device=DEVICE, seed=seed)
     batch.query = (batch.query / 4).to(dtype)       # keeps softmax mixed over keys ~4x randn
     batch.k_cache = quantize_kv_ref(batch.k_cache * 4, FP8_KV_DTYPE)
     batch.v_cache = quantize_kv_ref(batch.v_cache * 4, FP8_KV_DTYPE)
+    if v_layout == "token-major":
+        batch.v_cache = token_major_v(torch.empty_like(batch.v_cache)).copy_(batch.v_cache)
     return batch
 
 
@@ -125,23 +129,64 @@ def _check_fp8(batch: PagedBatch, *, decode_only: bool = False) -> None:
     scale = max(float(expected.float().abs().max()), 1.0)
     torch.testing.assert_close(out.float() / scale, expected.float() / scale, rtol=0.0,
                                atol=TOLERANCE[batch.query.dtype])
+    if not batch.v_cache.is_contiguous():
+        # token-major V: the same tiles reach the same dots, so the bits of V in rows
+        rows = (*args[:2], batch.v_cache.contiguous(), *args[3:])
+        in_rows = paged_attention(*rows, batch.max_seq_len if decode_only else None)
+        assert torch.equal(out, in_rows)
 
 
+@pytest.mark.parametrize("v_layout", ["token-major", "rows"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_prefill_over_fp8_cache_matches_reference(dtype: torch.dtype) -> None:
+def test_prefill_over_fp8_cache_matches_reference(dtype: torch.dtype, v_layout: str) -> None:
     # fresh prompts and a 9-token chunk after a 38-token cached prefix
-    _check_fp8(_fp8_batch([5, 23, 9], [5, 23, 47], dtype, seed=11))
+    _check_fp8(_fp8_batch([5, 23, 9], [5, 23, 47], dtype, seed=11, v_layout=v_layout))
 
 
+@pytest.mark.parametrize("v_layout", ["token-major", "rows"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_mixed_decode_and_prefill_over_fp8_cache_matches_reference(dtype: torch.dtype) -> None:
-    _check_fp8(_fp8_batch([1, 12, 1, 6], [40, 12, 70, 33], dtype, num_heads=8, seed=12))
+def test_mixed_decode_and_prefill_over_fp8_cache_matches_reference(dtype: torch.dtype,
+                                                                   v_layout: str) -> None:
+    _check_fp8(_fp8_batch([1, 12, 1, 6], [40, 12, 70, 33], dtype, num_heads=8, seed=12,
+                          v_layout=v_layout))
 
 
+@pytest.mark.parametrize("v_layout", ["token-major", "rows"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("seq_lens", [[600, 37, 290], [17, 50]], ids=["split", "one-partition"])
-def test_decode_over_fp8_cache_matches_reference(dtype: torch.dtype, seq_lens: list[int]) -> None:
-    _check_fp8(_fp8_batch([1] * len(seq_lens), seq_lens, dtype, seed=13), decode_only=True)
+def test_decode_over_fp8_cache_matches_reference(dtype: torch.dtype, seq_lens: list[int],
+                                                 v_layout: str) -> None:
+    _check_fp8(_fp8_batch([1] * len(seq_lens), seq_lens, dtype, seed=13, v_layout=v_layout),
+               decode_only=True)
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_token_major_v_tiles_across_and_within_blocks(block_size: int) -> None:
+    # decode's 32-key tiles (and prefill's 16-key ones on a CPU) span 4 blocks of 8 keys, or
+    # half of one block of 64: both ways of cutting a tile into runs of adjacent keys
+    _check_fp8(_fp8_batch([1, 1, 1], [100, 7, 64], torch.float16, block_size=block_size, seed=15),
+               decode_only=True)
+    _check_fp8(_fp8_batch([30, 1], [95, 70], torch.float16, block_size=block_size, seed=16))
+
+
+def test_reshape_and_cache_writes_a_token_major_v_cache() -> None:
+    gen = torch.Generator().manual_seed(17)
+    num_blocks, block_size, num_kv_heads, head_dim = 4, 8, 2, 16
+    key = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
+    value = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
+    slots = torch.tensor([3, 17, -1, 8, 31, 0], device=DEVICE)
+    rows = _write_both(key, value, slots, num_blocks, block_size)
+    k_cache = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    storage = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    reshape_and_cache(key, value, k_cache, token_major_v(storage), slots)
+    _assert_same_bytes(k_cache, rows[0])
+    _assert_same_bytes(token_major_v(storage).contiguous(), rows[1])
+    # and where the bytes lie: token t's value at [block, head, dim, offset]
+    laid = storage.view(num_blocks, num_kv_heads, head_dim, block_size)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            block, offset = divmod(slot, block_size)
+            assert torch.equal(laid[block, :, :, offset].float(), value[t].float())
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -187,8 +232,10 @@ def test_gpu_reshape_and_cache_fp8_rounds_like_torch(dtype: torch.dtype) -> None
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_decode_over_fp8_cache(dtype: torch.dtype, block_size: int) -> None:
+    # token-major V (the engine's): each case also against V in rows, bit for bit (_check_fp8)
     gen = torch.Generator().manual_seed(block_size)
-    for num_seqs, max_len in [(1, 8192), (64, 3000), (256, 1500), (600, 1200)]:   # 600: one warp
+    for num_seqs, max_len in [(1, 8192), (1, 700), (64, 3000), (256, 1500), (600, 1200)]:
+        # (1, 700): the first tile read before the PDL wait; 600: one warp a program
         seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
         seq_lens[0] = max_len
         _check_fp8(_fp8_batch([1] * num_seqs, seq_lens.tolist(), dtype, block_size=block_size,

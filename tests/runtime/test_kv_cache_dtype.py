@@ -17,8 +17,10 @@ import torch
 from kvfleet_kernels.paged_attention import (
     FP8_E4M3_MAX,
     FP8_KV_DTYPE,
+    is_token_major,
     paged_attention_ref,
     reshape_and_cache_ref,
+    token_major_v,
 )
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.cli import main
@@ -77,6 +79,14 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16_and_four_times_fp32(tiny_model
         assert fp8.num_blocks == 2 * bf16.num_blocks == 4 * fp32.num_blocks
         # the pool really is that size, in bytes
         assert fp8.kv_cache.numel() * fp8.kv_cache.element_size() == fp8.num_blocks * fp8.bytes_per_block()
+    # an fp8 cache's layers hold V token-major (views of the pool), other caches V in rows
+    for (dtype, kv), runner in runners.items():
+        for i, layer in enumerate(runner.model.attention_layers()):
+            k_cache, v_cache = layer.kv_cache
+            assert k_cache.data_ptr() == runner.kv_cache[i, 0].data_ptr() and k_cache.is_contiguous()
+            assert v_cache.data_ptr() == runner.kv_cache[i, 1].data_ptr()
+            assert v_cache.shape == k_cache.shape
+            assert is_token_major(v_cache) == (kv == "fp8"), (dtype, kv)
     assert fp32.num_blocks == (1 << 20) // fp32.bytes_per_block()
 
 
@@ -110,8 +120,9 @@ def _meta(q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: i
     ([5, 1, 12], [40, 70, 12]),         # a chunk after a cached prefix, decode, a fresh prompt
     ([1, 1, 1], [33, 70, 5]),           # decode only
 ], ids=["fresh", "mixed", "decode"])
+@pytest.mark.parametrize("v_layout", ["token-major", "rows"])
 def test_torch_path_over_fp8_cache_matches_reference(dtype: torch.dtype, q_lens: list[int],
-                                                      seq_lens: list[int]) -> None:
+                                                      seq_lens: list[int], v_layout: str) -> None:
     gen = torch.Generator().manual_seed(len(q_lens) + sum(seq_lens))
     num_blocks, block_size, num_heads, num_kv_heads, head_dim = 24, 16, 4, 2, 32
     meta, slots = _meta(q_lens, seq_lens, block_size, num_blocks, gen)
@@ -125,11 +136,13 @@ def test_torch_path_over_fp8_cache_matches_reference(dtype: torch.dtype, q_lens:
     k_cache = (torch.randn(shape, generator=gen) * 4).to(FP8_KV_DTYPE)
     v_cache = (torch.randn(shape, generator=gen) * 4).to(FP8_KV_DTYPE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    if v_layout == "token-major":     # the engine's fp8 layout; the reference keeps rows
+        v_cache = token_major_v(torch.empty_like(v_cache)).copy_(v_cache)
 
     k_held, v_held = write_kv_torch(k, v, k_cache, v_cache, slots)
     reshape_and_cache_ref(k, v, k_ref, v_ref, slots)
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert torch.equal(v_cache.contiguous().view(torch.uint8), v_ref.view(torch.uint8))
     assert k_held.dtype == dtype and k_held[0, 0, :3].tolist() == [FP8_E4M3_MAX, -FP8_E4M3_MAX,
                                                                     FP8_E4M3_MAX]
     out = paged_attention_torch(q, k_held, v_held, k_cache, v_cache, meta, head_dim ** -0.5)

@@ -77,6 +77,7 @@ def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.Monkey
     ("KVFLEET_TP_EMBEDDING", "both", "KVFLEET_TP_EMBEDDING must be unset, replicated or sharded"),
     ("KVFLEET_GEMV_PUSH", "2", "KVFLEET_GEMV_PUSH must be unset, 0 or 1; got '2'"),
     ("KVFLEET_W4A16_BLOCKED", "no", "KVFLEET_W4A16_BLOCKED must be unset, 0 or 1; got 'no'"),
+    ("KVFLEET_V_TOKEN_MAJOR", "rows", "KVFLEET_V_TOKEN_MAJOR must be unset, 0 or 1; got 'rows'"),
     ("KVFLEET_W4A16_GEMV", "tiles=3", "KVFLEET_W4A16_GEMV: expected comma-separated"),
     ("KVFLEET_W4A16_DEQUANT_M", "-1", "KVFLEET_W4A16_DEQUANT_M must be a row count (0: never)"),
     ("KVFLEET_W4A16_GEMV_MAX_M", "0", "KVFLEET_W4A16_GEMV_MAX_M must be a row count >= 1"),

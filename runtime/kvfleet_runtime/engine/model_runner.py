@@ -12,12 +12,15 @@ worker loop; all run the same forward (graphs included), rank 0 alone gets logit
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
+from kvfleet_kernels.env import on_off
+from kvfleet_kernels.paged_attention import FP8_KV_DTYPE, token_major_v
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.distributed.communication import StepInputs, broadcast_step, min_over_ranks
@@ -224,8 +227,14 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
                                     self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype,
                                     device=self.device)
+        # an fp8 cache keeps each block's V token-major (keys adjacent), which the attention
+        # kernels read with ldmatrix instead of byte by byte (paged_attention.token_major_v;
+        # KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an A/B switch)
+        token_major = (self.kv_cache_dtype == FP8_KV_DTYPE
+                       and on_off("KVFLEET_V_TOKEN_MAJOR", os.environ.get("KVFLEET_V_TOKEN_MAJOR", "")))
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.kv_cache = (self.kv_cache[i, 0], self.kv_cache[i, 1])
+            v = self.kv_cache[i, 1]
+            layer.kv_cache = (self.kv_cache[i, 0], token_major_v(v) if token_major else v)
         log.info("KV cache: %d blocks of %d tokens, dtype %s, %.2f GiB", self.num_blocks,
                  self.block_size, self.kv_cache_dtype,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)

@@ -99,7 +99,12 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     for xq, cache in ((kq, k_cache), (vq, v_cache)):
         # index_copy_ has no float8 kernel on a CPU: copy the bytes of 1-byte elements
         as_bytes = torch.uint8 if cache.element_size() == 1 else cache.dtype
-        cache.view(as_bytes).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, xq.view(as_bytes))
+        if cache.is_contiguous():
+            cache.view(as_bytes).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping,
+                                                                        xq.view(as_bytes))
+        else:   # a token-major V cache (paged_attention.token_major_v): write through the view
+            bs = cache.shape[1]
+            cache.view(as_bytes)[slot_mapping // bs, slot_mapping % bs] = xq.view(as_bytes)
     return kq.to(k.dtype), vq.to(v.dtype)
 
 
@@ -168,6 +173,7 @@ def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float) ->
     max_len = max(lens)
     num_blocks = -(-max_len // bs)
     table = block_tables[:, :num_blocks].reshape(-1).long()
+    # (index_select returns contiguous blocks, whatever the cache's layout)
     ks = k_cache.index_select(0, table).view(num_seqs, num_blocks * bs, num_kv_heads, head_dim)
     vs = v_cache.index_select(0, table).view(num_seqs, num_blocks * bs, num_kv_heads, head_dim)
     ks = ks[:, :max_len].transpose(1, 2).to(q.dtype)                      # [B, Hkv, S, D]
