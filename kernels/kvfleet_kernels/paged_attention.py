@@ -243,23 +243,26 @@ def _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM: tl.constexp
     # a K/V tile in the cache's dtype: V as [N, D], K as [N, D] (K_BY_ROWS) or gathered [D, N];
     # keys outside mask (MASKED) read as 0. LOAD_V=False: K only (v is K, unused)
     d = tl.arange(0, HEAD_DIM)
+    v_ptrs = v_cache_ptr + row_v[:, None] + d[None, :]
     if K_BY_ROWS:
         k_ptrs = k_cache_ptr + row_k[:, None] + d[None, :]
     else:
         k_ptrs = k_cache_ptr + row_k[None, :] + d[:, None]
     if not MASKED:
         k = tl.load(k_ptrs)
+        v = k
+        if LOAD_V:
+            v = tl.load(v_ptrs)                                          # [N, D]
     elif K_BY_ROWS:
         k = tl.load(k_ptrs, mask=mask[:, None], other=0.0)
+        v = k
+        if LOAD_V:
+            v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs, mask=mask[None, :], other=0.0)
-    v = k
-    if LOAD_V:
-        v_ptrs = v_cache_ptr + row_v[:, None] + d[None, :]
-        if MASKED:
+        v = k
+        if LOAD_V:
             v = tl.load(v_ptrs, mask=mask[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)                                          # [N, D]
     return k, v
 
 
@@ -295,24 +298,22 @@ def _v_rows(v, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(k_cache_ptr, v_cache_ptr, table, start, lo, hi, kv_head, stride_kb, stride_ks,
+def _load_tile(k_cache_ptr, v_cache_ptr, table, start, hi, kv_head, stride_kb, stride_ks,
                stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     # The K and V tiles of keys [start, start + BLOCK_N) through the block table (_load_kv's
-    # shapes); keys outside [lo, hi) read as 0 (MASKED).
+    # shapes); keys from hi on read as 0 (MASKED).
     n = start + tl.arange(0, BLOCK_N)
-    mask = (n >= lo) & (n < hi)
     row_k, row_v = _kv_rows(table, n, n < hi, kv_head, stride_kb, stride_ks, stride_kh,
                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE, MASKED)
-    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM, MASKED, K_BY_ROWS,
+    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, n < hi, HEAD_DIM, MASKED, K_BY_ROWS,
                     not V_TOKEN_MAJOR)
     if V_TOKEN_MAJOR:
         v_ptrs, n3 = _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb,
                                          stride_vh, BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED)
         if MASKED:
-            v = _v_rows(tl.load(v_ptrs, mask=(n3 >= lo) & (n3 < hi), other=0.0), BLOCK_N,
-                        HEAD_DIM)
+            v = _v_rows(tl.load(v_ptrs, mask=n3 < hi, other=0.0), BLOCK_N, HEAD_DIM)
         else:
             v = _v_rows(tl.load(v_ptrs), BLOCK_N, HEAD_DIM)
     return k, v
@@ -355,7 +356,7 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
     # tiles, the second for decode's 16-row tiles. V_TOKEN_MAJOR: v_cache is token_major_v's.
     n = start + tl.arange(0, BLOCK_N)
     masked: tl.constexpr = MASK != _MASK_NONE
-    k, v = _load_tile(k_cache_ptr, v_cache_ptr, table, start, 0, kv_end, kv_head, stride_kb,
+    k, v = _load_tile(k_cache_ptr, v_cache_ptr, table, start, kv_end, kv_head, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
                       BLOCK_SIZE, masked, K_BY_ROWS, V_TOKEN_MAJOR)
     return _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK, K_BY_ROWS)
