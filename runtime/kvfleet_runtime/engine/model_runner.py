@@ -191,8 +191,8 @@ class ModelRunner:
         c = self.model_config
         dummy = torch.zeros(2, self.block_size, self.num_kv_heads, c.head_dim,
                             dtype=self.kv_cache_dtype, device=self.device)
-        for layer in self.model.attention_layers():
-            layer.kv_cache = (dummy, dummy)
+        for layer in self.model.attention_layers():     # laid out as the real cache (same kernels)
+            layer.kv_cache = (dummy, self._v_layout(dummy))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
@@ -221,20 +221,23 @@ class ModelRunner:
         log.info("memory profile: peak %.2f GiB, KV budget %.2f GiB", peak / 2**30, budget / 2**30)
         return int(max(budget, 0))
 
+    def _v_layout(self, v: torch.Tensor) -> torch.Tensor:
+        """A layer's V cache as the kernels get it: an fp8 cache keeps each block's V token-major
+        (keys adjacent), which the attention kernels read with ldmatrix instead of byte by byte
+        (paged_attention.token_major_v; KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an A/B switch)."""
+        if self.kv_cache_dtype == FP8_KV_DTYPE and on_off(
+                "KVFLEET_V_TOKEN_MAJOR", os.environ.get("KVFLEET_V_TOKEN_MAJOR", "")):
+            return token_major_v(v)
+        return v
+
     def _allocate_kv_cache(self) -> None:
         c = self.model_config
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
                                     self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype,
                                     device=self.device)
-        # an fp8 cache keeps each block's V token-major (keys adjacent), which the attention
-        # kernels read with ldmatrix instead of byte by byte (paged_attention.token_major_v;
-        # KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an A/B switch)
-        token_major = (self.kv_cache_dtype == FP8_KV_DTYPE
-                       and on_off("KVFLEET_V_TOKEN_MAJOR", os.environ.get("KVFLEET_V_TOKEN_MAJOR", "")))
         for i, layer in enumerate(self.model.attention_layers()):
-            v = self.kv_cache[i, 1]
-            layer.kv_cache = (self.kv_cache[i, 0], token_major_v(v) if token_major else v)
+            layer.kv_cache = (self.kv_cache[i, 0], self._v_layout(self.kv_cache[i, 1]))
         log.info("KV cache: %d blocks of %d tokens, dtype %s, %.2f GiB", self.num_blocks,
                  self.block_size, self.kv_cache_dtype,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
