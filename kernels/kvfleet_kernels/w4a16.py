@@ -169,6 +169,38 @@ cvt.f32.f16 $0, h;
 }
 """)
 _F16X2_TWO_WORDS_CONSTRAINTS = tl.constexpr("=f" + ",r" * 12)
+# _F16X2_TWO_WORDS in two halves, for several rows of x over one load of the weights: the
+# dequantization of words $8 (a), $9 (b) into four fp16x2 (q - z) / 16 each ($0-$3, $4-$7;
+# nza $10, nzb $11), then a row's products, summed in the same order (the same bits)
+_F16X2_DEQUANT = tl.constexpr("""
+{
+.reg .b32 s, k16, k256;
+mov.b32 k16, 0x2C002C00;
+mov.b32 k256, 0x1C001C00;
+""" + "".join(f"""
+shr.u32 s, ${w}, 8;
+lop3.b32 ${o}, ${w}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 ${o + 1}, ${w}, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 ${o + 2}, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 ${o + 3}, s, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 ${o}, ${o}, k16, $10;
+fma.rn.f16x2 ${o + 1}, ${o + 1}, k256, $11;
+fma.rn.f16x2 ${o + 2}, ${o + 2}, k16, $10;
+fma.rn.f16x2 ${o + 3}, ${o + 3}, k256, $11;
+""" for w, o in ((8, 0), (9, 4))) + """
+}
+""")
+_F16X2_DOT = tl.constexpr("""
+{
+.reg .b32 acc;
+.reg .b16 lo, hi, h;
+mul.rn.f16x2 acc, $1, $9;
+""" + "".join(f"fma.rn.f16x2 acc, ${i}, ${i + 8}, acc;\n" for i in range(2, 9)) + """
+mov.b32 {lo, hi}, acc;
+add.rn.f16 h, lo, hi;
+cvt.f32.f16 $0, h;
+}
+""")
 _BF16_PAIRS = tl.constexpr("""
 {
 .reg .b32 a0, a1, b0, b1, c0, c1, d0, d1;
@@ -198,6 +230,29 @@ def _f16x2_two_words(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb):
     return tl.inline_asm_elementwise(
         _F16X2_TWO_WORDS, _F16X2_TWO_WORDS_CONSTRAINTS,
         [wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, nza, nzb],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2_dequant(wa, wb, nza, nzb):
+    """Words wa, wb (one column, 16 rows) as eight fp16x2 (q - z) / 16, in _F16X2_TWO_WORDS's
+    order; nza, nzb as there."""
+    return tl.inline_asm_elementwise(_F16X2_DEQUANT, "=r," * 8 + "r,r,r,r", [wa, wb, nza, nzb],
+                                     dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2_row_dot(w0, w1, w2, w3, w4, w5, w6, w7, xa01, xa23, xb01, xb23,
+                   X_BF16: tl.constexpr):
+    """fp32 sum of the 16 products of _f16x2_dequant's eight values with one row of x's quads
+    (_gemv_load_x), summed as _F16X2_TWO_WORDS sums them."""
+    xa0, xa1, xa2, xa3 = _f16x2_pairs(xa01.to(tl.int32), (xa01 >> 32).to(tl.int32),
+                                      xa23.to(tl.int32), (xa23 >> 32).to(tl.int32), X_BF16)
+    xb0, xb1, xb2, xb3 = _f16x2_pairs(xb01.to(tl.int32), (xb01 >> 32).to(tl.int32),
+                                      xb23.to(tl.int32), (xb23 >> 32).to(tl.int32), X_BF16)
+    return tl.inline_asm_elementwise(
+        _F16X2_DOT, "=f" + ",r" * 16,
+        [w0, w1, w2, w3, w4, w5, w6, w7, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
         dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -469,6 +524,111 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group
 
 
 @triton.jit
+def _w4a16_gemv_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size,
+                            stride_xm, stride_qb, stride_qk, stride_sb, stride_sg,
+                            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                            F16X2: tl.constexpr, ROWS: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """The whole-K GEMV over ROWS (2 or 4) rows of x a program: each step's words, scales and
+    zeros are loaded and (F16X2) dequantized once for all the rows, where the whole-K kernel
+    takes a program a row and loads and dequantizes them per row. Each row's sums are those of
+    the whole-K kernel, in its order (the same bits). Rows past M read row M - 1 and store
+    nothing. Layout and host conditions as _w4a16_gemv_whole_k_kernel's. An experiment
+    (KVFLEET_W4A16_GEMV=rows=R), not yet measured on a GPU."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF_KW: tl.constexpr = BLOCK_KW // 2
+    X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    m0 = tl.program_id(0) * ROWS
+    pid = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    qw_ptr += pid * stride_qb
+    s_ptr += pid * stride_sb
+    z_ptr += pid * stride_sb
+    kw = K // PER_WORD
+    n_steps = kw // BLOCK_KW
+    x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    # the rows' x (past M: row M - 1 again), as int64 quads (F16X2) or 16-bit pointers
+    r1 = tl.minimum(m0 + 1, M - 1)
+    r2 = tl.minimum(m0 + 2, M - 1)
+    r3 = tl.minimum(m0 + 3, M - 1)
+    x0 = x64 + m0 * (stride_xm // 4)
+    x1 = x64 + r1 * (stride_xm // 4)
+    x2 = x64 + r2 * (stride_xm // 4)
+    x3 = x64 + r3 * (stride_xm // 4)
+    acc0 = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    wa, wb, sc, z = _whole_k_weights(qw_ptr, s_ptr, z_ptr, 0, group_size, stride_qk, stride_sg,
+                                     cols, BLOCK_KW, PER_WORD)
+    pdl_wait(PDL)
+    q0 = _gemv_load_x(x0, 0, kw, BLOCK_KW, F16X2, True)
+    q1 = _gemv_load_x(x1, 0, kw, BLOCK_KW, F16X2, True)
+    q2 = q1
+    q3 = q1
+    if ROWS > 2:
+        q2 = _gemv_load_x(x2, 0, kw, BLOCK_KW, F16X2, True)
+        q3 = _gemv_load_x(x3, 0, kw, BLOCK_KW, F16X2, True)
+    for step in range(0, n_steps - 1):
+        na, nb, ns, nz = _whole_k_weights(qw_ptr, s_ptr, z_ptr, step + 1, group_size,
+                                          stride_qk, stride_sg, cols, BLOCK_KW, PER_WORD)
+        n0 = _gemv_load_x(x0, step + 1, kw, BLOCK_KW, F16X2, True)
+        n1 = _gemv_load_x(x1, step + 1, kw, BLOCK_KW, F16X2, True)
+        n2 = n1
+        n3 = n1
+        if ROWS > 2:
+            n2 = _gemv_load_x(x2, step + 1, kw, BLOCK_KW, F16X2, True)
+            n3 = _gemv_load_x(x3, step + 1, kw, BLOCK_KW, F16X2, True)
+        acc0, acc1, acc2, acc3 = _rows_step(acc0, acc1, acc2, acc3, wa, wb, sc, z, q0, q1, q2,
+                                            q3, step, x_ptr, stride_xm, m0, r1, r2, r3, kw,
+                                            BITS, BLOCK_KW, F16X2, X_BF16, ROWS)
+        wa, wb, sc, z = na, nb, ns, nz
+        q0, q1, q2, q3 = n0, n1, n2, n3
+    acc0, acc1, acc2, acc3 = _rows_step(acc0, acc1, acc2, acc3, wa, wb, sc, z, q0, q1, q2, q3,
+                                        n_steps - 1, x_ptr, stride_xm, m0, r1, r2, r3, kw,
+                                        BITS, BLOCK_KW, F16X2, X_BF16, ROWS)
+    scale: tl.constexpr = 16.0 if F16X2 else 1.0
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + m0 * N + offs_n, (tl.sum(acc0, axis=0) * scale).to(dtype))
+    tl.store(out_ptr + (m0 + 1) * N + offs_n, (tl.sum(acc1, axis=0) * scale).to(dtype),
+             mask=m0 + 1 + 0 * offs_n < M)
+    if ROWS > 2:
+        tl.store(out_ptr + (m0 + 2) * N + offs_n, (tl.sum(acc2, axis=0) * scale).to(dtype),
+                 mask=m0 + 2 + 0 * offs_n < M)
+        tl.store(out_ptr + (m0 + 3) * N + offs_n, (tl.sum(acc3, axis=0) * scale).to(dtype),
+                 mask=m0 + 3 + 0 * offs_n < M)
+
+
+@triton.jit
+def _rows_step(acc0, acc1, acc2, acc3, wa, wb, sc, z, q0, q1, q2, q3, step, x_ptr, stride_xm,
+               m0, r1, r2, r3, kw, BITS: tl.constexpr, BLOCK_KW: tl.constexpr,
+               F16X2: tl.constexpr, X_BF16: tl.constexpr, ROWS: tl.constexpr):
+    """One step of _w4a16_gemv_rows_kernel: the step's weights (dequantized once, F16X2) times
+    each row's x, scaled by each pair's group, into the rows' accumulators."""
+    if F16X2:
+        nza = _f16x2_splat(-64.0 - z * 0.0625)
+        nzb = _f16x2_splat(-4.0 - z * 0.0625)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _f16x2_dequant(wa, wb, nza, nzb)
+        acc0 += _f16x2_row_dot(w0, w1, w2, w3, w4, w5, w6, w7, *q0, X_BF16) * sc
+        acc1 += _f16x2_row_dot(w0, w1, w2, w3, w4, w5, w6, w7, *q1, X_BF16) * sc
+        if ROWS > 2:
+            acc2 += _f16x2_row_dot(w0, w1, w2, w3, w4, w5, w6, w7, *q2, X_BF16) * sc
+            acc3 += _f16x2_row_dot(w0, w1, w2, w3, w4, w5, w6, w7, *q3, X_BF16) * sc
+    else:     # the fp32 path loads x where it multiplies (q* are zeros)
+        acc0 += _word_pair_sums(wa, wb, z, *q0, step, x_ptr + m0 * stride_xm, kw, BITS,
+                                BLOCK_KW, False, X_BF16) * sc
+        acc1 += _word_pair_sums(wa, wb, z, *q1, step, x_ptr + r1 * stride_xm, kw, BITS,
+                                BLOCK_KW, False, X_BF16) * sc
+        if ROWS > 2:
+            acc2 += _word_pair_sums(wa, wb, z, *q2, step, x_ptr + r2 * stride_xm, kw, BITS,
+                                    BLOCK_KW, False, X_BF16) * sc
+            acc3 += _word_pair_sums(wa, wb, z, *q3, step, x_ptr + r3 * stride_xm, kw, BITS,
+                                    BLOCK_KW, False, X_BF16) * sc
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _whole_k_weights(qw_ptr, s_ptr, z_ptr, step, group_size, stride_qk, stride_sg, cols,
                      BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
     """A whole-K step's even and odd word rows (wa, wb) and each pair's scales and zeros (fp32,
@@ -587,9 +747,11 @@ def _num_sms(device: torch.device) -> int:
 @functools.cache
 def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
-    GEMV's tiles for experiments on a GPU, over pick_config's defaults."""
+    GEMV's tiles for experiments on a GPU, over pick_config's defaults. rows=2|4: 2-4 rows of x
+    (up to gemv_max_m()) take the whole-K GEMV with that many rows a program
+    (_w4a16_gemv_rows_kernel, every shape it tiles; maxnreg its register cap, default none)."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
-            "whole_k", "maxnreg")
+            "whole_k", "maxnreg", "rows")
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, _, number = item.partition("=")
@@ -597,7 +759,16 @@ def gemv_overrides(value: str) -> dict[str, int]:
             raise ValueError(f"KVFLEET_W4A16_GEMV: expected comma-separated key=integer with keys "
                              f"{', '.join(keys)}; got {item!r}")
         out[key] = int(number)
+    if out.get("rows", 1) not in (1, 2, 4):
+        raise ValueError(f"KVFLEET_W4A16_GEMV: rows must be 1, 2 or 4; got {out['rows']}")
     return out
+
+
+def _rows_tiles(n: int, k: int) -> tuple[int, int] | None:
+    """(block_n, block_k) of the several-rows GEMV on a weight in the checkpoint's layout."""
+    block_n = 16 if n % 16 == 0 else 0
+    block_k = next((b for b in (2048, 1024, 512) if k % b == 0), 0)
+    return (block_n, block_k) if block_n and block_k else None
 
 
 @functools.cache
@@ -615,6 +786,11 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     # was no faster) and 1, 2 or 4 warps alike: per layer 78 -> 61 us (qkv 12.7 -> 9.9,
     # o 10.9 -> 9.1, gate_up 34.5 -> 24.8, down 19.9 -> 16.4), 1.4-2.5 TB/s.
     over = gemv_overrides(overrides)
+    if (m > 1 and over.get("rows", 1) > 1 and bits == 4 and device.type == "cuda"
+            and (tiles := _rows_tiles(n, k))):
+        # the several-rows experiment (w4a16_gemm launches _w4a16_gemv_rows_kernel)
+        return GemmConfig(1, tiles[0], tiles[1], 1, 8, 1, whole_k=True,
+                          maxnreg=over.get("maxnreg", 0))
     if over.get("whole_k"):
         # WHOLE_K_TILES unless block_n / block_k / warps say otherwise; shapes it cannot tile
         # keep the split GEMV
@@ -857,6 +1033,21 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            scales.stride(1))
             else:
                 strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
+            over = gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
+            if m > 1 and over.get("rows", 1) > 1:     # the several-rows experiment
+                rows = 2 if m <= 2 else over["rows"]
+                # steps of at most 1024 rows for 4 rows of x (sm_90, 8 warps: 128 registers,
+                # 2 programs a SM; 2048-row steps took 178), 2048 for 2 (128)
+                block_k = over.get("block_k", min(cfg.block_k, 1024 if rows == 4 else 2048))
+                if k % block_k or block_k % (2 * per_word):
+                    block_k = cfg.block_k
+                _w4a16_gemv_rows_kernel[(triton.cdiv(m, rows), n // cfg.block_n)](
+                    x, qweight, scales, zeros, out, m, n, k, group_size, x.stride(0), *strides,
+                    BITS=bits, BLOCK_N=cfg.block_n, BLOCK_KW=block_k // per_word,
+                    F16X2=f16x2, ROWS=rows, num_warps=cfg.num_warps, num_stages=1,
+                    **({"maxnreg": over["maxnreg"]} if over.get("maxnreg") else {}),
+                    **pdl_args(x.device))
+                return out
             _w4a16_gemv_whole_k_kernel[(m, n // cfg.block_n)](
                 x, qweight, scales, zeros, out, n, k, group_size, x.stride(0), *strides,
                 BITS=bits, BLOCK_N=cfg.block_n,

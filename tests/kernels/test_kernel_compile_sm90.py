@@ -45,6 +45,11 @@ def _gemv_whole_k(x: str = "*bf16", pdl: bool = False) -> tuple:
             dict(BITS=4, BLOCK_N=16, BLOCK_KW=128, F16X2=True, PDL=pdl))
 
 
+def _gemv_rows(rows: int) -> tuple:
+    module, _, sig, constexprs = _gemv_whole_k()
+    return module, "_w4a16_gemv_rows_kernel", sig, constexprs | dict(ROWS=rows)
+
+
 def _rotary_and_cache(cache: str, pdl: bool = False) -> tuple:
     sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
            "q_out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
@@ -310,3 +315,19 @@ def test_fp8_decode_reads_a_token_major_v_without_byte_loads() -> None:
               if line.startswith(("rows", "token-major"))}
     assert counts[("rows", "False")] > 0 and counts[("rows", "True")] > 0, out
     assert counts[("token-major", "False")] == 0 == counts[("token-major", "True")], out
+
+
+@pytest.mark.slow
+def test_several_rows_a_program_dequantize_once():
+    # KVFLEET_W4A16_GEMV=rows=R: the words' fp16x2 dequantization (lop3) once for the R rows,
+    # a row's products (one mul.rn.f16x2 a word pair, then fmas) per row
+    out = _compile_in_child(
+        "for name, spec in (('one', t._gemv_whole_k()), ('rows2', t._gemv_rows(2)),\n"
+        "                   ('rows4', t._gemv_rows(4))):\n"
+        "    ptx = t.compile_for_sm90(*spec)\n"
+        "    print(name, ptx.count('lop3.b32'), ptx.count('mul.rn.f16x2'))\n")
+    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in out.splitlines()
+              if line.startswith(("one", "rows"))}
+    lop3, mul = counts["one"]
+    assert lop3 > 0 and mul > 0, out
+    assert counts["rows2"] == (lop3, 2 * mul) and counts["rows4"] == (lop3, 4 * mul), out

@@ -130,6 +130,45 @@ def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n
                                                             zeros, bits, group_size, cfg))
 
 
+@pytest.mark.parametrize("rows, m", [(2, 2), (2, 3), (4, 3), (4, 4), (4, 7)])
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_several_rows_a_program_give_the_whole_k_gemvs_bits(monkeypatch, rows, m, blocked, dtype):
+    # KVFLEET_W4A16_GEMV=rows=R (an experiment): R rows of x a program, each step's weights
+    # loaded once for them; every row as the one-row whole-K GEMV computes it, bit for bit
+    # (rows past M masked: 3 rows in programs of 2 and 4, 7 in two programs of 4)
+    qweight, scales, zeros = _layer(512, 64, 4, 64, seed=m + rows)
+    x = torch.randn(m, 512).to(dtype)
+    scales, zeros = scales.to(dtype), zeros.to(dtype)
+    if blocked:
+        qweight, scales, zeros = (block_columns(t, 16) for t in (qweight, scales, zeros))
+    cfg = GemmConfig(1, 16, 128, 1, 4, 1, whole_k=True)
+    one_row = w4a16_gemm(x, qweight, scales, zeros, 4, 64, cfg)
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", f"rows={rows}")
+    out = torch.full_like(one_row, float("nan"))
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, 64, cfg)
+    assert torch.equal(out, one_row)
+    ref = w4a16_gemm_ref(x.float(), *(unblock_columns(t) if blocked else t
+                                      for t in (qweight, scales, zeros)), 4, 64)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+
+
+def test_several_rows_setting(monkeypatch):
+    # rows=R picks the whole-K GEMV for 2-4 rows on a GPU, at any N it tiles (gate_up's too);
+    # batch 1 and the interpreter keep their defaults; R is 1, 2 or 4
+    from kvfleet_kernels import w4a16
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(w4a16, "_num_sms", lambda device: 132)
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "rows=4")
+    assert w4a16._gemv_config(4, 28672, 4096, 128, cuda, "rows=4") == GemmConfig(
+        1, 16, 2048, 1, 8, 1, whole_k=True)
+    assert not w4a16._gemv_config(1, 28672, 4096, 128, cuda, "rows=4").whole_k
+    assert not pick_config(4, 28672, 4096, 128, torch.device("cpu")).whole_k
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "rows=3")
+    with pytest.raises(ValueError, match="rows must be 1, 2 or 4; got 3"):
+        pick_config(4, 4096, 4096, 128, torch.device("cpu"))
+
+
 def test_gemv_rows_from_the_environment(monkeypatch):
     # KVFLEET_W4A16_GEMV_MAX_M: the GEMV kernels (a program a row) up to that many rows
     from kvfleet_kernels.w4a16 import gemv_max_m

@@ -137,6 +137,34 @@ def test_w4a16_gemv_f16x2_matches_the_fp32_path_and_the_reference(k, n, group_si
                                                             zeros, 4, group_size, one))
 
 
+@pytest.mark.parametrize("setting, m", [(2, 2), (4, 3), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k, n, blocked", [(4096, 6144, True), (14336, 4096, True),
+                                           (4096, 28672, False)])     # qkv, down, gate_up
+def test_w4a16_several_rows_a_program_give_the_one_row_bits(setting, m, dtype, k, n, blocked,
+                                                            monkeypatch):
+    # KVFLEET_W4A16_GEMV=rows=R (an experiment): the fp16x2 dequantization once for R rows of
+    # x; each row the one-row whole-K GEMV's bits at the same steps (1024 rows for 4 rows of x,
+    # 2048 for 2), near the reference
+    qweight, scales, zeros = random_layer(k, n, 4, 128, seed=k + n + m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    x[:, :: k // 4] = torch.tensor([3000.0, -2000.0, 500.0, -4000.0], dtype=dtype)
+    ref = w4a16_gemm_ref(x.float(), qweight, scales, zeros, 4, 128)
+    if blocked:
+        qweight, scales, zeros = (block_columns(t, 16) for t in (qweight, scales, zeros))
+    step = 1024 if m > 2 else 2048
+    one = torch.cat([w4a16_gemm(x[r:r + 1], qweight, scales, zeros, 4, 128,
+                                GemmConfig(1, 16, step, 1, 8, 1, whole_k=True))
+                     for r in range(m)])
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", f"rows={setting}")
+    cfg = pick_config(m, n, k, 128, x.device) if not blocked else GemmConfig(
+        1, 16, 2048, 1, 8, 1, whole_k=True)     # a blocked layer passes its whole-K config
+    assert cfg.whole_k and cfg.block_n == 16
+    out = w4a16_gemm(x, qweight, scales, zeros, 4, 128, cfg)
+    assert torch.equal(out, one)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 5e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k, n, block_k, block_n, warps", [(4096, 6144, 1024, 16, 8),
                                                            (14336, 4096, 1024, 16, 8),
