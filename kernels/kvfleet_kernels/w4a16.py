@@ -492,14 +492,8 @@ def _w4a16_gemv_whole_k_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     m = tl.program_id(0)      # a column block's rows are neighbouring programs
-    pid = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    qw_ptr += pid * stride_qb
-    s_ptr += pid * stride_sb
-    z_ptr += pid * stride_sb
-    kw = K // PER_WORD
-    n_steps = kw // BLOCK_KW
+    offs_n, cols, qw_ptr, s_ptr, z_ptr, kw, n_steps = _whole_k_block(
+        qw_ptr, s_ptr, z_ptr, K, stride_qb, stride_sb, BLOCK_N, BLOCK_KW, PER_WORD)
     x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + m * (stride_xm // 4)
     x_ptr += m * stride_xm
     acc = tl.zeros((HALF_KW, BLOCK_N), dtype=tl.float32)
@@ -539,14 +533,8 @@ def _w4a16_gemv_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     m0 = tl.program_id(0) * ROWS
-    pid = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    qw_ptr += pid * stride_qb
-    s_ptr += pid * stride_sb
-    z_ptr += pid * stride_sb
-    kw = K // PER_WORD
-    n_steps = kw // BLOCK_KW
+    offs_n, cols, qw_ptr, s_ptr, z_ptr, kw, n_steps = _whole_k_block(
+        qw_ptr, s_ptr, z_ptr, K, stride_qb, stride_sb, BLOCK_N, BLOCK_KW, PER_WORD)
     x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     # the rows' x (past M: row M - 1 again), as int64 quads (F16X2) or 16-bit pointers
     r1 = tl.minimum(m0 + 1, M - 1)
@@ -626,6 +614,19 @@ def _rows_step(acc0, acc1, acc2, acc3, wa, wb, sc, z, q0, q1, q2, q3, step, x_pt
             acc3 += _word_pair_sums(wa, wb, z, *q3, step, x_ptr + r3 * stride_xm, kw, BITS,
                                     BLOCK_KW, False, X_BF16) * sc
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _whole_k_block(qw_ptr, s_ptr, z_ptr, K, stride_qb, stride_sb, BLOCK_N: tl.constexpr,
+                   BLOCK_KW: tl.constexpr, PER_WORD: tl.constexpr):
+    """A whole-K program's column block (program id 1): its output columns, its columns within
+    the block (for _whole_k_weights), the block's qweight, scales and zeros, the word rows and
+    the steps over them."""
+    pid = tl.program_id(1)
+    kw = K // PER_WORD
+    return (pid * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_N)[None, :],
+            qw_ptr + pid * stride_qb, s_ptr + pid * stride_sb, z_ptr + pid * stride_sb, kw,
+            kw // BLOCK_KW)
 
 
 @triton.jit
