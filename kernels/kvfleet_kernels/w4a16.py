@@ -1034,8 +1034,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            scales.stride(1))
             else:
                 strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
-            over = gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
-            if m > 1 and over.get("rows", 1) > 1:     # the several-rows experiment
+            if m > 1 and (over := gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))).get(
+                    "rows", 1) > 1:     # the several-rows experiment (batch 1 reads no setting)
                 rows = 2 if m <= 2 else over["rows"]
                 # steps of at most 1024 rows for 4 rows of x (sm_90, 8 warps: 128 registers,
                 # 2 programs a SM; 2048-row steps took 178), 2048 for 2 (128)
