@@ -142,52 +142,52 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
 # 1024 + 16q for the high nibble of a byte) and one fp16x2 fma per pair takes them to
 # (q - z) / 16, exactly. x arrives as the matching pairs (x_j, x_j+4) in fp16; the products of
 # two words (16 rows) are summed in fp16x2, then once in fp32 (x 16 and the scale outside).
-_F16X2_TWO_WORDS = tl.constexpr("""
-{
-.reg .b32 s, t0, t1, t2, t3, acc, k16, k256;
-.reg .b16 lo, hi, h;
+def _dequant_word(word: str, t: tuple[str, str, str, str], nza: str, nzb: str) -> str:
+    """PTX turning 4-bit word `word` into four fp16x2 (q - z) / 16 in registers t (s, k16 and
+    k256 declared and set by the caller)."""
+    return f"""
+shr.u32 s, {word}, 8;
+lop3.b32 {t[0]}, {word}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 {t[1]}, {word}, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 {t[2]}, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 {t[3]}, s, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 {t[0]}, {t[0]}, k16, {nza};
+fma.rn.f16x2 {t[1]}, {t[1]}, k256, {nzb};
+fma.rn.f16x2 {t[2]}, {t[2]}, k16, {nza};
+fma.rn.f16x2 {t[3]}, {t[3]}, k256, {nzb};
+"""
+
+
+_DEQUANT_CONSTANTS = """
 mov.b32 k16, 0x2C002C00;
 mov.b32 k256, 0x1C001C00;
-""" + "".join(f"""
-shr.u32 s, ${w}, 8;
-lop3.b32 t0, ${w}, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 t1, ${w}, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t0, t0, k16, $11;
-fma.rn.f16x2 t1, t1, k256, $12;
-fma.rn.f16x2 t2, t2, k16, $11;
-fma.rn.f16x2 t3, t3, k256, $12;
-{"mul.rn.f16x2 acc, t0, $3;" if w == 1 else "fma.rn.f16x2 acc, t0, $7, acc;"}
-fma.rn.f16x2 acc, t1, ${4 if w == 1 else 8}, acc;
-fma.rn.f16x2 acc, t2, ${5 if w == 1 else 9}, acc;
-fma.rn.f16x2 acc, t3, ${6 if w == 1 else 10}, acc;
-""" for w in (1, 2)) + """
+"""
+# the pair sum in fp16, widened to fp32 output $0
+_PAIR_SUM = """
 mov.b32 {lo, hi}, acc;
 add.rn.f16 h, lo, hi;
 cvt.f32.f16 $0, h;
 }
-""")
+"""
+_T = ("t0", "t1", "t2", "t3")
+_F16X2_TWO_WORDS = tl.constexpr("""
+{
+.reg .b32 s, t0, t1, t2, t3, acc, k16, k256;
+.reg .b16 lo, hi, h;""" + _DEQUANT_CONSTANTS + "".join(_dequant_word(f"${w}", _T, "$11", "$12") + f"""\
+{"mul.rn.f16x2 acc, t0, $3;" if w == 1 else "fma.rn.f16x2 acc, t0, $7, acc;"}
+fma.rn.f16x2 acc, t1, ${4 if w == 1 else 8}, acc;
+fma.rn.f16x2 acc, t2, ${5 if w == 1 else 9}, acc;
+fma.rn.f16x2 acc, t3, ${6 if w == 1 else 10}, acc;
+""" for w in (1, 2)) + _PAIR_SUM)
 _F16X2_TWO_WORDS_CONSTRAINTS = tl.constexpr("=f" + ",r" * 12)
 # _F16X2_TWO_WORDS in two halves, for several rows of x over one load of the weights: the
 # dequantization of words $8 (a), $9 (b) into four fp16x2 (q - z) / 16 each ($0-$3, $4-$7;
 # nza $10, nzb $11), then a row's products, summed in the same order (the same bits)
 _F16X2_DEQUANT = tl.constexpr("""
 {
-.reg .b32 s, k16, k256;
-mov.b32 k16, 0x2C002C00;
-mov.b32 k256, 0x1C001C00;
-""" + "".join(f"""
-shr.u32 s, ${w}, 8;
-lop3.b32 ${o}, ${w}, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 ${o + 1}, ${w}, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 ${o + 2}, s, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 ${o + 3}, s, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 ${o}, ${o}, k16, $10;
-fma.rn.f16x2 ${o + 1}, ${o + 1}, k256, $11;
-fma.rn.f16x2 ${o + 2}, ${o + 2}, k16, $10;
-fma.rn.f16x2 ${o + 3}, ${o + 3}, k256, $11;
-""" for w, o in ((8, 0), (9, 4))) + """
+.reg .b32 s, k16, k256;""" + _DEQUANT_CONSTANTS + "".join(
+    _dequant_word(f"${w}", tuple(f"${o + i}" for i in range(4)), "$10", "$11")
+    for w, o in ((8, 0), (9, 4))) + """
 }
 """)
 _F16X2_DOT = tl.constexpr("""
@@ -195,12 +195,7 @@ _F16X2_DOT = tl.constexpr("""
 .reg .b32 acc;
 .reg .b16 lo, hi, h;
 mul.rn.f16x2 acc, $1, $9;
-""" + "".join(f"fma.rn.f16x2 acc, ${i}, ${i + 8}, acc;\n" for i in range(2, 9)) + """
-mov.b32 {lo, hi}, acc;
-add.rn.f16 h, lo, hi;
-cvt.f32.f16 $0, h;
-}
-""")
+""" + "".join(f"fma.rn.f16x2 acc, ${i}, ${i + 8}, acc;\n" for i in range(2, 9)) + _PAIR_SUM)
 _BF16_PAIRS = tl.constexpr("""
 {
 .reg .b32 a0, a1, b0, b1, c0, c1, d0, d1;
