@@ -11,7 +11,8 @@ Prefill: Triton prefill kernel vs the reference vs causal SDPA (flash) on fresh 
 prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
 --sweep also times each tile configuration of both kernels and prints the fastest
 (decode-short: a wider grid over many short contexts; decode-stages: those batches through
-deeper pipelines, 2-5 stages, on one or two warps).
+deeper pipelines, 2-5 stages, on one or two warps; prefill-engine: the prefill tiles on the
+engine's own chunks: 16 x 1000, 1 x 2048, 128 x 128 fresh prompts).
 --kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
 V is laid out as the engine lays it (token-major in an fp8 cache: paged_attention.token_major_v);
 --v-rows keeps every cache's V in [block, key, head, dim] rows (the layout before the twentieth
@@ -227,6 +228,18 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
             _print_best(f"prefill {_short(q_lens)}", results,
                         default_prefill(4, block_size, True, kv_fp8))
             pa.prefill_config = default_prefill
+        # the engine's prefill chunks: 1000/1000's (16 fresh 1000-token prompts), the TTFT row's
+        # 2048 tokens, 128/128's (128 prompts of 128)
+        for q_lens in ([[1000] * 16, [2048], [128] * 128] if which == "prefill-engine" else []):
+            b = batch(q_lens, q_lens, dtype, block_size, 3, kv_fp8)
+            results = _time_configs(b, [
+                pa.TileConfig(block_m, block_n, warps, stages, k_by_rows=True, dot_fp16=kv_fp8)
+                for block_m, block_n, warps, stages in itertools.product(
+                    [64, 128], [32, 64, 128], [4, 8], [2, 3, 4])], "prefill_config")
+            flops = causal_flops(q_lens, q_lens)
+            _print_best(f"prefill-engine {_short(q_lens)} ({flops / 1e12:.3f} TFLOP)", results,
+                        default_prefill(4, block_size, True, kv_fp8))
+            pa.prefill_config = default_prefill
     finally:
         pa.decode_config, pa.prefill_config = default_decode, default_prefill
         pa._PROGRAMS_PER_SM = default_per_sm
@@ -237,7 +250,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64])
     parser.add_argument("--sweep", nargs="?", const="all",
-                        choices=["all", "decode", "decode-short", "decode-stages", "prefill"],
+                        choices=["all", "decode", "decode-short", "decode-stages", "prefill",
+                                 "prefill-engine"],
                         help="also time every tile configuration (of one kernel, or all)")
     parser.add_argument("--no-tables", action="store_true", help="only the sweep")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
