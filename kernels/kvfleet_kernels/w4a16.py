@@ -522,8 +522,8 @@ def _w4a16_gemv_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group
     zeros are loaded and (F16X2) dequantized once for all the rows, where the whole-K kernel
     takes a program a row and loads and dequantizes them per row. Each row's sums are those of
     the whole-K kernel, in its order (the same bits). Rows past M read row M - 1 and store
-    nothing. Layout and host conditions as _w4a16_gemv_whole_k_kernel's. An experiment
-    (KVFLEET_W4A16_GEMV=rows=R), not yet measured on a GPU."""
+    nothing. Layout and host conditions as _w4a16_gemv_whole_k_kernel's. w4a16_gemm runs it
+    wherever 2-4 rows take the whole-K GEMV (gemv_rows)."""
     PER_WORD: tl.constexpr = 32 // BITS
     HALF_KW: tl.constexpr = BLOCK_KW // 2
     X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
@@ -743,9 +743,10 @@ def _num_sms(device: torch.device) -> int:
 @functools.cache
 def gemv_overrides(value: str) -> dict[str, int]:
     """KVFLEET_W4A16_GEMV (e.g. "prefetch=0,warps_per_sm=16,warps=2,block_k=64"): the batch-1
-    GEMV's tiles for experiments on a GPU, over pick_config's defaults. rows=2|4: 2-4 rows of x
-    (up to gemv_max_m()) take the whole-K GEMV with that many rows a program
-    (_w4a16_gemv_rows_kernel, every shape it tiles; maxnreg its register cap, default none)."""
+    GEMV's tiles for experiments on a GPU, over pick_config's defaults. rows=1|2|4: that many
+    rows of x a whole-K GEMV program (_w4a16_gemv_rows_kernel; default GEMV_ROWS, where the
+    whole-K GEMV serves); set, 2-4 rows of x (up to gemv_max_m()) take the whole-K GEMV at
+    every shape it tiles (gate_up's too; maxnreg its register cap, default none)."""
     keys = ("prefetch", "warps_per_sm", "tiles_per_slice", "warps", "block_n", "block_k",
             "whole_k", "maxnreg", "rows")
     out: dict[str, int] = {}
@@ -758,6 +759,22 @@ def gemv_overrides(value: str) -> dict[str, int]:
     if out.get("rows", 1) not in (1, 2, 4):
         raise ValueError(f"KVFLEET_W4A16_GEMV: rows must be 1, 2 or 4; got {out['rows']}")
     return out
+
+
+# Rows of x a program of the whole-K GEMV takes where 2-4 rows run it (qkv, o and down of the
+# 8B layer; gate_up keeps the split GEMV, a program a row). On the H200 (bench_w4a16.py --m 2 4,
+# commit bee63a9, the checkpoint's layout, us): 2 rows qkv 11.5 -> 10.9, o 9.1 -> 6.8, down
+# 20.4 -> 14.5; 4 rows (two programs of 2) qkv 21.4 -> 18.0, o 16.4 -> 12.0, down 38.1 -> 25.7;
+# 4 rows a program lost to 2 at 4 rows (qkv 22.0, o 14.8, down 32.6: 1024-row steps) and on
+# gate_up either (2 rows 40.8, 4 rows 99.2 against the split GEMV's 33.6 and 59.3)
+# (docs/PERFORMANCE.md, twenty-first session). KVFLEET_W4A16_GEMV=rows=1 a program a row.
+GEMV_ROWS = 2
+
+
+def gemv_rows(over: dict[str, int]) -> int:
+    """Rows of x a whole-K GEMV program takes at 2+ rows: KVFLEET_W4A16_GEMV's rows=, else
+    GEMV_ROWS."""
+    return over.get("rows", GEMV_ROWS)
 
 
 def _rows_tiles(n: int, k: int) -> tuple[int, int] | None:
@@ -784,7 +801,8 @@ def _gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device,
     over = gemv_overrides(overrides)
     if (m > 1 and over.get("rows", 1) > 1 and bits == 4 and device.type == "cuda"
             and (tiles := _rows_tiles(n, k))):
-        # the several-rows experiment (w4a16_gemm launches _w4a16_gemv_rows_kernel)
+        # rows= set: every shape it tiles takes the whole-K GEMV (w4a16_gemm launches
+        # _w4a16_gemv_rows_kernel)
         return GemmConfig(1, tiles[0], tiles[1], 1, 8, 1, whole_k=True,
                           maxnreg=over.get("maxnreg", 0))
     if over.get("whole_k"):
@@ -1029,9 +1047,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            scales.stride(1))
             else:
                 strides = (cfg.block_n, qweight.stride(0), cfg.block_n, scales.stride(0))
-            if m > 1 and (over := gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))).get(
-                    "rows", 1) > 1:     # the several-rows experiment (batch 1 reads no setting)
-                rows = 2 if m <= 2 else over["rows"]
+            if m > 1 and (rows := gemv_rows(over := gemv_overrides(
+                    os.environ.get("KVFLEET_W4A16_GEMV", "")))) > 1:   # (batch 1 reads no setting)
+                rows = min(rows, 2 if m <= 2 else 4)
                 # steps of at most 1024 rows for 4 rows of x (sm_90, 8 warps: 128 registers,
                 # 2 programs a SM; 2048-row steps took 178), 2048 for 2 (128)
                 block_k = over.get("block_k", min(cfg.block_k, 1024 if rows == 4 else 2048))

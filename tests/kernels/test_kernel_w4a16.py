@@ -134,15 +134,16 @@ def test_whole_k_gemv_matches_reference(bits, group_size, k, n, block_k, block_n
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_several_rows_a_program_give_the_whole_k_gemvs_bits(monkeypatch, rows, m, blocked, dtype):
-    # KVFLEET_W4A16_GEMV=rows=R (an experiment): R rows of x a program, each step's weights
-    # loaded once for them; every row as the one-row whole-K GEMV computes it, bit for bit
-    # (rows past M masked: 3 rows in programs of 2 and 4, 7 in two programs of 4)
+    # KVFLEET_W4A16_GEMV=rows=R: R rows of x a program, each step's weights loaded once for
+    # them; every row as the one-row whole-K GEMV computes it, bit for bit (rows past M
+    # masked: 3 rows in programs of 2 and 4, 7 in two programs of 4)
     qweight, scales, zeros = _layer(512, 64, 4, 64, seed=m + rows)
     x = torch.randn(m, 512).to(dtype)
     scales, zeros = scales.to(dtype), zeros.to(dtype)
     if blocked:
         qweight, scales, zeros = (block_columns(t, 16) for t in (qweight, scales, zeros))
     cfg = GemmConfig(1, 16, 128, 1, 4, 1, whole_k=True)
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", "rows=1")
     one_row = w4a16_gemm(x, qweight, scales, zeros, 4, 64, cfg)
     monkeypatch.setenv("KVFLEET_W4A16_GEMV", f"rows={rows}")
     out = torch.full_like(one_row, float("nan"))
@@ -151,6 +152,34 @@ def test_several_rows_a_program_give_the_whole_k_gemvs_bits(monkeypatch, rows, m
     ref = w4a16_gemm_ref(x.float(), *(unblock_columns(t) if blocked else t
                                       for t in (qweight, scales, zeros)), 4, 64)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2e-3)
+
+
+@pytest.mark.parametrize("setting, programs", [("", 2), ("rows=2", 2), ("rows=4", 1),
+                                               ("rows=1", 0)])
+def test_two_to_four_rows_take_two_rows_a_program_by_default(monkeypatch, setting, programs):
+    # where 2-4 rows run the whole-K GEMV, its programs take GEMV_ROWS = 2 rows of x each
+    # unless rows= says otherwise (rows=1: the one-row kernel, a program a row); same bits
+    from kvfleet_kernels import w4a16
+    launched = []
+    real = w4a16._w4a16_gemv_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    qweight, scales, zeros = _layer(512, 64, 4, 64, seed=5)
+    x = torch.randn(3, 512)
+    cfg = GemmConfig(1, 16, 128, 1, 4, 1, whole_k=True)
+    one_row = torch.cat([w4a16_gemm(x[r:r + 1], qweight, scales, zeros, 4, 64, cfg)
+                         for r in range(3)])
+    monkeypatch.setattr(w4a16, "_w4a16_gemv_rows_kernel", Spy())
+    monkeypatch.setenv("KVFLEET_W4A16_GEMV", setting)
+    assert torch.equal(w4a16_gemm(x, qweight, scales, zeros, 4, 64, cfg), one_row)
+    assert launched == ([(programs, 4)] if programs else [])
+    # batch 1 never takes it
+    w4a16_gemm(x[:1], qweight, scales, zeros, 4, 64, cfg)
+    assert len(launched) == (1 if programs else 0)
 
 
 def test_several_rows_setting(monkeypatch):
