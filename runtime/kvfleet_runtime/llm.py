@@ -49,18 +49,33 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts; give one or one per prompt")
+        engine = self.engine
+        # every prompt checked before any is queued: a bad one raises with nothing running
+        prompt_ids = [engine.check_request(p, sp) for p, sp in zip(prompts, sampling_params,
+                                                                   strict=True)]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-                self.engine.add_request(rid, prompt, params, final_only=True)
-                added.append(rid)
-        except ValueError:
-            self.engine.abort_request(added)
-            raise
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+        # the first step is launched once the queue holds more than it can take, and the rest
+        # are queued while it runs: the GPU does not wait for the whole batch's host set-up
+        # (~0.1 ms a request of 128 tokens). Where no prompt hits the prefix cache, that step
+        # takes the requests it would take from the whole queue (FCFS, stopped by its token
+        # budget or max_num_seqs before the queue runs out).
+        sched = engine.scheduler
+        tokens = seqs = 0
+        started = False
+        for rid, prompt, params, ids_ in zip(ids, prompts, sampling_params, prompt_ids,
+                                             strict=True):
+            engine.add_request(rid, prompt, params, final_only=True, prompt_ids=ids_)
+            tokens += len(ids_)      # n > 1: the samples after the first find the prompt cached
+            seqs += params.n
+            if not started and (tokens > sched.max_num_batched_tokens
+                                or seqs >= sched.max_num_seqs):
+                started = True
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        while engine.has_unfinished_requests():
+            for out in engine.step():
                 if out.finished:
                     results[out.request_id] = out
         return [results[rid] for rid in ids]

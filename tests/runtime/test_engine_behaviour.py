@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -106,6 +107,81 @@ def test_prompt_too_long_names_the_lengths(llm):
     with pytest.raises(ValueError, match=r"maximum context length is 1024.*1000 in the prompt, 100"):
         llm.generate([[5] * 1000], SamplingParams(max_tokens=100))
     assert _all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("bad, named", [([5, 2.0, 7], "2.0"), ([5, 10 ** 9], str(10 ** 9)),
+                                         ([-1, 4], "-1"), ([5, 2 ** 70], str(2 ** 70)),
+                                         ([5, "7"], "'7'")])
+def test_bad_prompt_token_ids_are_named_and_nothing_is_queued(llm, bad, named):
+    # the batch's good prompt before the bad one is not queued either (every prompt is checked
+    # before the first is added)
+    with pytest.raises(ValueError, match=rf"prompt token ids must be integers in \[0, \d+\); "
+                                         rf"got \[{re.escape(named)}\]"):
+        llm.generate([[3, 4, 5], bad], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests() and _all_blocks_free(llm.engine)
+
+
+def test_prompt_token_ids_of_any_integer_type_give_python_ints(llm):
+    import numpy as np
+    ids = [7, 99, 1234, 5]
+    engine = llm.engine
+    for prompt in (ids, np.array(ids, dtype=np.int64), torch.tensor(ids), tuple(ids)):
+        got = engine.tokenize(prompt)
+        assert got == ids and all(type(t) is int for t in got)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    assert (llm.generate([np.array(ids)], greedy)[0].outputs[0].token_ids
+            == llm.generate([ids], greedy)[0].outputs[0].token_ids)
+
+
+def test_generate_launches_its_first_step_before_queueing_the_rest(llama_dir, monkeypatch):
+    # the first step starts once the queue holds more prompt tokens than a step takes, and
+    # schedules exactly what it would schedule from the whole batch queued up front
+    prompts = [[(i * 31 + j * 7) % 3000 + 3 for j in range(20)] for i in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    firsts, events = [], []
+    for mode in (True, False):
+        llm = LLM(model=llama_dir, max_num_seqs=16, num_gpu_blocks=64, async_scheduling=mode,
+                  max_num_batched_tokens=64)
+        engine = llm.engine
+        real_schedule, real_add, real_step = (engine.scheduler.schedule, engine.add_request,
+                                              engine.step)
+        schedules = []
+
+        def schedule(real_schedule=real_schedule, schedules=schedules):
+            out = real_schedule()
+            schedules.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+            return out
+
+        def add(*a, real_add=real_add, **k):
+            events.append("add")
+            return real_add(*a, **k)
+
+        def step(real_step=real_step):
+            events.append("step")
+            return real_step()
+
+        monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+        monkeypatch.setattr(engine, "add_request", add)
+        monkeypatch.setattr(engine, "step", step)
+        outs = llm.generate(prompts, greedy)
+        assert events[:5] == ["add"] * 4 + ["step"] and events[5:11] == ["add"] * 6  # 80 > 64
+        firsts.append(schedules[0])
+        # the whole batch queued before any step (as generate did before): the same first step
+        events.clear()
+        monkeypatch.setattr(engine, "add_request", real_add)
+        schedules.clear()
+        engine.kv.block_pool.reset_prefix_cache()       # (the prompts computed again)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"whole-{i}", p, greedy, final_only=True)
+        whole = {}
+        while engine.has_unfinished_requests():
+            for o in real_step():
+                whole[o.request_id] = o.outputs[0].token_ids
+        assert [(rid.replace("whole", "offline"), n) for rid, n in schedules[0]] == [
+            (f"offline-{i}", n) for i, (_, n) in enumerate(firsts[-1])]
+        assert [o.outputs[0].token_ids for o in outs] == [whole[f"whole-{i}"]
+                                                           for i in range(len(prompts))]
+    assert firsts[0] == firsts[1] and sum(n for _, n in firsts[0]) == 64
 
 
 def test_bad_llm_arguments_name_the_argument(llama_dir):

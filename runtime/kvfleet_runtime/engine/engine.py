@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +24,24 @@ from kvfleet_runtime.request import Request, RequestStatus
 from kvfleet_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def _token_ids(prompt: Iterable[int], vocab: int) -> list[int]:
+    """A prompt given as token ids -> a list of Python ints, each checked to be in [0, vocab).
+    The common case runs in C (array('q'), min, max: ~10x faster than a Python check a token on
+    1000-token prompts, host time during which an offline batch's GPU still waits); anything
+    else falls back to the check a token, which names the offending ids."""
+    try:
+        ids = array("q", prompt)
+    except (TypeError, OverflowError, ValueError):
+        ids = None
+    if ids is not None and (not ids or (min(ids) >= 0 and max(ids) < vocab)):
+        return ids.tolist()
+    ids = list(prompt)
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+    return ids
 
 
 class LLMEngine:
@@ -98,22 +117,28 @@ class LLMEngine:
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt).input_ids
         else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+            ids = _token_ids(prompt, self.model_config.vocab_size)
         if not ids:
             raise ValueError("prompt must not be empty")
         return ids
 
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, after the checks add_request makes (a ValueError names what
+        is wrong); nothing is queued and params is not changed."""
+        prompt_ids = self.tokenize(prompt)
+        self._check_lengths(len(prompt_ids), params.clone())
+        return prompt_ids
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, final_only: bool = False) -> None:
+                    arrival_time: float | None = None, final_only: bool = False,
+                    prompt_ids: list[int] | None = None) -> None:
         """Queue a request. final_only: step() returns its output once, when it finishes
-        (offline generate; as vLLM's FINAL_ONLY), not after every token."""
+        (offline generate; as vLLM's FINAL_ONLY), not after every token. prompt_ids:
+        check_request's result for this prompt (not tokenized again)."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = self.tokenize(prompt)
+        if prompt_ids is None:
+            prompt_ids = self.tokenize(prompt)
         params = params.clone()
         self._check_lengths(len(prompt_ids), params)
         params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
