@@ -63,17 +63,23 @@ class LLM:
         sched = engine.scheduler
         tokens = seqs = 0
         started = False
-        for rid, prompt, params, ids_ in zip(ids, prompts, sampling_params, prompt_ids,
-                                             strict=True):
-            engine.add_request(rid, prompt, params, final_only=True, prompt_ids=ids_)
-            tokens += len(ids_)      # n > 1: the samples after the first find the prompt cached
-            seqs += params.n
-            if not started and (tokens > sched.max_num_batched_tokens
-                                or seqs >= sched.max_num_seqs):
-                started = True
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
+        added = []
+        try:
+            for rid, prompt, params, ids_ in zip(ids, prompts, sampling_params, prompt_ids,
+                                                 strict=True):
+                engine.add_request(rid, prompt, params, final_only=True, prompt_ids=ids_)
+                added.append(rid)
+                tokens += len(ids_)  # n > 1: the samples after the first find the prompt cached
+                seqs += params.n
+                if not started and (tokens > sched.max_num_batched_tokens
+                                    or seqs >= sched.max_num_seqs):
+                    started = True
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+        except ValueError:
+            engine.abort_request(added)
+            raise
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
