@@ -34,6 +34,21 @@ def test_rows_are_written_to_the_json(tmp_path, capsys):
     assert "[profile batch 2 x 1000] decode: 32 step(s) at batch 2->2" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_tp1000_half_runs_half_the_prompts_at_most(tmp_path):
+    # 3 prompts of 1000 in / 1000 out at most 2 running (of the engine's 4): two waves, 2 then 1
+    model = make_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
+    out = tmp_path / "rows.json"
+    assert suite.main(["--model", str(model), "--rows", "tp1000-half", "--num-prompts", "3",
+                       "--max-num-seqs", "4", "--max-model-len", "2048", "--dtype", "float32",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["row"] == "tp1000-seqs2" and row["max_num_seqs"] == 2
+    assert row["num_prompts"] == 3 and row["output_len"] == 1000
+    # the third prompt waits for a free place: ~1000 steps of the first two, ~1000 of it alone
+    assert row["steps"] >= 2000
+
+
 def test_unknown_rows_are_refused(capsys):
     with pytest.raises(SystemExit):
         suite.main(["--model", "unused", "--rows", "bs1,tp9999"])

@@ -14,6 +14,9 @@ Rows, each what `kvfleet bench latency|throughput` prints for the same flags:
   tp1000     throughput 1000 in / 1000 out, at most 256 running sequences
   tp1000-max the same with the engine's own --max-num-seqs (then the KV cache, not the
              admission limit, bounds how many run: the scheduler preempts when blocks run out)
+  tp1000-half the same with half the prompts running at most (the engine's --max-num-seqs at
+             most): two even waves where the KV cache holds only about half at full length
+             (1000/1000 on one H200: ~886 a time, 1000 running leaves a ~114-sequence tail)
   profile-max  `--profile` of a decode batch of the engine's own --max-num-seqs x 128 in
   profile-1000 `--profile` of a decode batch at 1000/1000's contexts: as many 1000-token
              prompts as the KV cache holds at 2000 tokens each (at most --max-num-seqs)
@@ -37,7 +40,7 @@ from kvfleet_runtime.engine.gc_tuning import tune_gc
 from kvfleet_runtime.server.cli import add_engine_args, engine_config_from_args
 
 ROWS = ("bs1", "bs4", "bs16", "ttft", "profile", "profile-max", "profile-1000", "tp128", "tp128-max", "tp1000",
-        "tp1000-max")
+        "tp1000-max", "tp1000-half")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         throughput("tp1000", args.num_prompts_1000 or args.num_prompts, 1000, min(256, own_max))
     if "tp1000-max" in rows and own_max > 256:
         throughput(f"tp1000-seqs{own_max}", args.num_prompts_1000 or args.num_prompts, 1000, own_max)
+    if "tp1000-half" in rows:
+        num = args.num_prompts_1000 or args.num_prompts
+        half = min(-(-num // 2), own_max)
+        throughput(f"tp1000-seqs{half}", num, 1000, half)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
