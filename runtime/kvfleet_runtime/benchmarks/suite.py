@@ -167,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         throughput("tp128", args.num_prompts, 128, min(256, own_max))
     if "tp128-max" in rows and own_max > 256:
         throughput(f"tp128-seqs{own_max}", args.num_prompts, 128, own_max)
+    n1000 = args.num_prompts_1000 or args.num_prompts
     if "tp1000" in rows:
-        throughput("tp1000", args.num_prompts_1000 or args.num_prompts, 1000, min(256, own_max))
+        throughput("tp1000", n1000, 1000, min(256, own_max))
     if "tp1000-max" in rows and own_max > 256:
-        throughput(f"tp1000-seqs{own_max}", args.num_prompts_1000 or args.num_prompts, 1000, own_max)
+        throughput(f"tp1000-seqs{own_max}", n1000, 1000, own_max)
     if "tp1000-half" in rows:
-        num = args.num_prompts_1000 or args.num_prompts
-        half = min(-(-num // 2), own_max)
-        throughput(f"tp1000-seqs{half}", num, 1000, half)
+        half = min(-(-n1000 // 2), own_max)
+        throughput(f"tp1000-seqs{half}", n1000, 1000, half)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
