@@ -2,7 +2,7 @@
 engine runs them at (not a test): which row counts run well below the GEMM rate, and whether
 padding the rows to a multiple of 64/128 would pay.
 
-    python tests/kernels/bench_gemm_shapes.py [--kernels]
+    python tests/kernels/bench_gemm_shapes.py [--kernels] [--rows 488,500,512]
 
 --kernels also names the kernel cuBLAS runs for each shape and row count under F.linear, the
 engine's call (a profile of one call), to tell apart shapes whose launches look alike in the
@@ -62,16 +62,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", action="store_true",
                         help="also name cuBLAS's kernel for F.linear at each shape and row count")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="row counts (M), comma-separated (default: %(default)s)")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help="shapes by name, comma-separated (default: %(default)s)")
     args = parser.parse_args()
+    rows = [int(m) for m in args.rows.split(",")]
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| shape | " + " | ".join(f"M={m}" for m in ROWS) + " |")
-    print("|---|" + "---:|" * len(ROWS))
-    for name, (n, k) in SHAPES.items():
+    print("| shape | " + " | ".join(f"M={m}" for m in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for name, (n, k) in shapes.items():
         copies = max(1, -(-3 * L2_BYTES // (n * k * 2)))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                    for _ in range(copies)]
         cells = []
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
@@ -82,7 +88,7 @@ def main() -> None:
             cells.append(f"{2 * m * n * k / t / 1e9:.0f} ({t * 1e3:.0f} us)")
         print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
         if args.kernels:
-            for m in ROWS:
+            for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 print(f"#   {name} M={m}: {kernel_names(lambda x=x, w=weights[0]: F.linear(x, w))}",
                       flush=True)
