@@ -648,8 +648,9 @@ class TileConfig:
     dot_fp16: bool = False
 
 
-# (sequence, kv head) programs from which decode runs one warp a program (see decode_config)
-_MANY_PROGRAMS = 4096
+# (sequence, kv head) programs from which decode runs one warp a program (see decode_config);
+# KVFLEET_DECODE_MANY_PROGRAMS overrides it (an A/B knob)
+_MANY_PROGRAMS = _env_int("KVFLEET_DECODE_MANY_PROGRAMS", 4096, 1)
 
 
 def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096,
