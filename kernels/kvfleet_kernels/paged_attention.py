@@ -648,8 +648,10 @@ class TileConfig:
     dot_fp16: bool = False
 
 
-# (sequence, kv head) programs from which decode runs one warp a program (see decode_config);
-# KVFLEET_DECODE_MANY_PROGRAMS overrides it (an A/B knob)
+# (sequence, kv head) programs from which decode runs one warp a program (see decode_config):
+# an fp8 cache from 1024 (128 sequences of 8 kv heads), a bf16 cache from 4096;
+# KVFLEET_DECODE_MANY_PROGRAMS sets both (an A/B knob)
+_MANY_PROGRAMS_FP8 = _env_int("KVFLEET_DECODE_MANY_PROGRAMS", 1024, 1)
 _MANY_PROGRAMS = _env_int("KVFLEET_DECODE_MANY_PROGRAMS", 4096, 1)
 
 
@@ -667,11 +669,14 @@ def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096
     bf16 up to 1024 tokens 1024 x 160 0.182 -> 0.177, 1024 x 256 0.276 -> 0.269 (at 880 x
     1500 two warps stay ahead). The one-warp fp8 tiles run a 5-stage pipeline (`--sweep
     decode-stages`, 2-5 stages: 1024 x 160 0.124 -> 0.119 ms, 1024 x 256 0.179 -> 0.167, 880 x
-    1500 0.784 -> 0.783; bf16 gained nothing from stages past 2).
+    1500 0.784 -> 0.783; bf16 gained nothing from stages past 2). Over an fp8 cache they won
+    from 1024 programs (`--sweep decode-mid`, against two warps on 64/128-key tiles: 500 x 1016
+    0.342 -> 0.275 ms, 500 x 1500 0.511 -> 0.392, 114 x 1500 0.130 -> 0.102, 128 x 2048 0.150
+    -> 0.143, 256 x 160 0.053 -> 0.040).
     """
     if not on_gpu:   # the interpreter: small steps, no pipelining
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, dot_fp16=fp8_cache)
-    many = num_programs >= _MANY_PROGRAMS
+    many = num_programs >= (_MANY_PROGRAMS_FP8 if fp8_cache else _MANY_PROGRAMS)
     if fp8_cache:
         if many:
             return TileConfig(block_m=16, block_n=32, num_warps=1, num_stages=5, dot_fp16=True)

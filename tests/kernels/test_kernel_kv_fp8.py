@@ -235,7 +235,8 @@ def test_gpu_decode_over_fp8_cache(dtype: torch.dtype, block_size: int) -> None:
     # token-major V (the engine's): each case also against V in rows, bit for bit (_check_fp8)
     gen = torch.Generator().manual_seed(block_size)
     for num_seqs, max_len in [(1, 8192), (1, 700), (64, 3000), (256, 1500), (600, 1200)]:
-        # (1, 700): the first tile read before the PDL wait; 600: one warp a program
+        # (1, 700): the first tile read before the PDL wait; 256 and 600: one warp a program
+        # (>= 1024 programs, decode_config); 64: two warps
         seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
         seq_lens[0] = max_len
         _check_fp8(_fp8_batch([1] * num_seqs, seq_lens.tolist(), dtype, block_size=block_size,

@@ -116,6 +116,16 @@ def test_decode_preloads_for_few_pairs_and_small_tiles(monkeypatch) -> None:
     assert not pa.decode_preload(8, 32, 128, 2)
 
 
+def test_decode_tiles_by_programs_and_cache_dtype() -> None:
+    # the GPU's choice (no GPU needed to make it): over an fp8 cache one warp a program from
+    # 1024 (sequence, kv head) programs, over a bf16 cache from 4096 (1024 tokens at most)
+    def warps(fp8: bool, programs: int, max_seq_len: int = 4096) -> int:
+        return decode_config(True, fp8, max_seq_len, programs).num_warps
+    assert [warps(True, n) for n in (512, 1016, 1024, 4000)] == [2, 2, 1, 1]
+    assert decode_config(True, True, 4096, 1024).block_n == 32
+    assert [warps(False, n, 1024) for n in (1024, 4000, 4096)] == [2, 2, 1]
+
+
 @pytest.mark.parametrize("dtype", [*CPU_DTYPES, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 def test_decode_planned_for_a_padded_batch_gives_its_bits(dtype: torch.dtype) -> None:
     # an eager decode step planned as the CUDA graph of its padded size (plan_num_seqs, the
