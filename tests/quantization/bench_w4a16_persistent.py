@@ -33,6 +33,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
 from kvfleet_kernels.w4a16 import (  # noqa: E402
