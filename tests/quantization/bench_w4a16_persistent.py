@@ -33,9 +33,9 @@ import sys
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
+from bench_w4a16 import graph_us  # noqa: E402  (CUDA-graph replays, as decode runs)
 from kvfleet_kernels.w4a16 import (  # noqa: E402
     _whole_k_weights,
     _word_pair_sums,
@@ -227,18 +227,6 @@ def check_steps(h, qkv, o, act, per_layer, gate_up) -> dict[str, float]:
         for name, (got, want) in steps.items():
             errors[name] = max(errors[name], rel(got, want[0]))
     return errors
-
-
-def graph_us(fn, rep: int = 50) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep) * 1e3
 
 
 def main() -> None:
