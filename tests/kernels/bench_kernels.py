@@ -13,7 +13,7 @@ prefill chunk on a cached prefix; TFLOP/s counts the causal half of QK^T and PV.
 (decode-short: a wider grid over many short contexts; decode-stages: those batches through
 deeper pipelines, 2-5 stages, on one or two warps; prefill-engine: the prefill tiles on the
 engine's own chunks: 16 x 1000, 1 x 2048, 128 x 128 fresh prompts; decode-mid: decode
-batches of fewer (sequence, kv head) programs than the one-warp tiles take, e.g. 500 x 1016).
+batches under 4096 (sequence, kv head) programs, e.g. 500 x 1016).
 --kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
 V is laid out as the engine lays it (token-major in an fp8 cache: paged_attention.token_major_v);
 --v-rows keeps every cache's V in [block, key, head, dim] rows (the layout before the twentieth
@@ -45,8 +45,8 @@ DECODE_CASES = [(1, 1024), (1, 8192), (16, 4096), (64, 2048), (128, 4096), (256,
                 (256, 4096), (64, 8192), (1024, 160), (1024, 256), (512, 1500), (880, 1500)]   # (num_seqs, context)
 # (num_seqs, context) of `--sweep decode-short`: a 128/128 decode batch early and late, 1000/1000's
 SHORT_DECODE_CASES = [(1024, 160), (1024, 256), (880, 1500)]
-# (num_seqs, context) of `--sweep decode-mid`: fewer (sequence, kv head) programs than the
-# one-warp tiles' threshold, short and long contexts
+# (num_seqs, context) of `--sweep decode-mid`: under 4096 (sequence, kv head) programs (where
+# the one-warp tiles began before the twenty-second session), short and long contexts
 MID_DECODE_CASES = [(500, 1016), (500, 1500), (114, 1500), (256, 1016), (488, 1900), (384, 1500),
                     (256, 2000), (256, 4096), (128, 2048), (256, 160), (256, 256), (448, 200)]
 PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] * 16),
@@ -211,9 +211,9 @@ def sweep(dtype: torch.dtype, block_size: int, which: str = "all", kv_fp8: bool 
                     [16, 32, 64], [1, 2], [2, 3, 4, 5], [False, True])], "decode_config")
             _print_best(f"decode-stages {num_seqs}x{ctx}", results, default_decode(True, kv_fp8, ctx, num_seqs * 8))
             pa.decode_config = default_decode
-        # below decode_config's _MANY_PROGRAMS (sequences x kv heads): 1000/1000 in waves of
-        # ~500 and its tail, 256-running rows; max_seq_len as the engine's graphs pass it (the
-        # context bucket: 1024, else 4096)
+        # under 4096 programs (sequences x kv heads): 1000/1000 in waves of ~500 and its tail,
+        # 256-running rows; max_seq_len as the engine's graphs pass it (the context bucket:
+        # 1024, else 4096)
         for num_seqs, ctx in (MID_DECODE_CASES if which == "decode-mid" else []):
             b = batch([1] * num_seqs, [ctx] * num_seqs, dtype, block_size, 1, kv_fp8)
             b.max_query_len = 1
