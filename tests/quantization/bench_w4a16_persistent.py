@@ -192,8 +192,8 @@ def _chain_kernel(h_ptr, qkv_ptr, o_ptr, act_ptr, cnt_ptr, flag_ptr,
 
 def make_weights(layers: int, k: int, n: int, dev: torch.device):
     """layers random 4-bit [k, n] weights, each as the checkpoint lays it out (qweight [k / 8,
-    n], scales and zeros [k / GROUP, n]) and column-blocked; scales keep a projection's output
-    near its input's size (no norms in the chain)."""
+    n], scales and zeros [k / GROUP, n]; `blocked` stacks them column-blocked); the scales keep
+    a projection's output near its input's size (no norms in the chain)."""
     out = []
     for _ in range(layers):
         qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
