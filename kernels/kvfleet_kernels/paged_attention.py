@@ -58,6 +58,19 @@ def token_major_v(v_cache: torch.Tensor) -> torch.Tensor:
     return v_cache.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
 
 
+def head_major_k(k_cache: torch.Tensor) -> torch.Tensor:
+    """A contiguous [num_blocks, block_size, num_kv_heads, head_dim] K cache reinterpreted as each
+    block's keys stored [num_kv_heads, block_size, head_dim] (a head's keys of a block one run
+    of block_size x head_dim elements, where rows put them num_kv_heads x head_dim apart),
+    returned as a [num_blocks, block_size, num_kv_heads, head_dim] view of that storage: every
+    function here takes it where it takes k_cache (the kernels read K through its strides).
+    The engine lays an fp8 cache's K out so under KVFLEET_K_HEAD_MAJOR=1 (an A/B switch)."""
+    if not k_cache.is_contiguous():
+        raise ValueError("head_major_k needs the contiguous cache it reinterprets")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return k_cache.view(num_blocks, num_kv_heads, block_size, head_dim).permute(0, 2, 1, 3)
+
+
 def is_token_major(v_cache: torch.Tensor) -> bool:
     """Whether v_cache is a token_major_v view (its keys adjacent within a block)."""
     return v_cache.stride(1) == 1 and v_cache.stride(3) != 1
@@ -648,11 +661,15 @@ class TileConfig:
     dot_fp16: bool = False
 
 
-# (sequence, kv head) programs from which decode runs one warp a program (see decode_config):
-# an fp8 cache from 1024 (128 sequences of 8 kv heads), a bf16 cache from 4096;
-# KVFLEET_DECODE_MANY_PROGRAMS sets both (an A/B knob)
-_MANY_PROGRAMS_FP8 = _env_int("KVFLEET_DECODE_MANY_PROGRAMS", 1024, 1)
-_MANY_PROGRAMS = _env_int("KVFLEET_DECODE_MANY_PROGRAMS", 4096, 1)
+def decode_many_programs() -> tuple[int, int]:
+    """(sequence, kv head) programs from which decode runs one warp a program (decode_config),
+    over an fp8 cache and over a bf16 one: 1024 (128 sequences of 8 kv heads) and 4096;
+    KVFLEET_DECODE_MANY_PROGRAMS sets both (an A/B knob)."""
+    value = _env_int("KVFLEET_DECODE_MANY_PROGRAMS", 0, 1)
+    return (value, value) if value else (1024, 4096)
+
+
+_MANY_PROGRAMS_FP8, _MANY_PROGRAMS = decode_many_programs()
 
 
 def decode_config(on_gpu: bool, fp8_cache: bool = False, max_seq_len: int = 4096,

@@ -17,7 +17,8 @@ batches under 4096 (sequence, kv head) programs, e.g. 500 x 1016).
 --kv-dtype fp8: the caches hold e4m3 (the engine's --kv-cache-dtype fp8); SDPA reads a bf16 copy.
 V is laid out as the engine lays it (token-major in an fp8 cache: paged_attention.token_major_v);
 --v-rows keeps every cache's V in [block, key, head, dim] rows (the layout before the twentieth
-session, for A/B timings).
+session, for A/B timings); --k-head-major lays an fp8 cache's K out head-major
+(paged_attention.head_major_k, the engine's under KVFLEET_K_HEAD_MAJOR=1).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ PREFILL_CASES = [([8192], [8192]), ([2048] * 4, [2048] * 4), ([512] * 16, [512] 
 
 # --v-rows: every cache's V in rows (else as the engine lays it out)
 V_ROWS = False
+# --k-head-major: an fp8 cache's K head-major (else in rows, the engine's default)
+K_HEAD_MAJOR = False
 
 
 def ms(fn: Callable[[], object]) -> float:
@@ -84,6 +87,8 @@ def batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, block_size
         b.v_cache = pa.quantize_kv_ref(b.v_cache, pa.FP8_KV_DTYPE)
         if not V_ROWS:      # as the engine allocates an fp8 cache
             b.v_cache = pa.token_major_v(torch.empty_like(b.v_cache)).copy_(b.v_cache)
+        if K_HEAD_MAJOR:
+            b.k_cache = pa.head_major_k(torch.empty_like(b.k_cache)).copy_(b.k_cache)
     return b
 
 
@@ -277,9 +282,11 @@ def main() -> None:
                         help="fp8: e4m3 caches, as --kv-cache-dtype fp8")
     parser.add_argument("--v-rows", action="store_true",
                         help="V in [block, key, head, dim] rows even in an fp8 cache")
+    parser.add_argument("--k-head-major", action="store_true",
+                        help="an fp8 cache's K head-major (KVFLEET_K_HEAD_MAJOR=1's layout)")
     args = parser.parse_args()
-    global V_ROWS
-    V_ROWS = args.v_rows
+    global V_ROWS, K_HEAD_MAJOR
+    V_ROWS, K_HEAD_MAJOR = args.v_rows, args.k_head_major
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     dtype = DTYPES[args.dtype]

@@ -19,6 +19,7 @@ import torch
 from kvfleet_kernels.paged_attention import (
     FP8_E4M3_MAX,
     FP8_KV_DTYPE,
+    head_major_k,
     paged_attention,
     paged_attention_ref,
     quantize_kv_ref,
@@ -101,10 +102,12 @@ def test_reshape_and_cache_fp8_writes_the_references_bytes_and_saturates(dtype: 
 
 def _fp8_batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *, num_heads: int = 4,
                num_kv_heads: int = 2, head_dim: int = 32, block_size: int = 16,
-               seed: int = 0, v_layout: str = "token-major") -> PagedBatch:
+               seed: int = 0, v_layout: str = "token-major",
+               k_layout: str = "rows") -> PagedBatch:
     """A paged batch in `dtype` whose caches hold fp8: randn * 4 rounded to e4m3 (magnitudes
     from e4m3's subnormals to ~20, so several exponents and rounding steps are in play). V
-    token-major as the engine lays out an fp8 cache (token_major_v), or in rows."""
+    token-major as the engine lays out an fp8 cache (token_major_v), or in rows; K in rows, or
+    head-major (head_major_k, the engine's under KVFLEET_K_HEAD_MAJOR=1)."""
     batch = make_paged_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, block_size=block_size, dtype=torch.float32,
                              device=DEVICE, seed=seed)
@@ -113,6 +116,8 @@ def _fp8_batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *, nu
     batch.v_cache = quantize_kv_ref(batch.v_cache * 4, FP8_KV_DTYPE)
     if v_layout == "token-major":
         batch.v_cache = token_major_v(torch.empty_like(batch.v_cache)).copy_(batch.v_cache)
+    if k_layout == "head-major":
+        batch.k_cache = head_major_k(torch.empty_like(batch.k_cache)).copy_(batch.k_cache)
     return batch
 
 
@@ -129,9 +134,10 @@ def _check_fp8(batch: PagedBatch, *, decode_only: bool = False) -> None:
     scale = max(float(expected.float().abs().max()), 1.0)
     torch.testing.assert_close(out.float() / scale, expected.float() / scale, rtol=0.0,
                                atol=TOLERANCE[batch.query.dtype])
-    if not batch.v_cache.is_contiguous():
-        # token-major V: the same tiles reach the same dots, so the bits of V in rows
-        rows = (*args[:2], batch.v_cache.contiguous(), *args[3:])
+    if not (batch.k_cache.is_contiguous() and batch.v_cache.is_contiguous()):
+        # token-major V, head-major K: the same tiles reach the same dots, so the bits of K
+        # and V in rows
+        rows = (args[0], batch.k_cache.contiguous(), batch.v_cache.contiguous(), *args[3:])
         in_rows = paged_attention(*rows, batch.max_seq_len if decode_only else None)
         assert torch.equal(out, in_rows)
 
@@ -167,6 +173,40 @@ def test_token_major_v_tiles_across_and_within_blocks(block_size: int) -> None:
     _check_fp8(_fp8_batch([1, 1, 1], [100, 7, 64], torch.float16, block_size=block_size, seed=15),
                decode_only=True)
     _check_fp8(_fp8_batch([30, 1], [95, 70], torch.float16, block_size=block_size, seed=16))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_head_major_k_attends_as_k_in_rows(block_size: int) -> None:
+    # decode cut into partitions and in one, prefill after a cached prefix, a mixed batch; V
+    # token-major as the engine's (each against the reference and, bit for bit, K in rows)
+    for q_lens, seq_lens, decode_only in [([1, 1, 1], [600, 37, 290], True),
+                                          ([1, 1], [17, 50], True),
+                                          ([5, 23, 9], [5, 23, 47], False),
+                                          ([1, 12, 1, 6], [40, 12, 70, 33], False)]:
+        batch = _fp8_batch(q_lens, seq_lens, torch.float16, num_heads=8, block_size=block_size,
+                           seed=block_size + len(q_lens), k_layout="head-major")
+        assert not batch.k_cache.is_contiguous()
+        _check_fp8(batch, decode_only=decode_only)
+
+
+def test_reshape_and_cache_writes_a_head_major_k_cache() -> None:
+    gen = torch.Generator().manual_seed(18)
+    num_blocks, block_size, num_kv_heads, head_dim = 4, 8, 2, 16
+    key = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
+    value = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
+    slots = torch.tensor([3, 17, -1, 8, 31, 0], device=DEVICE)
+    rows = _write_both(key, value, slots, num_blocks, block_size)
+    storage = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    reshape_and_cache(key, value, head_major_k(storage), v_cache, slots)
+    _assert_same_bytes(head_major_k(storage).contiguous(), rows[0])
+    _assert_same_bytes(v_cache, rows[1])
+    # and where the bytes lie: token t's key at [block, head, offset, dim]
+    laid = storage.view(num_blocks, num_kv_heads, block_size, head_dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            block, offset = divmod(slot, block_size)
+            assert torch.equal(laid[block, :, offset].float(), key[t].float())
 
 
 def test_reshape_and_cache_writes_a_token_major_v_cache() -> None:
@@ -241,6 +281,20 @@ def test_gpu_decode_over_fp8_cache(dtype: torch.dtype, block_size: int) -> None:
         seq_lens[0] = max_len
         _check_fp8(_fp8_batch([1] * num_seqs, seq_lens.tolist(), dtype, block_size=block_size,
                               seed=num_seqs, **LLAMA8B), decode_only=True)
+
+
+@pytest.mark.gpu
+def test_gpu_head_major_k_attends_as_k_in_rows() -> None:
+    # compiled kernels over a head-major K (KVFLEET_K_HEAD_MAJOR=1): batch 1 (the first tile
+    # before the PDL wait), two warps, one warp a program, prefill; bits of K in rows
+    gen = torch.Generator().manual_seed(31)
+    for num_seqs, max_len in [(1, 700), (64, 3000), (256, 1500)]:
+        seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+        seq_lens[0] = max_len
+        _check_fp8(_fp8_batch([1] * num_seqs, seq_lens.tolist(), torch.bfloat16, seed=num_seqs,
+                              k_layout="head-major", **LLAMA8B), decode_only=True)
+    _check_fp8(_fp8_batch([1000, 1, 300], [1000, 1500, 2000], torch.bfloat16, seed=32,
+                          k_layout="head-major", **LLAMA8B))
 
 
 @pytest.mark.gpu

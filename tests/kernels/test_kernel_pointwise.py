@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_ref
 from kvfleet_kernels.norm import rms_norm, rms_norm_ref
-from kvfleet_kernels.paged_attention import token_major_v
+from kvfleet_kernels.paged_attention import head_major_k, token_major_v
 from kvfleet_kernels.rotary import (
     rotary_and_cache,
     rotary_and_cache_ref,
@@ -99,7 +99,7 @@ def test_rotary_embedding_full_and_partial(dtype: torch.dtype, is_neox: bool, ro
 def _check_rotary_and_cache(num_q_heads: int, num_kv_heads: int, head_size: int, rot_dim: int,
                             is_neox: bool, dtype: torch.dtype, num_tokens: int, block_size: int,
                             seed: int, cache_dtype: torch.dtype | None = None,
-                            v_token_major: bool = False) -> None:
+                            v_token_major: bool = False, k_head_major: bool = False) -> None:
     cache = _cos_sin_cache(4096, rot_dim)
     gen = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
@@ -120,6 +120,8 @@ def _check_rotary_and_cache(num_q_heads: int, num_kv_heads: int, head_size: int,
     expected = [c.clone() for c in caches]
     if v_token_major:     # the kernel writes V token-major; the reference into rows
         caches[1] = token_major_v(torch.empty_like(caches[1])).copy_(caches[1])
+    if k_head_major:      # the kernel writes K head-major; the reference into rows
+        caches[0] = head_major_k(torch.empty_like(caches[0])).copy_(caches[0])
     qkv_before = qkv.clone()
     q_out = rotary_and_cache(positions, query, key, value, head_size, cache, is_neox, *caches, slots)
     q_ref = rotary_and_cache_ref(positions, query, key, value, head_size, cache, is_neox,
@@ -152,6 +154,13 @@ def test_rotary_and_cache_writes_a_token_major_v_cache(dtype: torch.dtype) -> No
     # interpreter's fp8 rounding is off (test_kernel_kv_fp8.py); the GPU test writes e4m3
     _check_rotary_and_cache(4, 2, 32, 32, True, dtype, num_tokens=9, block_size=4, seed=40,
                             v_token_major=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary_and_cache_writes_a_head_major_k_cache(dtype: torch.dtype) -> None:
+    # KVFLEET_K_HEAD_MAJOR=1's fp8 layout (paged_attention.head_major_k), V token-major beside it
+    _check_rotary_and_cache(4, 2, 32, 32, True, dtype, num_tokens=9, block_size=4, seed=41,
+                            v_token_major=True, k_head_major=True)
 
 
 def test_rotary_and_cache_rejects_a_cache_of_the_wrong_shape() -> None:
@@ -198,5 +207,7 @@ def test_gpu_pointwise_kernels_at_llama_8b_shapes(dtype: torch.dtype) -> None:
                             cache_dtype=torch.float8_e4m3fn)
     _check_rotary_and_cache(32, 8, 128, 128, True, dtype, num_tokens=300, block_size=16, seed=26,
                             cache_dtype=torch.float8_e4m3fn, v_token_major=True)
+    _check_rotary_and_cache(32, 8, 128, 128, True, dtype, num_tokens=300, block_size=16, seed=27,
+                            cache_dtype=torch.float8_e4m3fn, v_token_major=True, k_head_major=True)
     x = _randn(2048, 2 * 14336, dtype=dtype, seed=23)
     _close(silu_and_mul(x), silu_and_mul_ref(x))

@@ -17,6 +17,7 @@ import torch
 from kvfleet_kernels.paged_attention import (
     FP8_E4M3_MAX,
     FP8_KV_DTYPE,
+    head_major_k,
     is_token_major,
     paged_attention_ref,
     reshape_and_cache_ref,
@@ -90,6 +91,34 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16_and_four_times_fp32(tiny_model
     assert fp32.num_blocks == (1 << 20) // fp32.bytes_per_block()
 
 
+def test_k_head_major_switch_lays_an_fp8_caches_k_head_major_and_changes_no_output(
+        tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    # KVFLEET_K_HEAD_MAJOR=1 (an A/B switch, off by default): each fp8 layer's K a head_major_k
+    # view of the pool; a bf16 cache keeps rows. The torch path writes and reads K through the
+    # view: the same logprobs, bit for bit, as K in rows.
+    path = tiny_model_dir("llama3")
+    prompts = _prompts(8, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, prompt_logprobs=0)
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KVFLEET_K_HEAD_MAJOR", switch)
+        llm = LLM(model=path, kv_cache_dtype="fp8", max_num_seqs=8)
+        runner = llm.engine.runner
+        for i, layer in enumerate(runner.model.attention_layers()):
+            k_cache, _ = layer.kv_cache
+            assert k_cache.data_ptr() == runner.kv_cache[i, 0].data_ptr()
+            assert k_cache.shape == runner.kv_cache[i, 0].shape
+            assert k_cache.is_contiguous() == (switch == "0")
+            if switch == "1":
+                assert k_cache.stride(2) == runner.block_size * k_cache.shape[3]
+        runs[switch] = llm.generate(prompts, params)
+    bf16 = LLM(model=path, dtype="bfloat16", cpu_kv_cache_gb=2 ** -10).engine.runner
+    assert all(layer.kv_cache[0].is_contiguous() for layer in bf16.model.attention_layers())
+    for a, b in zip(runs["0"], runs["1"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert _max_logprob_difference(runs["0"], runs["1"]) == 0.0
+
+
 # ------------------------------------------------------------------------------- the torch path
 def _meta(q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
           gen: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -120,7 +149,7 @@ def _meta(q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: i
     ([5, 1, 12], [40, 70, 12]),         # a chunk after a cached prefix, decode, a fresh prompt
     ([1, 1, 1], [33, 70, 5]),           # decode only
 ], ids=["fresh", "mixed", "decode"])
-@pytest.mark.parametrize("v_layout", ["token-major", "rows"])
+@pytest.mark.parametrize("v_layout", ["token-major", "rows", "k-head-major"])
 def test_torch_path_over_fp8_cache_matches_reference(dtype: torch.dtype, q_lens: list[int],
                                                       seq_lens: list[int], v_layout: str) -> None:
     gen = torch.Generator().manual_seed(len(q_lens) + sum(seq_lens))
@@ -136,12 +165,14 @@ def test_torch_path_over_fp8_cache_matches_reference(dtype: torch.dtype, q_lens:
     k_cache = (torch.randn(shape, generator=gen) * 4).to(FP8_KV_DTYPE)
     v_cache = (torch.randn(shape, generator=gen) * 4).to(FP8_KV_DTYPE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    if v_layout == "token-major":     # the engine's fp8 layout; the reference keeps rows
+    if v_layout != "rows":     # the engine's fp8 layout; the reference keeps rows
         v_cache = token_major_v(torch.empty_like(v_cache)).copy_(v_cache)
+    if v_layout == "k-head-major":     # and K head-major (KVFLEET_K_HEAD_MAJOR=1)
+        k_cache = head_major_k(torch.empty_like(k_cache)).copy_(k_cache)
 
     k_held, v_held = write_kv_torch(k, v, k_cache, v_cache, slots)
     reshape_and_cache_ref(k, v, k_ref, v_ref, slots)
-    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(k_cache.contiguous().view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_cache.contiguous().view(torch.uint8), v_ref.view(torch.uint8))
     assert k_held.dtype == dtype and k_held[0, 0, :3].tolist() == [FP8_E4M3_MAX, -FP8_E4M3_MAX,
                                                                     FP8_E4M3_MAX]

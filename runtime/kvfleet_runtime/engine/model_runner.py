@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 import torch
 from kvfleet_kernels.env import on_off
-from kvfleet_kernels.paged_attention import FP8_KV_DTYPE, token_major_v
+from kvfleet_kernels.paged_attention import FP8_KV_DTYPE, head_major_k, token_major_v
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.distributed.communication import StepInputs, broadcast_step, min_over_ranks
@@ -192,7 +192,7 @@ class ModelRunner:
         dummy = torch.zeros(2, self.block_size, self.num_kv_heads, c.head_dim,
                             dtype=self.kv_cache_dtype, device=self.device)
         for layer in self.model.attention_layers():     # laid out as the real cache (same kernels)
-            layer.kv_cache = (dummy, self._v_layout(dummy))
+            layer.kv_cache = self._kv_layout(dummy, dummy)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
@@ -221,14 +221,21 @@ class ModelRunner:
         log.info("memory profile: peak %.2f GiB, KV budget %.2f GiB", peak / 2**30, budget / 2**30)
         return int(max(budget, 0))
 
-    def _v_layout(self, v: torch.Tensor) -> torch.Tensor:
-        """A layer's V cache as the kernels get it: an fp8 cache keeps each block's V token-major
-        (keys adjacent), which the attention kernels read with ldmatrix instead of byte by byte
-        (paged_attention.token_major_v; KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an A/B switch)."""
-        if self.kv_cache_dtype == FP8_KV_DTYPE and on_off(
-                "KVFLEET_V_TOKEN_MAJOR", os.environ.get("KVFLEET_V_TOKEN_MAJOR", "")):
-            return token_major_v(v)
-        return v
+    def _kv_layout(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V caches as the kernels get them. An fp8 cache keeps each block's V
+        token-major (keys adjacent), which the attention kernels read with ldmatrix instead of
+        byte by byte (paged_attention.token_major_v; KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an
+        A/B switch); with KVFLEET_K_HEAD_MAJOR=1 (off by default, not yet measured) each block's
+        K head-major too (paged_attention.head_major_k: a head's keys one 2 KB run, where rows
+        leave 128-byte pieces 1 KB apart). Both are views of the same storage: whole blocks
+        copy, swap and share as before."""
+        if self.kv_cache_dtype != FP8_KV_DTYPE:
+            return k, v
+        if on_off("KVFLEET_K_HEAD_MAJOR", os.environ.get("KVFLEET_K_HEAD_MAJOR", "0")):
+            k = head_major_k(k)
+        if on_off("KVFLEET_V_TOKEN_MAJOR", os.environ.get("KVFLEET_V_TOKEN_MAJOR", "")):
+            v = token_major_v(v)
+        return k, v
 
     def _allocate_kv_cache(self) -> None:
         c = self.model_config
@@ -237,7 +244,7 @@ class ModelRunner:
                                     self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype,
                                     device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.kv_cache = (self.kv_cache[i, 0], self._v_layout(self.kv_cache[i, 1]))
+            layer.kv_cache = self._kv_layout(self.kv_cache[i, 0], self.kv_cache[i, 1])
         log.info("KV cache: %d blocks of %d tokens, dtype %s, %.2f GiB", self.num_blocks,
                  self.block_size, self.kv_cache_dtype,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)

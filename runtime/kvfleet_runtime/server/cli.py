@@ -68,7 +68,7 @@ def check_kernel_environment() -> None:
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
     for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH", "KVFLEET_DECODE_PRELOAD",
-                 "KVFLEET_W4A16_BLOCKED", "KVFLEET_V_TOKEN_MAJOR"):
+                 "KVFLEET_W4A16_BLOCKED", "KVFLEET_V_TOKEN_MAJOR", "KVFLEET_K_HEAD_MAJOR"):
         env.on_off(name, os.environ.get(name, ""))
     w4a16.gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
     w4a16.dequant_min_m()
@@ -80,6 +80,7 @@ def check_kernel_environment() -> None:
         communication.size_setting(name)
     pdl.pdl_mode(os.environ.get("KVFLEET_PDL", ""))
     paged_attention.decode_env()
+    paged_attention.decode_many_programs()
     fp8.fast_accum_default()
 
 
