@@ -189,44 +189,33 @@ def test_head_major_k_attends_as_k_in_rows(block_size: int) -> None:
         _check_fp8(batch, decode_only=decode_only)
 
 
-def test_reshape_and_cache_writes_a_head_major_k_cache() -> None:
-    gen = torch.Generator().manual_seed(18)
-    num_blocks, block_size, num_kv_heads, head_dim = 4, 8, 2, 16
-    key = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
-    value = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
-    slots = torch.tensor([3, 17, -1, 8, 31, 0], device=DEVICE)
-    rows = _write_both(key, value, slots, num_blocks, block_size)
-    storage = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
-    reshape_and_cache(key, value, head_major_k(storage), v_cache, slots)
-    _assert_same_bytes(head_major_k(storage).contiguous(), rows[0])
-    _assert_same_bytes(v_cache, rows[1])
-    # and where the bytes lie: token t's key at [block, head, offset, dim]
-    laid = storage.view(num_blocks, num_kv_heads, block_size, head_dim)
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            block, offset = divmod(slot, block_size)
-            assert torch.equal(laid[block, :, offset].float(), key[t].float())
-
-
-def test_reshape_and_cache_writes_a_token_major_v_cache() -> None:
+@pytest.mark.parametrize("layout", ["k-head-major", "v-token-major"])
+def test_reshape_and_cache_writes_a_head_major_k_or_token_major_v_cache(layout: str) -> None:
     gen = torch.Generator().manual_seed(17)
     num_blocks, block_size, num_kv_heads, head_dim = 4, 8, 2, 16
     key = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
     value = _e4m3_values((6, num_kv_heads, head_dim), gen).to(DEVICE)
     slots = torch.tensor([3, 17, -1, 8, 31, 0], device=DEVICE)
     rows = _write_both(key, value, slots, num_blocks, block_size)
-    k_cache = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
-    storage = _poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
-    reshape_and_cache(key, value, k_cache, token_major_v(storage), slots)
-    _assert_same_bytes(k_cache, rows[0])
-    _assert_same_bytes(token_major_v(storage).contiguous(), rows[1])
-    # and where the bytes lie: token t's value at [block, head, dim, offset]
-    laid = storage.view(num_blocks, num_kv_heads, head_dim, block_size)
+    storage = [_poisoned_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim)
+               for _ in range(2)]
+    k_cache = head_major_k(storage[0]) if layout == "k-head-major" else storage[0]
+    v_cache = token_major_v(storage[1]) if layout == "v-token-major" else storage[1]
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+    _assert_same_bytes(k_cache.contiguous(), rows[0])
+    _assert_same_bytes(v_cache.contiguous(), rows[1])
+    # and where the bytes lie: token t's key at [block, head, offset, dim], or its value at
+    # [block, head, dim, offset]
+    if layout == "k-head-major":
+        laid = storage[0].view(num_blocks, num_kv_heads, block_size, head_dim)
+        written = key
+    else:
+        laid = storage[1].view(num_blocks, num_kv_heads, head_dim, block_size).transpose(2, 3)
+        written = value
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             block, offset = divmod(slot, block_size)
-            assert torch.equal(laid[block, :, :, offset].float(), value[t].float())
+            assert torch.equal(laid[block, :, offset].float(), written[t].float())
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
