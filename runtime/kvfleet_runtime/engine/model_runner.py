@@ -227,8 +227,8 @@ class ModelRunner:
         byte by byte (paged_attention.token_major_v; KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an
         A/B switch); with KVFLEET_K_HEAD_MAJOR=1 (off by default, not yet measured) each block's
         K head-major too (paged_attention.head_major_k: a head's keys one 2 KB run, where rows
-        leave 128-byte pieces 1 KB apart). Both are views of the same storage: whole blocks
-        copy, swap and share as before."""
+        leave 128-byte pieces 1 KB apart). Both are views of the same pool, each block still one
+        contiguous run of it."""
         if self.kv_cache_dtype != FP8_KV_DTYPE:
             return k, v
         if on_off("KVFLEET_K_HEAD_MAJOR", os.environ.get("KVFLEET_K_HEAD_MAJOR", "0")):
