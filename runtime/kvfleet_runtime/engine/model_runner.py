@@ -225,10 +225,11 @@ class ModelRunner:
         """A layer's K and V caches as the kernels get them. An fp8 cache keeps each block's V
         token-major (keys adjacent), which the attention kernels read with ldmatrix instead of
         byte by byte (paged_attention.token_major_v; KVFLEET_V_TOKEN_MAJOR=0 keeps V in rows, an
-        A/B switch); with KVFLEET_K_HEAD_MAJOR=1 (off by default, not yet measured) each block's
-        K head-major too (paged_attention.head_major_k: a head's keys one 2 KB run, where rows
-        leave 128-byte pieces 1 KB apart). Both are views of the same pool, each block still one
-        contiguous run of it."""
+        A/B switch); with KVFLEET_K_HEAD_MAJOR=1 (off by default: its decode kernels ran 1.5-3%
+        faster, the engine no faster; docs/PERFORMANCE.md) each block's K head-major too
+        (paged_attention.head_major_k: a head's keys one 2 KB run, where rows leave 128-byte
+        pieces 1 KB apart). Both are views of the same pool, each block still one contiguous run
+        of it."""
         if self.kv_cache_dtype != FP8_KV_DTYPE:
             return k, v
         if on_off("KVFLEET_K_HEAD_MAJOR", os.environ.get("KVFLEET_K_HEAD_MAJOR", "0")):
