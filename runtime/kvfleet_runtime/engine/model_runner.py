@@ -120,6 +120,8 @@ class ModelRunner:
         self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.decode_buckets = context_buckets(config.max_model_len)
         self.graph_runner = None
+        if self.device.type == "cuda":
+            self._tune_gemms()
         # the torch attention path reads host-side lengths each step: a graph would replay the
         # captured ones, so it runs eagerly (it is the comparison path, not the fast one)
         if (self.device.type == "cuda" and not config.enforce_eager
@@ -129,6 +131,34 @@ class ModelRunner:
             self.graph_runner.capture_all()
         if self.device.type == "cuda":
             self._warm_up_logits()
+
+    @torch.inference_mode()
+    def _tune_gemms(self) -> None:
+        """KVFLEET_CUBLASLT_TUNE=1: time cuBLASLt's algorithms for each unquantized projection
+        (and the lm_head) at the decode graphs' row counts from 256 and the full prefill chunk,
+        before the graphs capture them (kvfleet_kernels.cublaslt); one log line a shape."""
+        from kvfleet_kernels import cublaslt
+
+        from kvfleet_runtime.distributed.layers import VocabParallelEmbedding
+        from kvfleet_runtime.layers.linear import Linear, LinearMethod
+        if not cublaslt.tune_requested():
+            return
+        rows = cublaslt.tune_rows(self.decode_batch_sizes, self.config.max_num_batched_tokens)
+        # the lm_head runs on the sampled rows only: never a whole prefill chunk
+        sampled = [r for r in rows if r != self.config.max_num_batched_tokens]
+        jobs: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
+        for module in self.model.modules():
+            if (isinstance(module, Linear) and type(module.linear_method) is LinearMethod
+                    and module.bias is None and module.weight.dtype == self.dtype):
+                jobs.setdefault(tuple(module.weight.shape), (module.weight, rows))
+            elif isinstance(module, VocabParallelEmbedding) and module.weight.dtype == self.dtype:
+                weight = module.local_rows()
+                jobs.setdefault(tuple(weight.shape), (weight, sampled))
+        start = time.perf_counter()
+        # the plans point at the KV pool for their inputs' shape (TunedGemm): no memory of their own
+        for line in cublaslt.tune(jobs.values(), scratch=self.kv_cache):
+            log.info("cuBLASLt tuning %s", line)
+        log.info("cuBLASLt tuning: %d shapes in %.1f s", len(jobs), time.perf_counter() - start)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:

@@ -82,6 +82,9 @@ def check_kernel_environment() -> None:
     paged_attention.decode_env()
     paged_attention.decode_many_programs()
     fp8.fast_accum_default()
+    from kvfleet_kernels import cublaslt
+    cublaslt.tune_requested()
+    cublaslt.tune_rows([], 1)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
