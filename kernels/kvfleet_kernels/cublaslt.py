@@ -99,6 +99,8 @@ class TunedGemm:
         if strides != (n, 1):
             raise RuntimeError(f"cuBLASLt planned a result with strides {strides}, not row-major")
         self._algos = self._mm.algorithms_buffer
+        # each algorithm's cublasLtMatmulAlgo_t, held so the pointers calls pass stay valid
+        self._algo_structs = [self._algos[i]["algo"] for i in range(len(self._algos))]
         # the plan's descriptors are all calls use: let go of the planning operands (x may lie
         # over an engine's KV pool, w is a model's weight) so a plan keeps no tensor alive
         self._mm.operands = None
@@ -121,7 +123,7 @@ class TunedGemm:
         mm, ws = self._mm, _workspace(x.device)
         self._matmul(mm.handle, mm.mm_desc, mm.alpha.ctypes.data, x.data_ptr(), mm.a_layout_ptr,
                      w.data_ptr(), mm.b_layout_ptr, mm.beta.ctypes.data, 0, mm.c_layout_ptr,
-                     out.data_ptr(), mm.d_layout_ptr, self._algos[index]["algo"].ctypes.data,
+                     out.data_ptr(), mm.d_layout_ptr, self._algo_structs[index].ctypes.data,
                      ws.data_ptr(), ws.numel(), torch.cuda.current_stream(x.device).cuda_stream)
         return out
 
@@ -198,7 +200,11 @@ def tune(jobs: Iterable[tuple[torch.Tensor, Iterable[int]]], scratch: torch.Tens
     for weight, rows in jobs:
         with torch.cuda.device(weight.device):
             for m in sorted(set(rows)):
-                gemm = TunedGemm(m, weight, scratch)
+                try:
+                    gemm = TunedGemm(m, weight, scratch)
+                except RuntimeError as exc:     # a plan calls cannot use: this shape keeps F.linear
+                    report.append(f"{m}x{weight.shape[0]}x{weight.shape[1]}: {exc}; F.linear kept")
+                    continue
                 report.append(choose(gemm, seconds))
                 if gemm.choice is not None:
                     _TABLE[(m, gemm.n, gemm.k, gemm.dtype, weight.device.index)] = gemm
