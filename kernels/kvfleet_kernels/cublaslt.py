@@ -11,7 +11,8 @@ other call stays on F.linear.
 
 The planning is nvmath-python's (nvmath.linalg.advanced.Matmul: the descriptors, layouts and the
 heuristic's algorithms for one shape); each call is one cublasLtMatmul with the chosen algorithm
-on the caller's tensors and a workspace held here, so it can be captured in a CUDA graph (and is timed so: choose).
+on the caller's tensors and a workspace held here, so it can be captured in a CUDA graph (and
+`choose` times it so).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class TunedGemm:
         return out
 
 
-def _captured(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+def captured(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
     """`calls` calls of fn back to back in one CUDA graph (no host time between them, as in the
     engine's graphs), warmed up on a side stream first."""
     side = torch.cuda.Stream()
@@ -169,9 +170,9 @@ def choose(gemm: TunedGemm, seconds: float = 0.02, rounds: int = 3) -> str:
     del ref
     fns = [lambda: torch.matmul(x, w.t(), out=out)] + [
         lambda i=i: gemm(x, w, i, out=out) for i in usable]
-    once = _replay_ms(_captured(fns[0], 1), replays=3) / 3
+    once = _replay_ms(captured(fns[0], 1), replays=3) / 3
     calls = max(3, int(seconds * 1e3 / once))
-    graphs = [_captured(fn, calls) for fn in fns]
+    graphs = [captured(fn, calls) for fn in fns]
     _replay_ms(graphs[0], replays=4)                 # into the clocks the engine runs at
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from kvfleet_kernels.cublaslt import captured
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}     # (N, K)
@@ -27,28 +28,15 @@ ROWS = [128, 256, 384, 512, 880, 896, 1000, 1024, 16384]
 L2_BYTES = 50 * 2 ** 20
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """fn warmed up on a side stream, then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def graph_ms(fn) -> float:
-    return triton.testing.do_bench(capture(fn).replay, warmup=10, rep=50)
+    return triton.testing.do_bench(captured(fn, 1).replay, warmup=10, rep=50)
 
 
 def kernel_names(fn) -> str:
     """The CUDA kernels one call of fn runs, by name, eagerly and replayed from a CUDA graph
     (as the engine's decode runs it: cuBLAS may choose otherwise under capture)."""
     names = []
-    for call in (fn, capture(fn).replay):
+    for call in (fn, captured(fn, 1).replay):
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call()
