@@ -227,6 +227,6 @@ def lookup(x: torch.Tensor, weight: torch.Tensor) -> TunedGemm | None:
 
 
 def clear() -> None:
-    """Forget every tuned GEMM and workspace (tests; an engine shut down)."""
+    """Forget every tuned GEMM and workspace (tests: an engine keeps its tuning for the process)."""
     _TABLE.clear()
     _WORKSPACES.clear()
