@@ -5,9 +5,9 @@ Why: with the H200 at its power cap (every throughput row, ~1470 MHz; twenty-thi
 algorithm cuBLAS's heuristic runs for F.linear was 1-5% slower than the best of the eight cuBLASLt
 offers at some of the engine's shapes (gate_up and o_proj at 16,384 rows, lm_head at 1,024;
 docs/PERFORMANCE.md). Opt-in, `KVFLEET_CUBLASLT_TUNE=1` (needs nvmath-python): the engine tunes
-the shapes of its unquantized projections at its graph batch sizes from 256 rows and its prefill
-chunk (`tune`), before it captures its graphs, and `lookup` serves those calls afterwards; every
-other call stays on F.linear.
+the shapes of its unquantized projections at its full prefill chunk and any KVFLEET_CUBLASLT_ROWS
+(`tune_rows`, `tune`), before it captures its graphs, and `lookup` serves those calls afterwards;
+every other call stays on F.linear.
 
 The planning is nvmath-python's (nvmath.linalg.advanced.Matmul: the descriptors, layouts and the
 heuristic's algorithms for one shape); each call is one cublasLtMatmul with the chosen algorithm
@@ -40,10 +40,12 @@ def tune_requested() -> bool:
     return True
 
 
-def tune_rows(graph_batch_sizes: Iterable[int], max_num_batched_tokens: int) -> list[int]:
-    """The row counts the engine tunes: its decode graphs' from 256 rows (below, the GEMMs stream
-    their weights and cuBLAS's choice was the best: docs/PERFORMANCE.md), its full prefill chunk,
-    and KVFLEET_CUBLASLT_ROWS (comma-separated row counts, e.g. a lm_head's sampled rows)."""
+def tune_rows(max_num_batched_tokens: int) -> list[int]:
+    """The row counts the engine tunes: its full prefill chunk, and KVFLEET_CUBLASLT_ROWS
+    (comma-separated row counts, e.g. a decode graph's batch size, which the lm_head is also
+    tuned at). Decode graphs are not tuned unless listed: at 1,024 rows the algorithms timed
+    fastest here ran ~2% slower inside the engine's decode steps than cuBLAS's own choice, where
+    the prefill chunk's were ~2% faster, as timed (docs/PERFORMANCE.md, twenty-fourth session)."""
     extra = os.environ.get("KVFLEET_CUBLASLT_ROWS", "")
     try:
         rows = {int(r) for r in extra.split(",") if r.strip()}
@@ -51,7 +53,7 @@ def tune_rows(graph_batch_sizes: Iterable[int], max_num_batched_tokens: int) -> 
         rows = {0}
     if any(r < 1 for r in rows):
         raise ValueError(f"KVFLEET_CUBLASLT_ROWS must be comma-separated row counts >= 1; got {extra!r}")
-    return sorted(rows | {b for b in graph_batch_sizes if b >= 256} | {max_num_batched_tokens})
+    return sorted(rows | {max_num_batched_tokens})
 
 
 # an algorithm replaces F.linear at a shape where it was at least this much faster (run-to-run

@@ -1,6 +1,6 @@
 """The engine with KVFLEET_CUBLASLT_TUNE=1 (kvfleet_kernels.cublaslt) on a GPU: it tunes its
-projections and lm_head before capturing its graphs, its decode steps run the tuned GEMMs, and
-greedy output stays what it is without tuning."""
+projections and lm_head before capturing its graphs, its decode steps (at rows it was told to
+tune) run the tuned GEMMs, and greedy output stays what it is without tuning."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from kvfleet_runtime.layers import linear
 
 @pytest.mark.gpu
 def test_gpu_engine_with_tuning_serves_the_tuned_gemms(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 256 prompts decode in the 256-row graph, whose projections and lm_head were tuned (every
-    # shape takes an algorithm: MIN_GAIN below any gain); greedy tokens as without tuning
+    # 256 prompts decode in the 256-row graph, whose projections and lm_head were tuned
+    # (KVFLEET_CUBLASLT_ROWS; every shape takes an algorithm: MIN_GAIN below any gain); greedy
+    # tokens as without tuning
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(2, 40))] for _ in range(256)]
@@ -24,6 +25,7 @@ def test_gpu_engine_with_tuning_serves_the_tuned_gemms(tiny_model_dir, monkeypat
     plain = [o.outputs[0].token_ids for o in
              LLM(model=path, dtype="bfloat16", max_num_seqs=256).generate(prompts, params)]
     monkeypatch.setenv("KVFLEET_CUBLASLT_TUNE", "1")
+    monkeypatch.setenv("KVFLEET_CUBLASLT_ROWS", "256")
     monkeypatch.setattr(linear, "_CUBLASLT", True)
     monkeypatch.setattr(cublaslt, "MIN_GAIN", -1.0)
     served = []

@@ -135,7 +135,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _tune_gemms(self) -> None:
         """KVFLEET_CUBLASLT_TUNE=1: time cuBLASLt's algorithms for each unquantized projection
-        (and the lm_head) at the decode graphs' row counts from 256 and the full prefill chunk,
+        (and the lm_head) at the full prefill chunk and KVFLEET_CUBLASLT_ROWS' row counts,
         before the graphs capture them (kvfleet_kernels.cublaslt); one log line a shape."""
         from kvfleet_kernels import cublaslt
 
@@ -143,7 +143,7 @@ class ModelRunner:
         from kvfleet_runtime.layers.linear import Linear, LinearMethod
         if not cublaslt.tune_requested():
             return
-        rows = cublaslt.tune_rows(self.decode_batch_sizes, self.config.max_num_batched_tokens)
+        rows = cublaslt.tune_rows(self.config.max_num_batched_tokens)
         # the lm_head runs on the sampled rows only: never a whole prefill chunk
         sampled = [r for r in rows if r != self.config.max_num_batched_tokens]
         jobs: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}

@@ -84,7 +84,7 @@ def check_kernel_environment() -> None:
     fp8.fast_accum_default()
     from kvfleet_kernels import cublaslt
     cublaslt.tune_requested()
-    cublaslt.tune_rows([], 1)
+    cublaslt.tune_rows(1)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
