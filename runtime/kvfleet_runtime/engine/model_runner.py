@@ -151,14 +151,16 @@ class ModelRunner:
             if (isinstance(module, Linear) and type(module.linear_method) is LinearMethod
                     and module.bias is None and module.weight.dtype == self.dtype):
                 jobs.setdefault(tuple(module.weight.shape), (module.weight, rows))
-            elif isinstance(module, VocabParallelEmbedding) and module.weight.dtype == self.dtype:
+            elif (isinstance(module, VocabParallelEmbedding) and module.weight.dtype == self.dtype
+                    and sampled):
                 weight = module.local_rows()
                 jobs.setdefault(tuple(weight.shape), (weight, sampled))
         start = time.perf_counter()
         # the plans point at the KV pool for their inputs' shape (TunedGemm): no memory of their own
-        for line in cublaslt.tune(jobs.values(), scratch=self.kv_cache):
+        report = cublaslt.tune(jobs.values(), scratch=self.kv_cache)
+        for line in report:
             log.info("cuBLASLt tuning %s", line)
-        log.info("cuBLASLt tuning: %d shapes in %.1f s", len(jobs), time.perf_counter() - start)
+        log.info("cuBLASLt tuning: %d shapes in %.1f s", len(report), time.perf_counter() - start)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
