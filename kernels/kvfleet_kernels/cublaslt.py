@@ -29,14 +29,18 @@ from kvfleet_kernels.env import on_off
 
 def tune_requested() -> bool:
     """KVFLEET_CUBLASLT_TUNE: unset or 0 -> off (the default), 1 -> on; anything else an error.
-    On, it also needs nvmath-python: a clear error now rather than after the model loads."""
+    On, it also needs nvmath-python 1.0: a clear error now rather than after the model loads."""
     if not on_off("KVFLEET_CUBLASLT_TUNE", os.environ.get("KVFLEET_CUBLASLT_TUNE", "0")):
         return False
     try:
-        import nvmath  # noqa: F401
+        import nvmath
     except ImportError as exc:
         raise ValueError("KVFLEET_CUBLASLT_TUNE=1 needs nvmath-python (pip install "
-                         "nvmath-python; scripts/fetch-gpu-wheels carries it)") from exc
+                         "'nvmath-python>=1.0,<1.1'; scripts/fetch-gpu-wheels carries it)") from exc
+    version = getattr(nvmath, "__version__", "unknown")
+    if not version.startswith("1.0."):    # TunedGemm reads its plans' internals
+        raise ValueError(f"KVFLEET_CUBLASLT_TUNE=1 is written against nvmath-python 1.0's Matmul "
+                         f"plans; found {version} (pip install 'nvmath-python>=1.0,<1.1')")
     return True
 
 

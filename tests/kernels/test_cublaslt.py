@@ -6,6 +6,8 @@ GPU (marker gpu): every algorithm against F.linear, the choice, lookup and a CUD
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
@@ -35,6 +37,15 @@ def test_tuning_without_nvmath_is_a_clear_error(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVFLEET_CUBLASLT_TUNE", "1")
     with pytest.raises(ValueError, match="KVFLEET_CUBLASLT_TUNE=1 needs nvmath-python"):
         cublaslt.tune_requested()
+
+
+def test_tuning_with_another_nvmath_version_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLEET_CUBLASLT_TUNE", "1")
+    monkeypatch.setitem(sys.modules, "nvmath", types.SimpleNamespace(__version__="1.1.0"))
+    with pytest.raises(ValueError, match="written against nvmath-python 1.0's Matmul plans; found 1.1.0"):
+        cublaslt.tune_requested()
+    monkeypatch.setitem(sys.modules, "nvmath", types.SimpleNamespace(__version__="1.0.3"))
+    assert cublaslt.tune_requested() is True
 
 
 def test_tuned_rows_are_the_prefill_chunk_and_the_extra_rows(monkeypatch: pytest.MonkeyPatch) -> None:
