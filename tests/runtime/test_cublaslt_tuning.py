@@ -9,7 +9,6 @@ import random
 import pytest
 from kvfleet_kernels import cublaslt
 from kvfleet_runtime import LLM, SamplingParams
-from kvfleet_runtime.layers import linear
 
 
 @pytest.mark.gpu
@@ -26,7 +25,6 @@ def test_gpu_engine_with_tuning_serves_the_tuned_gemms(tiny_model_dir, monkeypat
              LLM(model=path, dtype="bfloat16", max_num_seqs=256).generate(prompts, params)]
     monkeypatch.setenv("KVFLEET_CUBLASLT_TUNE", "1")
     monkeypatch.setenv("KVFLEET_CUBLASLT_ROWS", "256")
-    monkeypatch.setattr(linear, "_CUBLASLT", True)
     monkeypatch.setattr(cublaslt, "MIN_GAIN", -1.0)
     served = []
     real_lookup = cublaslt.lookup

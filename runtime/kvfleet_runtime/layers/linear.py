@@ -22,6 +22,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from kvfleet_kernels import cublaslt
 from kvfleet_kernels.env import on_off
 from torch import nn
 
@@ -60,12 +61,6 @@ _GATED_GEMV = on_off("KVFLEET_GEMV_SILU", os.environ.get("KVFLEET_GEMV_SILU", ""
 _PUSH_GEMV = on_off("KVFLEET_GEMV_PUSH", os.environ.get("KVFLEET_GEMV_PUSH", ""))
 
 
-# KVFLEET_CUBLASLT_TUNE=1 (off by default; needs nvmath-python): F.linear's GEMMs at the shapes
-# and row counts the engine tuned at start (kvfleet_kernels.cublaslt) run cuBLASLt's fastest
-# algorithm there instead of the one cuBLAS's heuristic picks
-_CUBLASLT = os.environ.get("KVFLEET_CUBLASLT_TUNE", "") == "1"
-
-
 def batch_one_gemv(x: torch.Tensor) -> bool:
     """x is a batch-1 input on the Triton path, where kvfleet_kernels.gemv can serve it."""
     return x.dim() == 2 and x.shape[0] == 1 and use_triton(x)
@@ -80,11 +75,11 @@ def unquantized_linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor,
         if choice[0]:
             from kvfleet_kernels.gemv import gemv
             return gemv(x, weight, bias, choice[1])
-    if _CUBLASLT and bias is None:
-        from kvfleet_kernels.cublaslt import lookup
-        tuned = lookup(x, weight)
-        if tuned is not None:
-            return tuned(x, weight)
+    # the shapes and row counts the engine tuned at start (KVFLEET_CUBLASLT_TUNE=1, off by
+    # default) run cuBLASLt's fastest algorithm there; lookup is None while nothing is tuned
+    tuned = cublaslt.lookup(x, weight) if bias is None else None
+    if tuned is not None:
+        return tuned(x, weight)
     return F.linear(x, weight, bias)
 
 
