@@ -282,6 +282,7 @@ def test_fp8_layers_fed_by_fused_norm_and_activation_match_unfused(rows):
     from kvfleet_runtime.layers.activation import SiluAndMul
     from kvfleet_runtime.layers.norm import RMSNorm
     from kvfleet_runtime.layers.quantization.fp8 import FP8Activation, feeds_fp8
+    torch.manual_seed(rows)
     with torch.device("cuda"):
         norm, act = RMSNorm(4096, 1e-5, torch.bfloat16), SiluAndMul()
         qkv, down = (Linear(k, n, dtype=torch.bfloat16, prefix=name,
@@ -306,9 +307,11 @@ def test_fp8_layers_fed_by_fused_norm_and_activation_match_unfused(rows):
     assert torch.equal(summed, unfused_summed)
     for out, ref in ((fused[0], qkv(unfused_normed)), (fused[1], down(act(gate_up)))):
         # one activation of a row a step (1/16 of itself) apart moves that row's outputs by
-        # ~|w| |x_k| / 16: far below a bf16 ulp of the row's largest output
+        # ~|w| |x_k| / 16: far below a bf16 ulp of the row's largest output. At ~1 activation in
+        # 2M a step off, ~0.7% of down's 14336-wide rows hold one: up to 5% of the rows may
+        # differ, and one row of a few (of 7 rows one differed on the H200, twenty-fifth session)
         differ = (out != ref).any(dim=1)
-        assert differ.float().mean().item() <= 0.05, int(differ.sum())
+        assert int(differ.sum()) <= max(1, rows // 20), int(differ.sum())
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2,
                                    atol=ref.float().abs().max().item() * 2e-3)
 
