@@ -282,7 +282,7 @@ class AsyncLLMEngine:
             with self._lock:
                 stream = (self._streams.pop(out.request_id, None) if out.finished
                           else self._streams.get(out.request_id))
-            deliveries.append((stream, _snapshot(out)))
+            deliveries.append((stream, out))     # the engine built it for this step alone
         self._deliver(deliveries)
 
     @staticmethod
@@ -316,14 +316,6 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 def _is_final(item: object) -> bool:
     return not isinstance(item, RequestOutput) or item.finished
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the asyncio side can read while the loop thread keeps appending."""
-    return dataclasses.replace(
-        out, outputs=[dataclasses.replace(c, token_ids=list(c.token_ids),
-                                          logprobs=None if c.logprobs is None else list(c.logprobs))
-                      for c in out.outputs])
 
 
 def _aborted_output(request_id: str, prompt: str | list[int], params: SamplingParams,

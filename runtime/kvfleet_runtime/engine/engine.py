@@ -367,6 +367,8 @@ class LLMEngine:
             gid not in final_only or all(c.is_finished for c in groups[gid]))]
 
     def _make_output(self, group_id: str) -> RequestOutput:
+        # new lists each step (token ids, logprobs): AsyncLLMEngine hands the output to another
+        # thread while this one goes on appending to the request's own
         children = self.groups[group_id]
         first = children[0]
         outs = [CompletionOutput(

@@ -177,7 +177,6 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args, **overrides)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
-        switch_s = gil_switch_interval(os.environ.get("KVFLEET_GIL_SWITCH_MS", ""))
         check_kernel_environment()
     except ValueError as e:
         print(f"kvfleet serve: error: {e}", file=sys.stderr)
@@ -204,28 +203,10 @@ def serve(args: argparse.Namespace) -> int:
         threading.Thread(target=_stop_on_engine_death, args=(engine, server, died),
                          name="kvfleet-engine-watch", daemon=True).start()
     tune_gc()       # start-up's objects collected; fewer collections per engine step
-    sys.setswitchinterval(switch_s)
     server.run()
     if died.is_set():
         _exit_dead(engine)
     return 0
-
-
-# The engine loop thread lets go of the GIL at every wait on the GPU and needs it back at once
-# to launch the next step; while the event loop thread streams to many clients, Python hands it
-# back only after the switch interval (5 ms by default), several times a step.
-GIL_SWITCH_MS = 0.5
-
-
-def gil_switch_interval(value: str) -> float:
-    """KVFLEET_GIL_SWITCH_MS (milliseconds, > 0; default GIL_SWITCH_MS) in seconds."""
-    try:
-        ms = float(value) if value else GIL_SWITCH_MS
-    except ValueError:
-        ms = 0.0
-    if not 0 < ms <= 1000:
-        raise ValueError(f"KVFLEET_GIL_SWITCH_MS must be milliseconds in (0, 1000]; got {value!r}")
-    return ms / 1000
 
 
 ENGINE_WATCH_S = 0.2     # how often the server looks at the engine's health
