@@ -19,8 +19,9 @@ FIXED = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 # every test also against the engine loop with async scheduling (the CUDA default), which a
-# CPU engine otherwise runs without
-@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["sync", "async"])
+# CPU engine otherwise runs without, and against the engine in a process of its own
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",), ("--engine-process",)],
+                ids=["sync", "async", "engine-process"])
 def server(tiny_llama: Path, request) -> Iterator[ServerProcess]:
     with running_server(tiny_llama, "--served-model-name", NAME, "tiny-alias",
                         "--max-model-len", "256", *request.param, api_key=API_KEY) as s:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.engine.engine_process import EngineProcess, OutputMerger
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -74,9 +75,16 @@ class _Aborted:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, *, max_queued_requests: int | None = None,
-                 stat_logger: StatLogger | None = None) -> None:
-        from kvfleet_runtime.engine.engine import LLMEngine  # torch-heavy; imported on use
-        self.engine = LLMEngine(config)
+                 stat_logger: StatLogger | None = None, engine_process: bool = False) -> None:
+        """engine_process: run the LLMEngine in a child process (engine_process.py) instead of
+        a thread of this one; the loop thread then only reads its steps' outputs."""
+        self._merger: OutputMerger | None = None
+        if engine_process:
+            self.engine = EngineProcess(config)
+            self._merger = OutputMerger()
+        else:
+            from kvfleet_runtime.engine.engine import LLMEngine  # torch-heavy; imported on use
+            self.engine = LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.served_model_name: str = self.engine.served_model_name
@@ -89,8 +97,9 @@ class AsyncLLMEngine:
         self._stats = EngineStats()
         self._dead: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run_loop, name="kvfleet-engine-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_loop if self._merger is None else self._run_reader,
+            name="kvfleet-engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -166,7 +175,10 @@ class AsyncLLMEngine:
         self._commands.put(None)
         self._wakeup.set()
         timeout = None if self.is_healthy else DEAD_JOIN_S
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        loop = asyncio.get_running_loop()
+        if self._merger is not None:     # the process stops first, then the thread reading it
+            await loop.run_in_executor(None, self.engine.shutdown)
+        await loop.run_in_executor(None, self._thread.join, timeout)
         self.engine.shutdown()
 
     def kill_workers(self, wait_s: float) -> None:
@@ -207,6 +219,13 @@ class AsyncLLMEngine:
         return stream
 
     def _submit(self, command: _Add | _Abort) -> None:
+        if self._merger is not None:
+            # straight to the engine process, which confirms aborts: the loop thread then ends
+            # their streams, as it does every other change to them
+            self.engine.send(("add", command.request_id, command.prompt, command.params,
+                              command.arrival_time) if isinstance(command, _Add)
+                             else ("abort", command.request_ids))
+            return
         self._commands.put(command)
         self._wakeup.set()
 
@@ -225,6 +244,33 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine loop has died: {e!r}"))
+            return
+        self._abort_all()
+
+    def _run_reader(self) -> None:
+        """engine_process: each step's outputs from the child, to their streams."""
+        try:
+            while not self._stopping:
+                message = self.engine.recv()
+                kind = message[0]
+                if kind == "step":
+                    merge = self._merger.merge
+                    self._publish([out for delta in message[1] if (out := merge(delta))],
+                                  message[2])
+                elif kind == "rejected":
+                    self._deliver([(self._pop_stream(message[1]), message[2])])
+                elif kind == "commands":       # applied: the aborted ones, the stats after
+                    self._merger.forget(message[1])
+                    self._apply_abort(message[1])
+                    self._publish([], message[2])
+                elif not self._stopping:    # "dead"
+                    raise EngineDeadError(message[1])
+                else:
+                    break
+        except BaseException as e:      # noqa: BLE001 - any death must reach the clients
+            logger.error("engine process died: %s", e)
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine has died: {e}"))
             return
         self._abort_all()
 
@@ -263,7 +309,8 @@ class AsyncLLMEngine:
         streams = {rid: stream for rid in request_ids
                    if (stream := self._pop_stream(rid)) is not None}
         if streams:
-            self.engine.abort_request(list(streams))
+            if self._merger is None:      # (the engine process aborted them already)
+                self.engine.abort_request(list(streams))
             if self.stat_logger is not None:
                 self.stat_logger.record_aborted(list(streams), time.monotonic())
             self._deliver([(stream, _Aborted()) for stream in streams.values()])
@@ -272,9 +319,9 @@ class AsyncLLMEngine:
         with self._lock:
             return self._streams.pop(request_id, None)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput], stats: EngineStats | None = None) -> None:
         now = time.monotonic()
-        self._stats = self.engine.get_stats()
+        self._stats = stats if stats is not None else self.engine.get_stats()
         if self.stat_logger is not None:
             self.stat_logger.record_step(self._stats, outputs, now)
         deliveries: list[tuple[_Stream | None, object]] = []

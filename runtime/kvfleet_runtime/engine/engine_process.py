@@ -1,0 +1,242 @@
+"""The LLMEngine in a process of its own, for AsyncLLMEngine(engine_process=True) (`kvfleet serve
+--engine-process`).
+
+In one process the engine's loop thread and the server's event loop share the GIL: streaming a
+token to ~1000 clients a step is Python work on the event loop, and every time the loop thread
+lets go of the GIL (each wait on the GPU) it may wait for it to come back while the next step
+should already be launching. With the engine in a child process each side has a GIL of its
+own; the server's side lags by coalescing tokens into fewer stream chunks, and the engine
+steps at its own pace (vLLM's engine core process does the same for the same reason).
+
+The pipe carries commands down (add, abort, None to stop) and, up, one message a step: each
+output as a delta (its new token ids and logprobs, its text so far, the prompt's fields once)
+and the engine's stats. `OutputMerger` turns the deltas back into the cumulative RequestOutputs
+the in-process engine gives, field for field.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from dataclasses import astuple
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5          # an idle engine process waits this long for a command at a time
+READY_TIMEOUT_S = 3600.0    # loading a large checkpoint can take long; a dead child ends it sooner
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or died."""
+
+
+# ---- the child ----
+
+class _DeltaEncoder:
+    """Per request, how much of each output the parent already has."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, tuple[int, int]]] = {}   # index -> (tokens, logprobs)
+
+    def encode(self, out: RequestOutput) -> tuple:
+        first = out.request_id not in self._sent
+        sent = self._sent.setdefault(out.request_id, {})
+        completions = []
+        for c in out.outputs:
+            tokens, logprobs = sent.get(c.index, (0, 0))
+            new_logprobs = None if c.logprobs is None else c.logprobs[logprobs:]
+            completions.append((c.index, c.text, c.token_ids[tokens:], c.cumulative_logprob,
+                                new_logprobs, c.finish_reason, c.stop_reason))
+            sent[c.index] = (len(c.token_ids), 0 if c.logprobs is None else len(c.logprobs))
+        if out.finished:
+            del self._sent[out.request_id]
+        prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs) if first else None
+        metrics = None if out.metrics is None else astuple(out.metrics)
+        return (out.request_id, out.finished, out.num_cached_tokens, metrics, prompt, completions)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._sent.pop(rid, None)
+
+
+def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    from kvfleet_runtime.engine.engine import LLMEngine
+
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:      # noqa: BLE001 - the parent reports it
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", engine.config, engine.served_model_name, engine.tokenizer))
+    encoder = _DeltaEncoder()
+    try:
+        while True:
+            busy = engine.has_unfinished_requests()
+            changed, aborted = False, []
+            while conn.poll(0 if busy else _IDLE_POLL_S):
+                command = conn.recv()
+                if command is None:
+                    return
+                changed = True
+                if command[0] == "add":
+                    _, rid, prompt, params, arrival = command
+                    try:
+                        engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    except (ValueError, TypeError) as e:
+                        conn.send(("rejected", rid, e))
+                else:
+                    engine.abort_request(command[1])
+                    encoder.forget(command[1])
+                    aborted += command[1]
+                busy = engine.has_unfinished_requests()
+            if changed:     # aborts confirmed (the parent then ends their streams), fresh stats
+                conn.send(("commands", aborted, engine.get_stats()))
+            if busy:
+                outputs = engine.step()
+                conn.send(("step", [encoder.encode(o) for o in outputs], engine.get_stats()))
+    except (EOFError, OSError):     # the parent has gone
+        return
+    except BaseException as e:      # noqa: BLE001 - every death reaches the parent
+        logger.exception("engine process died")
+        try:
+            conn.send(("dead", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        engine.shutdown()
+
+
+# ---- the parent ----
+
+class _Tracked:
+    __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs")
+
+    def __init__(self, prompt: tuple) -> None:
+        self.prompt, self.prompt_token_ids, self.prompt_logprobs = prompt
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
+
+
+class OutputMerger:
+    """The parent's side of _DeltaEncoder: deltas -> cumulative RequestOutputs (new lists each
+    time, as LLMEngine builds them)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _Tracked] = {}
+
+    def merge(self, delta: tuple) -> RequestOutput | None:
+        """The request's output; None for one forgotten (aborted) since its first."""
+        request_id, finished, num_cached, metrics, prompt, completions = delta
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            if prompt is None:
+                return None
+            tracked = self._requests[request_id] = _Tracked(prompt)
+        outputs = []
+        for index, text, new_ids, cumulative, new_logprobs, finish_reason, stop_reason in completions:
+            ids = tracked.token_ids.setdefault(index, [])
+            ids.extend(new_ids)
+            logprobs = None
+            if new_logprobs is not None:
+                logprobs = tracked.logprobs.setdefault(index, [])
+                logprobs.extend(new_logprobs)
+                logprobs = list(logprobs)
+            outputs.append(CompletionOutput(index, text, list(ids), cumulative, logprobs,
+                                            finish_reason, stop_reason))
+        if finished:
+            del self._requests[request_id]
+        return RequestOutput(
+            request_id=request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
+            outputs=outputs, finished=finished,
+            prompt_logprobs=None if tracked.prompt_logprobs is None else list(tracked.prompt_logprobs),
+            num_cached_tokens=num_cached,
+            metrics=None if metrics is None else RequestMetrics(*metrics))
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+
+class EngineProcess:
+    """The child process and the parent's end of its pipe. Stands in for LLMEngine where
+    AsyncLLMEngine needs it (config, tokenizer, served_model_name, death_reason, shutdown,
+    kill_workers)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--engine-process does not run tensor parallelism yet "
+                             "(its workers' supervision stays in the server's process)")
+        context = multiprocessing.get_context("spawn")   # CUDA cannot be forked
+        self._conn, child_conn = context.Pipe()
+        # not a daemon: daemonic processes may not start the processes an engine may need
+        self.process = context.Process(target=_child_main,
+                                       args=(config, child_conn, logging.getLogger().level),
+                                       name="kvfleet-engine", daemon=False)
+        self.process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        message = self._recv_ready()
+        if message[0] != "ready":
+            self.process.join(10)
+            raise EngineProcessError(f"the engine process failed to start: {message[1]}")
+        _, self.config, self.served_model_name, self.tokenizer = message
+
+    def _recv_ready(self) -> tuple:
+        from multiprocessing.connection import wait
+        ready = wait([self._conn, self.process.sentinel], READY_TIMEOUT_S)
+        if self._conn in ready:
+            try:
+                return self._conn.recv()
+            except EOFError:
+                pass
+        self.process.join(1)
+        return ("failed", f"it exited with code {self.process.exitcode} before it was ready")
+
+    def send(self, command: Any) -> None:
+        """A command for the child; dropped once the child has gone (its death is reported)."""
+        with self._send_lock:
+            if self._closed:
+                return
+            try:
+                self._conn.send(command)
+            except OSError:
+                self._closed = True
+
+    def recv(self) -> tuple:
+        """The child's next message; ("dead", why) once the pipe has closed."""
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            return ("dead", f"the engine process exited (code {self.process.exitcode})")
+
+    def death_reason(self) -> str | None:
+        if self.process.is_alive():
+            return None
+        return f"the engine process exited (code {self.process.exitcode})"
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the child (unfinished requests go with it); again: nothing more to do."""
+        self.send(None)
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        with self._send_lock:
+            self._closed = True
+            self._conn.close()
+
+    def kill_workers(self, wait_s: float) -> None:
+        """SIGKILL the engine process (the server is about to exit without its shutdown)."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(wait_s)

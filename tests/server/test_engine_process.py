@@ -1,0 +1,151 @@
+"""AsyncLLMEngine(engine_process=True) (`kvfleet serve --engine-process`): the LLMEngine in a child
+process, its steps' outputs sent back as deltas. The same outputs as the engine in a thread of
+this process, field for field; aborts, rejections, shutdown and the child's death as there."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvfleet_runtime.engine.engine_process import EngineProcessError
+from kvfleet_runtime.sampling_params import SamplingParams
+from kvfleet_runtime.server.api import build_app
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+# greedy, seeded sampling with n > 1 and logprobs, a stop string, prompt logprobs, token ids
+CASES = [
+    ("Hello there", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+    ("Tell me a story", SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, logprobs=2,
+                                       ignore_eos=True)),
+    ("Count: 1, 2, 3", SamplingParams(temperature=0.0, max_tokens=20, stop=["e"])),
+    ([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1,
+                                     ignore_eos=True)),
+]
+
+
+def _engine(model: Path, engine_process: bool) -> AsyncLLMEngine:
+    return AsyncLLMEngine(EngineConfig(model=str(model), max_model_len=256, device="cpu"),
+                          engine_process=engine_process)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[AsyncLLMEngine]:
+    engine = _engine(tiny_llama, True)
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+async def _streams(engine: AsyncLLMEngine) -> list[list]:
+    async def one(i: int) -> list:
+        prompt, params = CASES[i]
+        return [out async for out in engine.generate(prompt, params, request_id=f"case-{i}")]
+    return list(await asyncio.gather(*(one(i) for i in range(len(CASES)))))
+
+
+async def _until_idle(engine: AsyncLLMEngine, limit: float = 2.0) -> None:
+    start = time.monotonic()
+    while True:
+        stats = engine.get_stats()
+        if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0:
+            return
+        assert time.monotonic() - start < limit, stats
+        await asyncio.sleep(0.01)
+
+
+async def test_outputs_equal_the_in_process_engines(engine, tiny_llama: Path) -> None:
+    in_process = _engine(tiny_llama, False)
+    try:
+        expected = await _streams(in_process)
+    finally:
+        await in_process.shutdown()
+    got = await _streams(engine)
+    assert engine.tokenizer.encode("Hello there") == in_process.tokenizer.encode("Hello there")
+    assert engine.config.max_model_len == 256 and engine.served_model_name
+    for outs, ref in zip(got, expected, strict=True):
+        # how many outputs a stream yields depends on coalescing; each is cumulative
+        for a, b in itertools.pairwise(outs):
+            for ca, cb in zip(a.outputs, b.outputs, strict=True):
+                assert cb.token_ids[:len(ca.token_ids)] == ca.token_ids
+                assert cb.text.startswith(ca.text)
+        final, want = outs[-1], ref[-1]
+        assert final.finished and want.finished
+        assert final.metrics.first_token_time is not None
+        final.metrics = want.metrics = None
+        assert final == want
+    assert got[1][-1].outputs[0].logprobs and got[3][-1].prompt_logprobs
+
+
+async def test_leaving_early_and_abort_free_the_blocks(engine) -> None:
+    async for out in engine.generate("Leave early", LONG):
+        if len(out.outputs[0].token_ids) >= 3:
+            break
+    await _until_idle(engine)
+    last = None
+    async for out in engine.generate("Abort me", LONG, request_id="to-abort"):
+        if last is None:
+            await engine.abort("to-abort")
+        last = out
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert len(last.outputs[0].token_ids) < 200
+    await _until_idle(engine)
+
+
+async def test_the_engines_own_check_reaches_the_caller(engine) -> None:
+    with pytest.raises(ValueError, match="maximum context length is 256"):
+        async for _ in engine.generate("x", SamplingParams(max_tokens=300)):
+            pass
+    assert engine.is_healthy
+    outs = [o async for o in engine.generate("x", SamplingParams(max_tokens=2, ignore_eos=True))]
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+
+
+async def test_shutdown_ends_unfinished_requests_as_aborted(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, True)
+    outs = []
+
+    async def consume() -> None:
+        async for out in engine.generate("Until shutdown", LONG):
+            outs.append(out)
+            if len(outs) == 2:
+                await engine.shutdown()
+
+    await asyncio.wait_for(consume(), 60)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert not engine.is_healthy and not engine.engine.process.is_alive()
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate("after", LONG):
+            pass
+
+
+async def test_a_killed_engine_process_fails_requests_and_health(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, True)
+    app = build_app(engine)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://kvfleet") as http:
+            assert (await http.get("/health")).status_code == 200
+            with pytest.raises(EngineDeadError, match="engine process exited"):
+                async for out in engine.generate("doomed", LONG):
+                    if len(out.outputs[0].token_ids) == 2:
+                        os.kill(engine.engine.process.pid, signal.SIGKILL)
+            assert not engine.is_healthy
+            health = await http.get("/health")
+            assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+            r = await http.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 503
+    finally:
+        await asyncio.wait_for(engine.shutdown(), 30)
+
+
+def test_a_checkpoint_that_fails_to_load_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(EngineProcessError, match="failed to start"):
+        _engine(tmp_path / "missing", True)
