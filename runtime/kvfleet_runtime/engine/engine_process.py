@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import threading
 from dataclasses import astuple
 from multiprocessing.connection import Connection
@@ -68,6 +69,9 @@ class _DeltaEncoder:
 def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from kvfleet_runtime.engine.engine import LLMEngine
 
+    # Ctrl-C in a terminal reaches the whole process group: the parent stops this process
+    # (its shutdown, or this loop seeing the pipe close), not the signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
     try:

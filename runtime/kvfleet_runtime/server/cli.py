@@ -147,10 +147,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--keep-alive-on-engine-death", action="store_true",
                         help="keep serving (503s) after the engine dies; by default the server "
                              "stops and exits 1, so that its pod or service manager restarts it")
-    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that streaming to many "
-                             "clients does not hold the engine's steps back on the GIL (one "
-                             "GPU; not with --tensor-parallel-size > 1 yet)")
+                             "clients does not hold the engine's steps back on the GIL (not with "
+                             "--tensor-parallel-size > 1 yet) (default: on for one GPU, off on a "
+                             "CPU and with tensor parallelism)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
@@ -182,7 +183,10 @@ def serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, **overrides)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
         check_kernel_environment()
-        if args.engine_process and config.tensor_parallel_size > 1:
+        engine_process = args.engine_process
+        if engine_process is None:      # one GPU: vLLM's engine core runs in a process too
+            engine_process = config.device.startswith("cuda") and config.tensor_parallel_size == 1
+        if engine_process and config.tensor_parallel_size > 1:
             raise ValueError("--engine-process does not run tensor parallelism yet; drop it or "
                              "--tensor-parallel-size")
     except ValueError as e:
@@ -190,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     start = time.monotonic()
     engine = AsyncLLMEngine(config, max_queued_requests=args.max_queued_requests,
-                            engine_process=args.engine_process)
+                            engine_process=engine_process)
     names = names or [engine.served_model_name]
     # the *_created series would double every scrape, and nothing queries them
     disable_created_metrics()
