@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 from dataclasses import astuple
@@ -188,11 +189,17 @@ class EngineProcess:
         child_conn.close()
         self._send_lock = threading.Lock()
         self._closed = False
+        # commands go out from a thread of their own: a burst of adds can fill the pipe while
+        # the child is in a long step, and the event loop must not wait on that
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="kvfleet-engine-send",
+                                        daemon=True)
         message = self._recv_ready()
         if message[0] != "ready":
             self.process.join(10)
             raise EngineProcessError(f"the engine process failed to start: {message[1]}")
         _, self.config, self.served_model_name, self.tokenizer = message
+        self._sender.start()
 
     def _recv_ready(self) -> tuple:
         from multiprocessing.connection import wait
@@ -206,14 +213,23 @@ class EngineProcess:
         return ("failed", f"it exited with code {self.process.exitcode} before it was ready")
 
     def send(self, command: Any) -> None:
-        """A command for the child; dropped once the child has gone (its death is reported)."""
-        with self._send_lock:
-            if self._closed:
+        """Queue a command for the child (None: stop); dropped once the child has gone (its
+        death is reported)."""
+        self._outbox.put(command)
+
+    def _send_loop(self) -> None:
+        while True:
+            command = self._outbox.get()
+            with self._send_lock:
+                if self._closed:
+                    return
+                try:
+                    self._conn.send(command)
+                except OSError:
+                    self._closed = True
+                    return
+            if command is None:
                 return
-            try:
-                self._conn.send(command)
-            except OSError:
-                self._closed = True
 
     def recv(self) -> tuple:
         """The child's next message; ("dead", why) once the pipe has closed."""
@@ -238,6 +254,7 @@ class EngineProcess:
         with self._send_lock:
             self._closed = True
             self._conn.close()
+        self._outbox.put(None)      # the sender, if still waiting, sees the pipe closed
 
     def kill_workers(self, wait_s: float) -> None:
         """SIGKILL the engine process (the server is about to exit without its shutdown)."""
