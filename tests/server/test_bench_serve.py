@@ -72,3 +72,11 @@ def test_bad_flags_and_unreachable_servers_are_named(capsys: pytest.CaptureFixtu
     assert "--request-rate must be numbers or inf" in capsys.readouterr().err
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
     assert "cannot list models at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_a_server_without_metrics_is_reported_without_a_hit_rate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # a run's figures are not lost to /metrics (behind a proxy, or the server going away)
+    from kvfleet_runtime.benchmarks.serve import _prefix_cache_totals
+    assert _prefix_cache_totals("http://127.0.0.1:9") is None
+    assert "no prefix-cache hit rate: cannot read http://127.0.0.1:9/metrics" in capsys.readouterr().err

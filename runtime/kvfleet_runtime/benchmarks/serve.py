@@ -202,11 +202,19 @@ def _get(base_url: str, path: str, api_key: str | None) -> str:
         return r.read().decode()
 
 
-def _prefix_cache_totals(base_url: str) -> tuple[float, float]:
-    """(queries, hits) summed over models from the server's /metrics."""
+def _prefix_cache_totals(base_url: str) -> tuple[float, float] | None:
+    """(queries, hits) summed over models from the server's /metrics; None where it cannot be
+    read (another server, a proxy without it, a server going away): the run is reported
+    without its hit rate rather than lost."""
     from prometheus_client.parser import text_string_to_metric_families
     totals = {"kvfleet_prefix_cache_queries_total": 0.0, "kvfleet_prefix_cache_hits_total": 0.0}
-    for family in text_string_to_metric_families(_get(base_url, "/metrics", None)):
+    try:
+        text = _get(base_url, "/metrics", None)
+    except OSError as e:
+        print(f"kvfleet bench serve: no prefix-cache hit rate: cannot read {base_url}/metrics "
+              f"({e})", file=sys.stderr)
+        return None
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in totals:
                 totals[sample.name] += sample.value
@@ -255,12 +263,13 @@ def run_serve(args: argparse.Namespace) -> int:
         before = _prefix_cache_totals(args.base_url)
         results, duration = asyncio.run(_run(args, model, requests, rate))
         after = _prefix_cache_totals(args.base_url)
-        queries, hits = after[0] - before[0], after[1] - before[1]
         run = {"request_rate": rate, "max_concurrency": args.max_concurrency,
                "dataset": args.dataset, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "model": model,
-               **summarize(results, duration),
-               "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+               **summarize(results, duration)}
+        if before is not None and after is not None:
+            queries, hits = after[0] - before[0], after[1] - before[1]
+            run["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         runs.append(run)
         _print(run)
     if args.json:
