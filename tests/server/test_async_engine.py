@@ -20,13 +20,19 @@ from kvfleet_runtime.server.api import build_app
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 
-def _engine(model: Path) -> AsyncLLMEngine:
-    return AsyncLLMEngine(EngineConfig(model=str(model), max_model_len=256, device="cpu"))
+def _engine(model: Path, engine_process: bool = False) -> AsyncLLMEngine:
+    return AsyncLLMEngine(EngineConfig(model=str(model), max_model_len=256, device="cpu"),
+                          engine_process=engine_process)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Iterator[AsyncLLMEngine]:
-    engine = _engine(tiny_llama)
+# the LLMEngine in a thread of this process, and in a process of its own (engine_process.py;
+# test_engine_process.py has what only that mode does)
+MODES = pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+def engine(tiny_llama: Path, request) -> Iterator[AsyncLLMEngine]:
+    engine = _engine(tiny_llama, request.param)
     yield engine
     asyncio.run(engine.shutdown())
 
@@ -97,8 +103,10 @@ async def test_the_engines_own_check_reaches_the_caller(engine) -> None:
     assert outs[-1].finished
 
 
-async def test_shutdown_ends_unfinished_requests_as_aborted(tiny_llama: Path) -> None:
-    engine = _engine(tiny_llama)
+@MODES
+async def test_shutdown_ends_unfinished_requests_as_aborted(tiny_llama: Path,
+                                                          engine_process: bool) -> None:
+    engine = _engine(tiny_llama, engine_process)
     outs = []
 
     async def consume() -> None:

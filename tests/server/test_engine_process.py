@@ -1,6 +1,7 @@
 """AsyncLLMEngine(engine_process=True) (`kvfleet serve --engine-process`): the LLMEngine in a child
 process, its steps' outputs sent back as deltas. The same outputs as the engine in a thread of
-this process, field for field; aborts, rejections, shutdown and the child's death as there."""
+this process, field for field; the child's death and a failed start. (Streams, aborts,
+rejections and shutdown: test_async_engine.py, in both modes.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import itertools
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,16 +51,6 @@ async def _streams(engine: AsyncLLMEngine) -> list[list]:
     return list(await asyncio.gather(*(one(i) for i in range(len(CASES)))))
 
 
-async def _until_idle(engine: AsyncLLMEngine, limit: float = 2.0) -> None:
-    start = time.monotonic()
-    while True:
-        stats = engine.get_stats()
-        if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0:
-            return
-        assert time.monotonic() - start < limit, stats
-        await asyncio.sleep(0.01)
-
-
 async def test_outputs_equal_the_in_process_engines(engine, tiny_llama: Path) -> None:
     in_process = _engine(tiny_llama, False)
     try:
@@ -82,48 +72,6 @@ async def test_outputs_equal_the_in_process_engines(engine, tiny_llama: Path) ->
         final.metrics = want.metrics = None
         assert final == want
     assert got[1][-1].outputs[0].logprobs and got[3][-1].prompt_logprobs
-
-
-async def test_leaving_early_and_abort_free_the_blocks(engine) -> None:
-    async for out in engine.generate("Leave early", LONG):
-        if len(out.outputs[0].token_ids) >= 3:
-            break
-    await _until_idle(engine)
-    last = None
-    async for out in engine.generate("Abort me", LONG, request_id="to-abort"):
-        if last is None:
-            await engine.abort("to-abort")
-        last = out
-    assert last.finished and last.outputs[0].finish_reason == "abort"
-    assert len(last.outputs[0].token_ids) < 200
-    await _until_idle(engine)
-
-
-async def test_the_engines_own_check_reaches_the_caller(engine) -> None:
-    with pytest.raises(ValueError, match="maximum context length is 256"):
-        async for _ in engine.generate("x", SamplingParams(max_tokens=300)):
-            pass
-    assert engine.is_healthy
-    outs = [o async for o in engine.generate("x", SamplingParams(max_tokens=2, ignore_eos=True))]
-    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
-
-
-async def test_shutdown_ends_unfinished_requests_as_aborted(tiny_llama: Path) -> None:
-    engine = _engine(tiny_llama, True)
-    outs = []
-
-    async def consume() -> None:
-        async for out in engine.generate("Until shutdown", LONG):
-            outs.append(out)
-            if len(outs) == 2:
-                await engine.shutdown()
-
-    await asyncio.wait_for(consume(), 60)
-    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert not engine.is_healthy and not engine.engine.process.is_alive()
-    with pytest.raises(EngineDeadError):
-        async for _ in engine.generate("after", LONG):
-            pass
 
 
 async def test_a_killed_engine_process_fails_requests_and_health(tiny_llama: Path) -> None:
