@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from support.server import start_server
 
 
-def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama: Path) -> None:
-    server = start_server(tiny_llama, "--shutdown-timeout", "30", "--max-model-len", "512")
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["thread", "engine-process"])
+def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_llama: Path, mode: tuple) -> None:
+    server = start_server(tiny_llama, "--shutdown-timeout", "30", "--max-model-len", "512", *mode)
     try:
         body = {"prompt": "Drain me", "max_tokens": 480, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}

@@ -6,6 +6,10 @@ on a thread-safe queue that the loop thread applies between steps, and the
 loop thread hands each step's outputs to per-request asyncio queues with
 `loop.call_soon_threadsafe`. A consumer that stops iterating (a client that
 disconnected, a cancelled task) aborts its request, which frees its blocks.
+
+With engine_process=True the LLMEngine runs in a child process instead (engine_process.py):
+commands go down its pipe, and the loop thread only reads the child's step messages and
+delivers them the same way.
 """
 
 from __future__ import annotations

@@ -70,9 +70,11 @@ class _DeltaEncoder:
 def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from kvfleet_runtime.engine.engine import LLMEngine
 
-    # Ctrl-C in a terminal reaches the whole process group: the parent stops this process
-    # (its shutdown, or this loop seeing the pipe close), not the signal
+    # Ctrl-C in a terminal, or a SIGTERM sent to the whole process group, reaches this process
+    # too: the parent stops it (after draining its requests: its shutdown; or this loop seeing
+    # the pipe close; or SIGKILL), not the signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
     try:
