@@ -1,6 +1,7 @@
 """AsyncLLMEngine(engine_process=True) (`kvfleet serve --engine-process`): the LLMEngine in a child
 process, its steps' outputs sent back as deltas. The same outputs as the engine in a thread of
-this process, field for field; the child's death and a failed start. (Streams, aborts,
+this process, field for field, also when the parent merges several steps at once; the child's
+death and a failed start. (Streams, aborts,
 rejections and shutdown: test_async_engine.py, in both modes.)"""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import httpx
 import pytest
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from kvfleet_runtime.engine.engine_process import EngineProcessError
+from kvfleet_runtime.engine.engine import LLMEngine
+from kvfleet_runtime.engine.engine_process import EngineProcessError, OutputMerger, _DeltaEncoder
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server.api import build_app
 
@@ -72,6 +74,35 @@ async def test_outputs_equal_the_in_process_engines(engine, tiny_llama: Path) ->
         final.metrics = want.metrics = None
         assert final == want
     assert got[1][-1].outputs[0].logprobs and got[3][-1].prompt_logprobs
+
+
+@pytest.mark.parametrize("group", [1, 2, 5, 1000])
+def test_steps_merged_together_give_each_requests_latest_output(tiny_llama: Path,
+                                                                group: int) -> None:
+    """A parent that fell behind merges `group` steps' deltas at once: one output a request,
+    equal to the engine's own output at the last of those steps."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=256, device="cpu"))
+    try:
+        for i, (prompt, params) in enumerate(CASES):
+            engine.add_request(f"case-{i}", prompt, params)
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.append(engine.step())
+    finally:
+        engine.shutdown()
+    assert len(steps) > 5
+    encoder, merger = _DeltaEncoder(), OutputMerger()
+    deltas = [[encoder.encode(out) for out in outs] for outs in steps]
+    for start in range(0, len(steps), group):
+        chunk = slice(start, start + group)
+        expected = {}       # the engine's latest output of each request in these steps
+        for outs in steps[chunk]:
+            expected.update((out.request_id, out) for out in outs)
+        got = merger.merge(deltas[chunk])
+        assert [out.request_id for out in got] == list(expected)    # once each, in first order
+        for out in got:
+            assert out == expected[out.request_id]
+    assert not merger._requests      # every request finished: nothing kept
 
 
 async def test_a_killed_engine_process_fails_requests_and_health(tiny_llama: Path) -> None:

@@ -256,12 +256,18 @@ class AsyncLLMEngine:
         try:
             while not self._stopping:
                 message = self.engine.recv()
+                steps = []      # every step already waiting: delivered as one
+                while message[0] == "step":
+                    steps.append(message)
+                    if not self.engine.pending():
+                        break
+                    message = self.engine.recv()
+                if steps:
+                    self._publish(self._merger.merge([step[1] for step in steps]), steps[-1][2])
                 kind = message[0]
                 if kind == "step":
-                    merge = self._merger.merge
-                    self._publish([out for delta in message[1] if (out := merge(delta))],
-                                  message[2])
-                elif kind == "rejected":
+                    continue
+                if kind == "rejected":
                     self._deliver([(self._pop_stream(message[1]), message[2])])
                 elif kind == "commands":       # applied: the aborted ones, the stats after
                     self._merger.forget(message[1])

@@ -10,8 +10,10 @@ steps at its own pace (vLLM's engine core process does the same for the same rea
 
 The pipe carries commands down (add, abort, None to stop) and, up, one message a step: each
 output as a delta (its new token ids and logprobs, its text so far, the prompt's fields once)
-and the engine's stats. `OutputMerger` turns the deltas back into the cumulative RequestOutputs
-the in-process engine gives, field for field.
+and the engine's stats, sent by a thread of the child's so the engine never waits on the pipe.
+`OutputMerger` turns the deltas back into the cumulative RequestOutputs the in-process engine
+gives, field for field; a parent that fell behind merges the steps waiting for it into one
+output a request.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.5          # an idle engine process waits this long for a command at a time
 READY_TIMEOUT_S = 3600.0    # loading a large checkpoint can take long; a dead child ends it sooner
+_SENDER_JOIN_S = 10.0       # how long a stopping engine process waits for its last messages to go
 
 
 class EngineProcessError(RuntimeError):
@@ -83,6 +86,13 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", engine.config, engine.served_model_name, engine.tokenizer))
+    # messages go up from a thread of their own, so a step never waits on a parent busy with
+    # the last one (a full pipe): the next step launches while this one's outputs are pickled
+    # and sent, and a parent that lags reads several steps at once (_run_reader coalesces them)
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_up, args=(conn, outbox), name="kvfleet-engine-up",
+                              daemon=True)
+    sender.start()
     encoder = _DeltaEncoder()
     try:
         while True:
@@ -98,27 +108,37 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
                     try:
                         engine.add_request(rid, prompt, params, arrival_time=arrival)
                     except (ValueError, TypeError) as e:
-                        conn.send(("rejected", rid, e))
+                        outbox.put(("rejected", rid, e))
                 else:
                     engine.abort_request(command[1])
                     encoder.forget(command[1])
                     aborted += command[1]
                 busy = engine.has_unfinished_requests()
             if changed:     # aborts confirmed (the parent then ends their streams), fresh stats
-                conn.send(("commands", aborted, engine.get_stats()))
+                outbox.put(("commands", aborted, engine.get_stats()))
             if busy:
                 outputs = engine.step()
-                conn.send(("step", [encoder.encode(o) for o in outputs], engine.get_stats()))
+                outbox.put(("step", [encoder.encode(o) for o in outputs], engine.get_stats()))
+            if not sender.is_alive():   # the pipe broke: the parent has gone
+                return
     except (EOFError, OSError):     # the parent has gone
         return
     except BaseException as e:      # noqa: BLE001 - every death reaches the parent
         logger.exception("engine process died")
-        try:
-            conn.send(("dead", f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
+        outbox.put(("dead", f"{type(e).__name__}: {e}"))
     finally:
+        outbox.put(None)
+        sender.join(_SENDER_JOIN_S)
         engine.shutdown()
+
+
+def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
+    """The child's messages to the parent, in order, until None or a broken pipe."""
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send(message)
+        except OSError:
+            return
 
 
 # ---- the parent ----
@@ -139,25 +159,38 @@ class OutputMerger:
     def __init__(self) -> None:
         self._requests: dict[str, _Tracked] = {}
 
-    def merge(self, delta: tuple) -> RequestOutput | None:
-        """The request's output; None for one forgotten (aborted) since its first."""
-        request_id, finished, num_cached, metrics, prompt, completions = delta
+    def merge(self, steps: list[list[tuple]]) -> list[RequestOutput]:
+        """One RequestOutput per request that the steps' deltas touch (in their order), as of
+        the last of them: a reader that fell behind builds each output once, not once a step.
+        A request forgotten (aborted) since its first delta gives none."""
+        latest: dict[str, tuple] = {}
+        for deltas in steps:
+            for delta in deltas:
+                if self._absorb(delta):
+                    latest[delta[0]] = delta
+        return [self._output(delta) for delta in latest.values()]
+
+    def _absorb(self, delta: tuple) -> bool:
+        request_id, _, _, _, prompt, completions = delta
         tracked = self._requests.get(request_id)
         if tracked is None:
             if prompt is None:
-                return None
+                return False
             tracked = self._requests[request_id] = _Tracked(prompt)
-        outputs = []
-        for index, text, new_ids, cumulative, new_logprobs, finish_reason, stop_reason in completions:
-            ids = tracked.token_ids.setdefault(index, [])
-            ids.extend(new_ids)
-            logprobs = None
+        for index, _, new_ids, _, new_logprobs, _, _ in completions:
+            tracked.token_ids.setdefault(index, []).extend(new_ids)
             if new_logprobs is not None:
-                logprobs = tracked.logprobs.setdefault(index, [])
-                logprobs.extend(new_logprobs)
-                logprobs = list(logprobs)
-            outputs.append(CompletionOutput(index, text, list(ids), cumulative, logprobs,
-                                            finish_reason, stop_reason))
+                tracked.logprobs.setdefault(index, []).extend(new_logprobs)
+        return True
+
+    def _output(self, delta: tuple) -> RequestOutput:
+        request_id, finished, num_cached, metrics, _, completions = delta
+        tracked = self._requests[request_id]
+        outputs = []
+        for index, text, _, cumulative, new_logprobs, finish_reason, stop_reason in completions:
+            logprobs = None if new_logprobs is None else list(tracked.logprobs[index])
+            outputs.append(CompletionOutput(index, text, list(tracked.token_ids[index]), cumulative,
+                                            logprobs, finish_reason, stop_reason))
         if finished:
             del self._requests[request_id]
         return RequestOutput(
@@ -232,6 +265,13 @@ class EngineProcess:
                     return
             if command is None:
                 return
+
+    def pending(self) -> bool:
+        """Whether a message from the child is waiting (or the pipe has closed: recv says so)."""
+        try:
+            return self._conn.poll(0)
+        except (EOFError, OSError):
+            return True
 
     def recv(self) -> tuple:
         """The child's next message; ("dead", why) once the pipe has closed."""
