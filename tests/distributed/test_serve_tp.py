@@ -1,7 +1,9 @@
-"""`kvfleet serve --tensor-parallel-size 2` as a real process: it answers; a killed worker
-stops the server (exit 1) within seconds, or with --keep-alive-on-engine-death turns requests
-and /health into errors; a worker that hangs without dying fails the request after the step
-timeout and stops the server; no worker outlives the server. On CPUs over gloo (CI), and on two
+"""`kvfleet serve --tensor-parallel-size 2` as a real process, the engine in a thread of the
+server or in a process of its own (--engine-process, whose child then starts the worker): it
+answers; a killed worker stops the server (exit 1) within seconds, or with
+--keep-alive-on-engine-death turns requests and /health into errors; a worker that hangs
+without dying fails the request after the step timeout and stops the server; no worker (and no
+engine process) outlives the server. On CPUs over gloo (CI), and on two
 GPUs over NCCL and symmetric memory (marker gpu), where rank 0 is left spinning on the GPU in a
 collective with a dead or stopped peer."""
 
@@ -26,6 +28,8 @@ DEVICES = pytest.mark.parametrize("device", [
         torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
 
 TP_FLAGS = ("--tensor-parallel-size", "2", "--served-model-name", "tp", "--max-num-seqs", "4")
+# the engine in the server's process (the default with tensor parallelism) or in its own
+MODES = pytest.mark.parametrize("mode", ["--no-engine-process", "--engine-process"])
 
 
 def _children(pid: int) -> list[int]:
@@ -33,11 +37,23 @@ def _children(pid: int) -> list[int]:
             for c in (task / "children").read_text().split()]
 
 
-def _worker_pid(server_pid: int) -> int:
-    # the spawned worker runs multiprocessing's spawn_main (the other child is its resource tracker)
-    (pid,) = [c for c in _children(server_pid)
-              if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    return pid
+def _spawned_child(pid: int) -> int:
+    # a spawned process runs multiprocessing's spawn_main (the other child is its resource tracker)
+    (child,) = [c for c in _children(pid)
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return child
+
+
+def _worker_pid(server_pid: int, mode: str) -> tuple[int, int | None]:
+    """The worker's pid and the engine process's (None: the engine runs in the server's)."""
+    if mode == "--engine-process":
+        engine = _spawned_child(server_pid)
+        return _spawned_child(engine), engine
+    return _spawned_child(server_pid), None
+
+
+def _gone(*pids: int | None) -> bool:
+    return not any(Path(f"/proc/{pid}").exists() for pid in pids if pid is not None)
 
 
 def _complete(base_url: str, prompt: str, timeout: float = 30.0) -> tuple[int, dict]:
@@ -61,28 +77,30 @@ def _exit_code_within(server, seconds: float) -> int:
 
 
 @DEVICES
+@MODES
 @pytest.mark.timeout(180)
-def test_a_killed_worker_stops_the_server(tp_model_dir, device):
-    with running_server(tp_model_dir("llama3-gqa"), "--device", device, *TP_FLAGS) as server:
+def test_a_killed_worker_stops_the_server(tp_model_dir, device, mode):
+    with running_server(tp_model_dir("llama3-gqa"), "--device", device, mode, *TP_FLAGS) as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        worker = _worker_pid(server.pid)
+        worker, engine = _worker_pid(server.pid, mode)
         os.kill(worker, signal.SIGKILL)
         # idle: the worker supervisor notices, the server stops without a request
         assert _exit_code_within(server, 10) == 1
         log = server.log()
         assert "tensor-parallel rank 1 exited with code -9" in log and "exits 1" in log, log
-    assert not Path(f"/proc/{worker}").exists()
+    assert _gone(worker, engine)
 
 
 @DEVICES
+@MODES
 @pytest.mark.timeout(180)
-def test_kept_alive_a_killed_worker_fails_health_and_requests(tp_model_dir, device):
-    with running_server(tp_model_dir("llama3-gqa"), "--device", device, *TP_FLAGS,
+def test_kept_alive_a_killed_worker_fails_health_and_requests(tp_model_dir, device, mode):
+    with running_server(tp_model_dir("llama3-gqa"), "--device", device, mode, *TP_FLAGS,
                         "--keep-alive-on-engine-death") as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        worker = _worker_pid(server.pid)
+        worker, engine = _worker_pid(server.pid, mode)
         os.kill(worker, signal.SIGKILL)
         t0 = time.monotonic()
         # an idle server notices without a request: /health consults the worker supervisor
@@ -95,20 +113,21 @@ def test_kept_alive_a_killed_worker_fails_health_and_requests(tp_model_dir, devi
         assert health == 503 and "tensor-parallel rank 1 exited" in text, text
         assert time.monotonic() - t0 < 5
         assert server.process.poll() is None      # still serving its 503s
-    assert not Path(f"/proc/{worker}").exists()
+    assert _gone(worker, engine)
 
 
 @DEVICES
+@MODES
 @pytest.mark.timeout(180)
-def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir, device):
+def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir, device, mode):
     # SIGSTOP: the worker lives but never answers; rank 0 waits in a collective with it
     # (on GPUs the first request's steps may compile Triton kernels: longer than 3 s)
     timeout_s = 3.0 if device == "cpu" else 30.0
-    with running_server(tp_model_dir("llama3-gqa"), "--device", device, *TP_FLAGS,
+    with running_server(tp_model_dir("llama3-gqa"), "--device", device, mode, *TP_FLAGS,
                         env={"KVFLEET_TP_STEP_TIMEOUT_S": str(timeout_s)}) as server:
         status, body = _complete(server.base_url, "Hello there")
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        worker = _worker_pid(server.pid)
+        worker, engine = _worker_pid(server.pid, mode)
         os.kill(worker, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
@@ -123,4 +142,4 @@ def test_a_hung_worker_fails_the_step_after_the_step_timeout(tp_model_dir, devic
         finally:
             if Path(f"/proc/{worker}").exists():
                 os.kill(worker, signal.SIGCONT)
-    assert not Path(f"/proc/{worker}").exists()
+    assert _gone(worker, engine)

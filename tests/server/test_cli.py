@@ -49,8 +49,6 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
     (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0; got -1"),
     (["--quantization", "int3"], "invalid choice: 'int3'"),
-    (["--engine-process", "--tensor-parallel-size", "2"],
-     "--engine-process does not run tensor parallelism yet"),
 ])
 def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:

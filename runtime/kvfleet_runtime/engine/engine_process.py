@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5          # an idle engine process waits this long for a command at a time
 READY_TIMEOUT_S = 3600.0    # loading a large checkpoint can take long; a dead child ends it sooner
 _SENDER_JOIN_S = 10.0       # how long a stopping engine process waits for its last messages to go
+_HEALTH_POLL_S = 0.2        # how often the engine process asks its engine whether it can step
 
 
 class EngineProcessError(RuntimeError):
@@ -78,6 +80,9 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     # the pipe close; or SIGKILL), not the signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # a process group of its own, which its tensor-parallel workers join: the parent's
+    # SIGKILL then takes them too (EngineProcess._kill)
+    os.setpgid(0, 0)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
     try:
@@ -93,9 +98,15 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     sender = threading.Thread(target=_send_up, args=(conn, outbox), name="kvfleet-engine-up",
                               daemon=True)
     sender.start()
+    # an engine that dies between steps or inside one (a tensor-parallel worker exited or hung:
+    # its supervisor says so at once, while this loop may be waiting in a collective): the
+    # parent hears it now, and this loop stops
+    died = threading.Event()
+    threading.Thread(target=_watch_health, args=(engine, outbox, died),
+                     name="kvfleet-engine-health", daemon=True).start()
     encoder = _DeltaEncoder()
     try:
-        while True:
+        while not died.is_set():
             busy = engine.has_unfinished_requests()
             changed, aborted = False, []
             while conn.poll(0 if busy else _IDLE_POLL_S):
@@ -127,9 +138,19 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         logger.exception("engine process died")
         outbox.put(("dead", f"{type(e).__name__}: {e}"))
     finally:
+        died.set()      # the health watcher stops
         outbox.put(None)
         sender.join(_SENDER_JOIN_S)
         engine.shutdown()
+
+
+def _watch_health(engine, outbox: queue.SimpleQueue, died: threading.Event) -> None:
+    while not died.wait(_HEALTH_POLL_S):
+        reason = engine.death_reason()
+        if reason is not None and not died.is_set():
+            died.set()
+            outbox.put(("dead", reason))
+            return
 
 
 def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
@@ -211,9 +232,6 @@ class EngineProcess:
     kill_workers)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size > 1:
-            raise ValueError("--engine-process does not run tensor parallelism yet "
-                             "(its workers' supervision stays in the server's process)")
         context = multiprocessing.get_context("spawn")   # CUDA cannot be forked
         self._conn, child_conn = context.Pipe()
         # not a daemon: daemonic processes may not start the processes an engine may need
@@ -291,15 +309,23 @@ class EngineProcess:
         self.send(None)
         self.process.join(timeout)
         if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+            self._kill(5)
         with self._send_lock:
             self._closed = True
             self._conn.close()
         self._outbox.put(None)      # the sender, if still waiting, sees the pipe closed
 
     def kill_workers(self, wait_s: float) -> None:
-        """SIGKILL the engine process (the server is about to exit without its shutdown)."""
+        """SIGKILL the engine process and its tensor-parallel workers (the server is about to
+        exit without its shutdown)."""
         if self.process.is_alive():
+            self._kill(wait_s)
+
+    def _kill(self, wait_s: float) -> None:
+        """SIGKILL the child's process group (the child and its workers), then wait up to
+        wait_s for the child."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):   # not yet a group of its own
             self.process.kill()
-            self.process.join(wait_s)
+        self.process.join(wait_s)

@@ -149,9 +149,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "stops and exits 1, so that its pod or service manager restarts it")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that streaming to many "
-                             "clients does not hold the engine's steps back on the GIL (not with "
-                             "--tensor-parallel-size > 1 yet) (default: on for one GPU, off on a "
-                             "CPU and with tensor parallelism)")
+                             "clients does not hold the engine's steps back on the GIL (default: "
+                             "on for one GPU; off on a CPU, and with tensor parallelism until it "
+                             "is measured there)")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
@@ -186,9 +186,6 @@ def serve(args: argparse.Namespace) -> int:
         engine_process = args.engine_process
         if engine_process is None:      # one GPU: vLLM's engine core runs in a process too
             engine_process = config.device.startswith("cuda") and config.tensor_parallel_size == 1
-        if engine_process and config.tensor_parallel_size > 1:
-            raise ValueError("--engine-process does not run tensor parallelism yet; drop it or "
-                             "--tensor-parallel-size")
     except ValueError as e:
         print(f"kvfleet serve: error: {e}", file=sys.stderr)
         return 2
