@@ -17,7 +17,8 @@ from support.server import ServerProcess, running_server
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[ServerProcess]:
-    with running_server(tiny_llama, "--max-model-len", "512") as s:
+    # as one benchmarks a server: no log line per request
+    with running_server(tiny_llama, "--max-model-len", "512", "--disable-uvicorn-access-log") as s:
         yield s
 
 
@@ -80,3 +81,10 @@ def test_a_server_without_metrics_is_reported_without_a_hit_rate(
     from kvfleet_runtime.benchmarks.serve import _prefix_cache_totals
     assert _prefix_cache_totals("http://127.0.0.1:9") is None
     assert "no prefix-cache hit rate: cannot read http://127.0.0.1:9/metrics" in capsys.readouterr().err
+
+
+def test_the_server_kept_no_access_log(server: ServerProcess, tmp_path: Path) -> None:
+    _bench(server, tmp_path, "--num-prompts", "4", "--input-len", "8", "--output-len", "2")
+    log = server.log(tail=1_000_000)
+    assert "Uvicorn running on" in log       # uvicorn's own lines still come
+    assert "POST /v1/completions" not in log and "GET /v1/models" not in log

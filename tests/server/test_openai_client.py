@@ -221,3 +221,9 @@ def test_tokenize_and_detokenize_round_trip(server: ServerProcess, tokenizer) ->
                       json={"tokens": r["tokens"]}).json()
     assert back == {"prompt": "Hello tokenizer"}
     assert httpx.get(server.base_url + "/version").json() == {"version": "0.1.0"}
+
+
+def test_each_request_has_an_access_log_line_by_default(client: openai.OpenAI,
+                                                        server: ServerProcess) -> None:
+    client.models.list()
+    assert '"GET /v1/models HTTP/1.1" 200' in server.log()

@@ -75,13 +75,13 @@ class _DeltaEncoder:
 def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from kvfleet_runtime.engine.engine import LLMEngine
 
-    # Ctrl-C in a terminal, or a SIGTERM sent to the whole process group, reaches this process
-    # too: the parent stops it (after draining its requests: its shutdown; or this loop seeing
-    # the pipe close; or SIGKILL), not the signal
+    # Signals to the server's process group (Ctrl-C in a terminal, a SIGTERM to the group) are
+    # the parent's to act on: it stops this process after draining its requests (its shutdown;
+    # or this loop seeing the pipe close; or SIGKILL). Ignored until this process has left
+    # that group for one of its own, which its tensor-parallel workers join: the parent's
+    # SIGKILL then takes them too (EngineProcess._kill).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # a process group of its own, which its tensor-parallel workers join: the parent's
-    # SIGKILL then takes them too (EngineProcess._kill)
     os.setpgid(0, 0)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")

@@ -147,6 +147,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--keep-alive-on-engine-death", action="store_true",
                         help="keep serving (503s) after the engine dies; by default the server "
                              "stops and exits 1, so that its pod or service manager restarts it")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no log line per HTTP request (vLLM's flag): at thousands of "
+                             "requests a second the access log is work and noise")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so that streaming to many "
                              "clients does not hold the engine's steps back on the GIL (default: "
@@ -203,6 +206,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=max(1, round(args.shutdown_timeout))))
     # uvicorn drains on SIGTERM, then re-raises the signal to the handler it found:
     # a no-op one lets the drained process exit 0 instead of dying by the signal
