@@ -19,6 +19,7 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.engine.engine_process import EngineProcessError, OutputMerger, _DeltaEncoder
+from kvfleet_runtime.outputs import CompletionOutput, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server.api import build_app
 
@@ -103,6 +104,23 @@ def test_steps_merged_together_give_each_requests_latest_output(tiny_llama: Path
         for out in got:
             assert out == expected[out.request_id]
     assert not merger._requests      # every request finished: nothing kept
+
+
+def test_a_text_that_does_not_grow_at_its_end_comes_through_whole() -> None:
+    """Texts go as (characters kept, what follows): one cut back (a stop string removed at the
+    finish) or rewritten reaches the parent as the engine had it."""
+    def out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", "p", [1, 2], [CompletionOutput(0, text, ids)], finished)
+
+    steps = [out("Hello", [5]), out("Hello wor", [5, 6]), out("Hello worl", [5, 6, 7]),
+             out("Help", [5, 6, 7, 8]), out("Hel", [5, 6, 7, 8, 9], finished=True)]
+    encoder, merger = _DeltaEncoder(), OutputMerger()
+    deltas = [[encoder.encode(o)] for o in steps]
+    assert deltas[1][0][5][0][1:3] == (5, " wor")       # kept 5 characters, sent 4
+    assert deltas[3][0][5][0][1:3] == (0, "Help")       # not an extension: whole
+    for step, want in zip(deltas[:2], steps[:2], strict=True):
+        assert merger.merge([step]) == [want]
+    assert merger.merge(deltas[2:]) == [steps[-1]]      # three steps merged at once
 
 
 async def test_a_killed_engine_process_fails_requests_and_health(tiny_llama: Path) -> None:

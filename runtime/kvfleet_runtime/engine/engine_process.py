@@ -9,8 +9,9 @@ own; the server's side lags by coalescing tokens into fewer stream chunks, and t
 steps at its own pace (vLLM's engine core process does the same for the same reason).
 
 The pipe carries commands down (add, abort, None to stop) and, up, one message a step: each
-output as a delta (its new token ids and logprobs, its text so far, the prompt's fields once)
-and the engine's stats, sent by a thread of the child's so the engine never waits on the pipe.
+output as a delta (its new token ids and logprobs, its text's new end, the prompt's fields
+once) and the engine's stats, pickled by the engine's thread and written by another, so the
+engine never waits on the pipe.
 `OutputMerger` turns the deltas back into the cumulative RequestOutputs the in-process engine
 gives, field for field; a parent that fell behind merges the steps waiting for it into one
 output a request.
@@ -25,6 +26,7 @@ import queue
 import signal
 import threading
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from kvfleet_runtime.config import EngineConfig
@@ -48,18 +50,24 @@ class _DeltaEncoder:
     """Per request, how much of each output the parent already has."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, dict[int, tuple[int, int]]] = {}   # index -> (tokens, logprobs)
+        # request -> index -> (tokens, logprobs, text) sent
+        self._sent: dict[str, dict[int, tuple[int, int, str]]] = {}
 
     def encode(self, out: RequestOutput) -> tuple:
         first = out.request_id not in self._sent
         sent = self._sent.setdefault(out.request_id, {})
         completions = []
         for c in out.outputs:
-            tokens, logprobs = sent.get(c.index, (0, 0))
+            tokens, logprobs, text = sent.get(c.index, (0, 0, ""))
             new_logprobs = None if c.logprobs is None else c.logprobs[logprobs:]
-            completions.append((c.index, c.text, c.token_ids[tokens:], c.cumulative_logprob,
-                                new_logprobs, c.finish_reason, c.stop_reason))
-            sent[c.index] = (len(c.token_ids), 0 if c.logprobs is None else len(c.logprobs))
+            # the text as (characters kept of the text sent, what follows them): it grows at
+            # its end but for a stop string cut off at the finish
+            keep = len(text) if c.text.startswith(text) else 0
+            completions.append((c.index, keep, c.text[keep:], c.token_ids[tokens:],
+                                c.cumulative_logprob, new_logprobs, c.finish_reason,
+                                c.stop_reason))
+            sent[c.index] = (len(c.token_ids), 0 if c.logprobs is None else len(c.logprobs),
+                             c.text)
         if out.finished:
             del self._sent[out.request_id]
         prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs) if first else None
@@ -92,8 +100,8 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         return
     conn.send(("ready", engine.config, engine.served_model_name, engine.tokenizer))
     # messages go up from a thread of their own, so a step never waits on a parent busy with
-    # the last one (a full pipe): the next step launches while this one's outputs are pickled
-    # and sent, and a parent that lags reads several steps at once (_run_reader coalesces them)
+    # the last one (a full pipe): the next step launches while this one's outputs are sent, and
+    # a parent that lags reads several steps at once (_run_reader coalesces them)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     sender = threading.Thread(target=_send_up, args=(conn, outbox), name="kvfleet-engine-up",
                               daemon=True)
@@ -119,24 +127,24 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
                     try:
                         engine.add_request(rid, prompt, params, arrival_time=arrival)
                     except (ValueError, TypeError) as e:
-                        outbox.put(("rejected", rid, e))
+                        _post(outbox, ("rejected", rid, e))
                 else:
                     engine.abort_request(command[1])
                     encoder.forget(command[1])
                     aborted += command[1]
                 busy = engine.has_unfinished_requests()
             if changed:     # aborts confirmed (the parent then ends their streams), fresh stats
-                outbox.put(("commands", aborted, engine.get_stats()))
+                _post(outbox, ("commands", aborted, engine.get_stats()))
             if busy:
                 outputs = engine.step()
-                outbox.put(("step", [encoder.encode(o) for o in outputs], engine.get_stats()))
+                _post(outbox, ("step", [encoder.encode(o) for o in outputs], engine.get_stats()))
             if not sender.is_alive():   # the pipe broke: the parent has gone
                 return
     except (EOFError, OSError):     # the parent has gone
         return
     except BaseException as e:      # noqa: BLE001 - every death reaches the parent
         logger.exception("engine process died")
-        outbox.put(("dead", f"{type(e).__name__}: {e}"))
+        _post(outbox, ("dead", f"{type(e).__name__}: {e}"))
     finally:
         died.set()      # the health watcher stops
         outbox.put(None)
@@ -149,15 +157,23 @@ def _watch_health(engine, outbox: queue.SimpleQueue, died: threading.Event) -> N
         reason = engine.death_reason()
         if reason is not None and not died.is_set():
             died.set()
-            outbox.put(("dead", reason))
+            _post(outbox, ("dead", reason))
             return
 
 
+def _post(outbox: queue.SimpleQueue, message: tuple) -> None:
+    """Queue a message for the parent, pickled here: the sending thread then only writes bytes
+    (the GIL let go), instead of holding the GIL through a step's pickling while this thread
+    waits for it to launch the next step."""
+    outbox.put(ForkingPickler.dumps(message))
+
+
 def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
-    """The child's messages to the parent, in order, until None or a broken pipe."""
+    """The child's messages to the parent, in order, until None or a broken pipe (the parent's
+    Connection.recv unpickles them)."""
     while (message := outbox.get()) is not None:
         try:
-            conn.send(message)
+            conn.send_bytes(message)
         except OSError:
             return
 
@@ -165,12 +181,13 @@ def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
 # ---- the parent ----
 
 class _Tracked:
-    __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs", "text")
 
     def __init__(self, prompt: tuple) -> None:
         self.prompt, self.prompt_token_ids, self.prompt_logprobs = prompt
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
+        self.text: dict[int, str] = {}
 
 
 class OutputMerger:
@@ -198,7 +215,8 @@ class OutputMerger:
             if prompt is None:
                 return False
             tracked = self._requests[request_id] = _Tracked(prompt)
-        for index, _, new_ids, _, new_logprobs, _, _ in completions:
+        for index, keep, new_text, new_ids, _, new_logprobs, _, _ in completions:
+            tracked.text[index] = tracked.text.get(index, "")[:keep] + new_text
             tracked.token_ids.setdefault(index, []).extend(new_ids)
             if new_logprobs is not None:
                 tracked.logprobs.setdefault(index, []).extend(new_logprobs)
@@ -208,10 +226,11 @@ class OutputMerger:
         request_id, finished, num_cached, metrics, _, completions = delta
         tracked = self._requests[request_id]
         outputs = []
-        for index, text, _, cumulative, new_logprobs, finish_reason, stop_reason in completions:
+        for index, _, _, _, cumulative, new_logprobs, finish_reason, stop_reason in completions:
             logprobs = None if new_logprobs is None else list(tracked.logprobs[index])
-            outputs.append(CompletionOutput(index, text, list(tracked.token_ids[index]), cumulative,
-                                            logprobs, finish_reason, stop_reason))
+            outputs.append(CompletionOutput(index, tracked.text[index],
+                                            list(tracked.token_ids[index]), cumulative, logprobs,
+                                            finish_reason, stop_reason))
         if finished:
             del self._requests[request_id]
         return RequestOutput(
