@@ -7,6 +7,7 @@ rejections and shutdown: test_async_engine.py, in both modes.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import signal
@@ -17,8 +18,9 @@ import httpx
 import pytest
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvfleet_runtime.engine.delta_engine import DeltaEngine, text_delta
 from kvfleet_runtime.engine.engine import LLMEngine
-from kvfleet_runtime.engine.engine_process import EngineProcessError, OutputMerger, _DeltaEncoder
+from kvfleet_runtime.engine.engine_process import EngineProcessError, OutputMerger
 from kvfleet_runtime.outputs import CompletionOutput, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server.api import build_app
@@ -77,50 +79,72 @@ async def test_outputs_equal_the_in_process_engines(engine, tiny_llama: Path) ->
     assert got[1][-1].outputs[0].logprobs and got[3][-1].prompt_logprobs
 
 
-@pytest.mark.parametrize("group", [1, 2, 5, 1000])
-def test_steps_merged_together_give_each_requests_latest_output(tiny_llama: Path,
-                                                                group: int) -> None:
-    """A parent that fell behind merges `group` steps' deltas at once: one output a request,
-    equal to the engine's own output at the last of those steps."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=256, device="cpu"))
+def _run_to_the_end(engine: LLMEngine) -> list[list]:
+    """CASES through an engine, every step's outputs."""
     try:
         for i, (prompt, params) in enumerate(CASES):
-            engine.add_request(f"case-{i}", prompt, params)
+            engine.add_request(f"case-{i}", prompt, params, arrival_time=100.0 + i)
         steps = []
         while engine.has_unfinished_requests():
             steps.append(engine.step())
+        return steps
     finally:
         engine.shutdown()
-    assert len(steps) > 5
-    encoder, merger = _DeltaEncoder(), OutputMerger()
-    deltas = [[encoder.encode(out) for out in outs] for outs in steps]
+
+
+@pytest.mark.parametrize("group", [1, 2, 5, 1000])
+def test_delta_steps_merged_together_give_each_requests_latest_output(tiny_llama: Path,
+                                                                      group: int) -> None:
+    """The engine process's DeltaEngine against LLMEngine, step for step: its deltas, merged
+    by a parent that fell behind `group` steps at once, give one output a request, equal to
+    LLMEngine's own output at the last of those steps."""
+    config = EngineConfig(model=str(tiny_llama), max_model_len=256, device="cpu")
+    steps = _run_to_the_end(LLMEngine(config))
+    deltas = _run_to_the_end(DeltaEngine(config))
+    assert len(steps) == len(deltas) > 5
+    merger = OutputMerger()
     for start in range(0, len(steps), group):
         chunk = slice(start, start + group)
-        expected = {}       # the engine's latest output of each request in these steps
+        expected = {}       # LLMEngine's latest output of each request in these steps
         for outs in steps[chunk]:
             expected.update((out.request_id, out) for out in outs)
         got = merger.merge(deltas[chunk])
         assert [out.request_id for out in got] == list(expected)    # once each, in first order
         for out in got:
-            assert out == expected[out.request_id]
+            want = expected[out.request_id]
+            # the times differ between the two engines; LLMEngine's outputs share one
+            # RequestMetrics that goes on changing
+            assert out.metrics.arrival_time == want.metrics.arrival_time
+            assert out.metrics.first_token_time is not None
+            assert dataclasses.replace(out, metrics=None) == dataclasses.replace(want, metrics=None)
     assert not merger._requests      # every request finished: nothing kept
 
 
 def test_a_text_that_does_not_grow_at_its_end_comes_through_whole() -> None:
     """Texts go as (characters kept, what follows): one cut back (a stop string removed at the
-    finish) or rewritten reaches the parent as the engine had it."""
-    def out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
-        return RequestOutput("r", "p", [1, 2], [CompletionOutput(0, text, ids)], finished)
+    finish) or rewritten reaches the parent as the engine had it, also merged with others."""
+    texts = ["Hello", "Hello wor", "Hello worl", "Help", "Hel"]
+    assert text_delta("Hello", "Hello wor") == (5, " wor")
+    assert text_delta("Hello worl", "Help") == (0, "Help")
+    assert text_delta("Help", "Hel") == (0, "Hel")
+    deltas, sent = [], ""
+    for i, text in enumerate(texts):
+        finished = i == len(texts) - 1
+        deltas.append([("r", finished, 0, None, ("p", [1, 2], None) if i == 0 else None,
+                        [(0, *text_delta(sent, text), [5 + i], None, None,
+                          "stop" if finished else None, None)])])
+        sent = text
 
-    steps = [out("Hello", [5]), out("Hello wor", [5, 6]), out("Hello worl", [5, 6, 7]),
-             out("Help", [5, 6, 7, 8]), out("Hel", [5, 6, 7, 8, 9], finished=True)]
-    encoder, merger = _DeltaEncoder(), OutputMerger()
-    deltas = [[encoder.encode(o)] for o in steps]
-    assert deltas[1][0][5][0][1:3] == (5, " wor")       # kept 5 characters, sent 4
-    assert deltas[3][0][5][0][1:3] == (0, "Help")       # not an extension: whole
-    for step, want in zip(deltas[:2], steps[:2], strict=True):
-        assert merger.merge([step]) == [want]
-    assert merger.merge(deltas[2:]) == [steps[-1]]      # three steps merged at once
+    def out(i: int) -> RequestOutput:
+        finished = i == len(texts) - 1
+        return RequestOutput("r", "p", [1, 2], [CompletionOutput(
+            0, texts[i], list(range(5, 6 + i)), finish_reason="stop" if finished else None)],
+            finished)
+
+    merger = OutputMerger()
+    assert merger.merge([deltas[0]]) == [out(0)]
+    assert merger.merge([deltas[1]]) == [out(1)]
+    assert merger.merge(deltas[2:]) == [out(4)]      # three steps merged at once
 
 
 async def test_a_killed_engine_process_fails_requests_and_health(tiny_llama: Path) -> None:

@@ -384,11 +384,15 @@ class LLMEngine:
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=first.metrics)
         if finished:
-            del self.groups[group_id]
-            self.prompts.pop(group_id, None)
-            self.sync_groups.discard(group_id)
-            self.final_only.discard(group_id)
+            self._retire(group_id)
         return out
+
+    def _retire(self, group_id: str) -> None:
+        """Forget a finished group (its last output has been made)."""
+        del self.groups[group_id]
+        self.prompts.pop(group_id, None)
+        self.sync_groups.discard(group_id)
+        self.final_only.discard(group_id)
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

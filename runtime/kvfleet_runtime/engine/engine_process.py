@@ -46,42 +46,8 @@ class EngineProcessError(RuntimeError):
 
 # ---- the child ----
 
-class _DeltaEncoder:
-    """Per request, how much of each output the parent already has."""
-
-    def __init__(self) -> None:
-        # request -> index -> (tokens, logprobs, text) sent
-        self._sent: dict[str, dict[int, tuple[int, int, str]]] = {}
-
-    def encode(self, out: RequestOutput) -> tuple:
-        first = out.request_id not in self._sent
-        sent = self._sent.setdefault(out.request_id, {})
-        completions = []
-        for c in out.outputs:
-            tokens, logprobs, text = sent.get(c.index, (0, 0, ""))
-            new_logprobs = None if c.logprobs is None else c.logprobs[logprobs:]
-            # the text as (characters kept of the text sent, what follows them): it grows at
-            # its end but for a stop string cut off at the finish
-            keep = len(text) if c.text.startswith(text) else 0
-            completions.append((c.index, keep, c.text[keep:], c.token_ids[tokens:],
-                                c.cumulative_logprob, new_logprobs, c.finish_reason,
-                                c.stop_reason))
-            sent[c.index] = (len(c.token_ids), 0 if c.logprobs is None else len(c.logprobs),
-                             c.text)
-        if out.finished:
-            del self._sent[out.request_id]
-        prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs) if first else None
-        # its fields in order (numbers: dataclasses.astuple's deep copy costs more than the rest)
-        metrics = None if out.metrics is None else tuple(vars(out.metrics).values())
-        return (out.request_id, out.finished, out.num_cached_tokens, metrics, prompt, completions)
-
-    def forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._sent.pop(rid, None)
-
-
 def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
-    from kvfleet_runtime.engine.engine import LLMEngine
+    from kvfleet_runtime.engine.delta_engine import DeltaEngine
 
     # Signals to the server's process group (Ctrl-C in a terminal, a SIGTERM to the group) are
     # the parent's to act on: it stops this process after draining its requests (its shutdown;
@@ -94,7 +60,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s")
     try:
-        engine = LLMEngine(config)
+        engine = DeltaEngine(config)
     except BaseException as e:      # noqa: BLE001 - the parent reports it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -112,7 +78,6 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     died = threading.Event()
     threading.Thread(target=_watch_health, args=(engine, outbox, died),
                      name="kvfleet-engine-health", daemon=True).start()
-    encoder = _DeltaEncoder()
     try:
         while not died.is_set():
             busy = engine.has_unfinished_requests()
@@ -130,14 +95,13 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
                         _post(outbox, ("rejected", rid, e))
                 else:
                     engine.abort_request(command[1])
-                    encoder.forget(command[1])
                     aborted += command[1]
                 busy = engine.has_unfinished_requests()
             if changed:     # aborts confirmed (the parent then ends their streams), fresh stats
                 _post(outbox, ("commands", aborted, engine.get_stats()))
             if busy:
                 outputs = engine.step()
-                _post(outbox, ("step", [encoder.encode(o) for o in outputs], engine.get_stats()))
+                _post(outbox, ("step", outputs, engine.get_stats()))
             if not sender.is_alive():   # the pipe broke: the parent has gone
                 return
     except (EOFError, OSError):     # the parent has gone
@@ -191,8 +155,8 @@ class _Tracked:
 
 
 class OutputMerger:
-    """The parent's side of _DeltaEncoder: deltas -> cumulative RequestOutputs (new lists each
-    time, as LLMEngine builds them)."""
+    """The parent's side of DeltaEngine (delta_engine.py): deltas -> cumulative RequestOutputs
+    (new lists each time, as LLMEngine builds them)."""
 
     def __init__(self) -> None:
         self._requests: dict[str, _Tracked] = {}
