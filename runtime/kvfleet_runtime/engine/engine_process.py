@@ -10,11 +10,10 @@ steps at its own pace (vLLM's engine core process does the same for the same rea
 
 The pipe carries commands down (add, abort, None to stop) and, up, one message a step: each
 output as a delta (its new token ids and logprobs, its text's new end, the prompt's fields
-once) and the engine's stats, pickled by the engine's thread and written by another, so the
-engine never waits on the pipe.
-`OutputMerger` turns the deltas back into the cumulative RequestOutputs the in-process engine
-gives, field for field; a parent that fell behind merges the steps waiting for it into one
-output a request.
+once; DeltaEngine builds them) and the engine's stats, pickled by the engine's thread and
+written by another, so the engine never waits on the pipe. `OutputMerger` turns the deltas
+back into the cumulative RequestOutputs the in-process engine gives, field for field; a parent
+that fell behind merges the steps waiting for it into one output a request.
 """
 
 from __future__ import annotations
