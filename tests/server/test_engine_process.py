@@ -1,8 +1,8 @@
-"""AsyncLLMEngine(engine_process=True) (`kvfleet serve --engine-process`): the LLMEngine in a child
-process, its steps' outputs sent back as deltas. The same outputs as the engine in a thread of
-this process, field for field, also when the parent merges several steps at once; the child's
-death and a failed start. (Streams, aborts,
-rejections and shutdown: test_async_engine.py, in both modes.)"""
+"""AsyncLLMEngine(engine_process=True) (`kvfleet serve --engine-process`): the engine in a child
+process (DeltaEngine), its steps' outputs sent back as deltas. The same outputs as the engine
+in a thread of this process, field for field, also when the parent merges several steps at
+once; the child's death and a failed start. (Streams, aborts, rejections and shutdown:
+test_async_engine.py, in both modes.)"""
 
 from __future__ import annotations
 
