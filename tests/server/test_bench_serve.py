@@ -47,6 +47,10 @@ def test_a_rate_sweep_reports_every_run_and_plots_it(server: ServerProcess,
         assert 0 < run["ttft_ms_median"] <= run["ttft_ms_p99"]
         assert 0 < run["tpot_ms_mean"] and 0 < run["itl_ms_mean"]
         assert run["output_throughput"] == pytest.approx(72 / run["duration_s"])
+        # the engine's steps during the run, read from the server's /metrics: 6 tokens each
+        # for 12 requests take at least 6 steps, each with some host work and some wait
+        assert run["engine_steps"] >= 6 and run["engine_step_ms_mean"] > 0
+        assert 0 < run["engine_host_share"] < 1 and 0 < run["engine_busy"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,9 +82,10 @@ def test_bad_flags_and_unreachable_servers_are_named(capsys: pytest.CaptureFixtu
 def test_a_server_without_metrics_is_reported_without_a_hit_rate(
         capsys: pytest.CaptureFixture[str]) -> None:
     # a run's figures are not lost to /metrics (behind a proxy, or the server going away)
-    from kvfleet_runtime.benchmarks.serve import _prefix_cache_totals
-    assert _prefix_cache_totals("http://127.0.0.1:9") is None
-    assert "no prefix-cache hit rate: cannot read http://127.0.0.1:9/metrics" in capsys.readouterr().err
+    from kvfleet_runtime.benchmarks.serve import _server_totals
+    assert _server_totals("http://127.0.0.1:9") is None
+    assert ("no prefix-cache hit rate or engine figures: cannot read http://127.0.0.1:9/metrics"
+            in capsys.readouterr().err)
 
 
 def test_the_server_kept_no_access_log(server: ServerProcess, tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ GAUGES = ["kvfleet_num_requests_running", "kvfleet_num_requests_waiting",
 COUNTERS = ["kvfleet_prefix_cache_queries_total", "kvfleet_prefix_cache_hits_total",
             "kvfleet_num_preemptions_total", "kvfleet_prompt_tokens_total",
             "kvfleet_generation_tokens_total", "kvfleet_request_success_total",
-            "kvfleet_http_requests_total"]
+            "kvfleet_http_requests_total", "kvfleet_engine_steps_total",
+            "kvfleet_engine_step_seconds_total", "kvfleet_engine_device_wait_seconds_total"]
 HISTOGRAMS = ["kvfleet_time_to_first_token_seconds", "kvfleet_inter_token_latency_seconds",
               "kvfleet_e2e_request_latency_seconds", "kvfleet_request_queue_time_seconds",
               "kvfleet_request_prompt_tokens", "kvfleet_request_generation_tokens"]
@@ -76,6 +77,18 @@ def test_counters_and_histograms_follow_each_request(server: ServerProcess) -> N
     }
     assert server.metric("kvfleet_request_success_total", finished_reason="length") == \
         length_before + 1
+
+
+def test_engine_step_counters_follow_the_steps(server: ServerProcess) -> None:
+    names = ["kvfleet_engine_steps_total", "kvfleet_engine_step_seconds_total",
+             "kvfleet_engine_device_wait_seconds_total"]
+    before = {n: server.metric(n) for n in names}
+    _complete(server, "Count the steps of this request", 7)
+    steps, step_s, wait_s = (server.metric(n) - before[n] for n in names)
+    # a prefill step, then one a token (async scheduling may launch one more)
+    assert 7 <= steps <= 9
+    # the wait on the device is part of the steps' time, and the steps are not all wait
+    assert 0 < wait_s < step_s
 
 
 def test_prefix_cache_counters_count_tokens(server: ServerProcess) -> None:

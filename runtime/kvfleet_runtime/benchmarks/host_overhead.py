@@ -1,6 +1,7 @@
 """Host (CPU) time per engine step at a large batch, and where it goes.
 
     python -m kvfleet_runtime.benchmarks.host_overhead            # sync and async, 1024 x 128/128
+    python -m kvfleet_runtime.benchmarks.host_overhead --mode async --outputs stream
 
 On a GPU the forward of a 1024-row decode step is a 15-28 ms graph replay and the Python
 around it (schedule, input building, detokenizing, stop checks, outputs) must fit in its
@@ -8,8 +9,13 @@ shadow. This runs a tiny random llama on the CPU, where the model costs little, 
 per step: host ms = step wall time minus the model's forward and the sampler (the work a
 GPU would do), plus a breakdown by phase. Phases are timed by wrapping the engine's per-step
 methods with perf_counter (no profiler: its per-call overhead would distort the Python it
-measures). Nested phases (detokenize inside update) are listed indented; they are part of
+measures). Nested phases (detokenize inside update or finish_launched) are listed indented; they are part of
 their parent, not added to it.
+
+`--outputs final` (the default) runs the offline path (`LLM.generate`: a request's output once,
+when it finishes); `--outputs stream` runs what the engine process of `kvfleet serve` does
+every step (engine_process.py): a DeltaEngine gives every running request's delta, and the
+step's message (deltas and stats) is pickled; the pickling counts as host time ("post").
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import functools
 import gc
 import hashlib
 import json
+import pickle
 import random
 import statistics
 import sys
@@ -102,41 +109,72 @@ def _instrument(engine, fine: bool) -> dict[str, float]:
     _wrap(engine, "_finish_launched", "finish_launched", totals)
     _wrap(engine, "_outputs", "outputs", totals)
     from kvfleet_runtime.detokenizer import IncrementalDetokenizer
-    original = IncrementalDetokenizer.update
+    original = IncrementalDetokenizer.update_one    # what the engine calls a token
 
-    def update(self, *args, **kwargs):
+    def update_one(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
         finally:
             totals["  detokenize"] += time.perf_counter() - t0
-    IncrementalDetokenizer.update = update
+    IncrementalDetokenizer.update_one = update_one
     totals["_restore"] = 0.0
-    engine._restore_detok = lambda: setattr(IncrementalDetokenizer, "update", original)
+    engine._restore_detok = lambda: setattr(IncrementalDetokenizer, "update_one", original)
     return totals
 
 
 def run_once(model: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int,
              max_num_batched_tokens: int, async_scheduling: bool, fine: bool,
-             tuned_gc: bool = False) -> dict:
+             tuned_gc: bool = False, stream: bool = False) -> dict:
     saved = gc.get_threshold()
     try:
         return _run_once(model, num_prompts, input_len, output_len, max_num_seqs,
-                         max_num_batched_tokens, async_scheduling, fine, tuned_gc)
+                         max_num_batched_tokens, async_scheduling, fine, tuned_gc, stream)
     finally:
         gc.set_threshold(*saved)
 
 
+def _stream(engine, prompts: list[list[int]], params, totals: dict[str, float]) -> list:
+    """The engine process's loop (engine_process._child_main) without the pipe: every request
+    queued, then each step's deltas and stats pickled as its message to the server; the
+    outputs, merged back as the server does (not timed), in the prompts' order."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from kvfleet_runtime.engine.engine_process import OutputMerger
+    ids = [f"stream-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    messages = []
+    while engine.has_unfinished_requests():
+        deltas = engine.step()
+        t0 = time.perf_counter()
+        messages.append(ForkingPickler.dumps(("step", deltas, engine.get_stats())))
+        totals["post"] += time.perf_counter() - t0
+    merger, final = OutputMerger(), {}
+    for message in messages:
+        for out in merger.merge([pickle.loads(message)[1]]):
+            if out.finished:
+                final[out.request_id] = out
+    return [final[rid] for rid in ids]
+
+
 def _run_once(model: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int,
               max_num_batched_tokens: int, async_scheduling: bool, fine: bool,
-              tuned_gc: bool) -> dict:
+              tuned_gc: bool, stream: bool) -> dict:
+    from kvfleet_runtime.config import EngineConfig
+    from kvfleet_runtime.engine.delta_engine import DeltaEngine
     from kvfleet_runtime.engine.gc_tuning import tune_gc
     from kvfleet_runtime.llm import LLM
     from kvfleet_runtime.sampling_params import SamplingParams
-    llm = LLM(model=model, device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, max_model_len=input_len + output_len,
-              async_scheduling=async_scheduling, enable_prefix_caching=True)
-    engine = llm.engine
+    config = dict(device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens,
+                  max_model_len=input_len + output_len, async_scheduling=async_scheduling,
+                  enable_prefix_caching=True)
+    if stream:
+        llm, engine = None, DeltaEngine(EngineConfig(model=model, **config))
+    else:
+        llm = LLM(model=model, **config)
+        engine = llm.engine
     if tuned_gc:      # what `kvfleet serve` and the benchmarks do after start-up
         tune_gc()
     totals = _instrument(engine, fine)
@@ -146,7 +184,7 @@ def _run_once(model: str, num_prompts: int, input_len: int, output_len: int, max
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     t0 = time.perf_counter()
     try:
-        outs = llm.generate(prompts, params)
+        outs = _stream(engine, prompts, params, totals) if stream else llm.generate(prompts, params)
     finally:
         if fine:
             engine._restore_detok()
@@ -155,10 +193,11 @@ def _run_once(model: str, num_prompts: int, input_len: int, output_len: int, max
     steps = int(st["steps"])
     device_s = totals["forward"] + totals["sample"]
     result = {
-        "mode": ("async" if async_scheduling else "sync") + ("+tuned-gc" if tuned_gc else ""),
+        "mode": (("async" if async_scheduling else "sync") + ("+stream" if stream else "")
+                 + ("+tuned-gc" if tuned_gc else "")),
         "steps": steps,
         "wall_s": round(wall, 2),
-        "host_ms_per_step": round(1e3 * (st["step_s"] - device_s) / steps, 3),
+        "host_ms_per_step": round(1e3 * (st["step_s"] + totals["post"] - device_s) / steps, 3),
         # the engine's own figure: on a CPU async's forward_s is only the (zero) wait, so
         # it counts the forward as host time there; sync excludes forward + sampling
         "engine_host_ms_per_step": round(1e3 * (st["step_s"] - st["forward_s"]) / steps, 3),
@@ -191,9 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-gc", choices=("no", "yes", "both"), default="no",
                    help="run with the garbage-collector thresholds of engine.gc_tuning (as "
                         "kvfleet serve and the benchmarks set them), without, or both")
+    p.add_argument("--outputs", choices=("final", "stream", "both"), default="final",
+                   help="final: the offline path (an output once, at the end); stream: the "
+                        "engine process's (every request's delta every step, pickled)")
     args = p.parse_args(argv)
-    modes = [(a, g) for a in {"sync": [False], "async": [True], "both": [False, True]}[args.mode]
-             for g in {"no": [False], "yes": [True], "both": [False, True]}[args.tune_gc]]
+    modes = [(a, g, o) for a in {"sync": [False], "async": [True], "both": [False, True]}[args.mode]
+             for g in {"no": [False], "yes": [True], "both": [False, True]}[args.tune_gc]
+             for o in {"final": [False], "stream": [True], "both": [False, True]}[args.outputs]]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -202,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             model = tmp
         common = (model, args.num_prompts, args.input_len, args.output_len, args.max_num_seqs,
                   args.max_num_batched_tokens)
-        for async_scheduling, tuned_gc in modes:
-            runs = [run_once(*common, async_scheduling, fine=False, tuned_gc=tuned_gc)
-                    for _ in range(args.repeats)]
+        for async_scheduling, tuned_gc, stream in modes:
+            runs = [run_once(*common, async_scheduling, fine=False, tuned_gc=tuned_gc,
+                             stream=stream) for _ in range(args.repeats)]
             for r in runs:
                 print(json.dumps(r), flush=True)
             summary = {"mode": runs[0]["mode"], "summary": f"median of {len(runs)}",
@@ -212,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                        "device_ms_per_step": statistics.median(r["device_ms_per_step"] for r in runs)}
             print(json.dumps(summary), flush=True)
             if not args.no_breakdown:
-                fine = run_once(*common, async_scheduling, fine=True, tuned_gc=tuned_gc)
+                fine = run_once(*common, async_scheduling, fine=True, tuned_gc=tuned_gc,
+                                stream=stream)
                 print(json.dumps({"mode": fine["mode"], "breakdown": fine["phases_ms_per_step"],
                                   "host_ms_per_step (timed run)": fine["host_ms_per_step"]}),
                       flush=True)

@@ -29,7 +29,6 @@ def simulate(model: str, num_blocks: int, num_prompts: int, input_len: int, outp
              headroom: int, kv_bytes_per_token: float, max_num_seqs: int = 1024,
              max_num_batched_tokens: int = 16384) -> dict:
     from kvfleet_runtime.engine.model_runner import ModelRunnerOutput
-    from kvfleet_runtime.layers.sampler import SampledToken
     from kvfleet_runtime.llm import LLM
     from kvfleet_runtime.sampling_params import SamplingParams
     llm = LLM(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -48,7 +47,7 @@ def simulate(model: str, num_blocks: int, num_prompts: int, input_len: int, outp
             else:
                 prefill += s.num_new_tokens
             if s.samples:
-                out.sampled[s.request.request_id] = SampledToken(5)
+                out.sampled[s.request.request_id] = 5
         totals["steps"] += 1
         totals["prefill_tokens"] += prefill
         totals["gpu_s"] += prefill * PREFILL_S_PER_TOKEN + max(

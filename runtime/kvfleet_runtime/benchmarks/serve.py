@@ -202,23 +202,45 @@ def _get(base_url: str, path: str, api_key: str | None) -> str:
         return r.read().decode()
 
 
-def _prefix_cache_totals(base_url: str) -> tuple[float, float] | None:
-    """(queries, hits) summed over models from the server's /metrics; None where it cannot be
-    read (another server, a proxy without it, a server going away): the run is reported
-    without its hit rate rather than lost."""
+_TOTALS = ("kvfleet_prefix_cache_queries_total", "kvfleet_prefix_cache_hits_total",
+           "kvfleet_engine_steps_total", "kvfleet_engine_step_seconds_total",
+           "kvfleet_engine_device_wait_seconds_total")
+
+
+def _server_totals(base_url: str) -> dict[str, float] | None:
+    """The server's counters in _TOTALS, summed over models, from its /metrics; None where it
+    cannot be read (another server, a proxy without it, a server going away): the run is
+    reported without the figures read from them rather than lost."""
     from prometheus_client.parser import text_string_to_metric_families
-    totals = {"kvfleet_prefix_cache_queries_total": 0.0, "kvfleet_prefix_cache_hits_total": 0.0}
+    totals = dict.fromkeys(_TOTALS, 0.0)
     try:
         text = _get(base_url, "/metrics", None)
     except OSError as e:
-        print(f"kvfleet bench serve: no prefix-cache hit rate: cannot read {base_url}/metrics "
-              f"({e})", file=sys.stderr)
+        print(f"kvfleet bench serve: no prefix-cache hit rate or engine figures: cannot read "
+              f"{base_url}/metrics ({e})", file=sys.stderr)
         return None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in totals:
                 totals[sample.name] += sample.value
-    return totals["kvfleet_prefix_cache_queries_total"], totals["kvfleet_prefix_cache_hits_total"]
+    return totals
+
+
+def server_figures(before: dict[str, float], after: dict[str, float], duration: float
+                   ) -> dict[str, float]:
+    """What the server's counters say about a run: its prefix-cache hit rate and, where the
+    server counts engine steps, their number, mean length, the share of them the engine
+    spent on host work (not waiting on the device) and the share of the run spent in them."""
+    d = {name: after[name] - before[name] for name in _TOTALS}
+    queries, hits = d["kvfleet_prefix_cache_queries_total"], d["kvfleet_prefix_cache_hits_total"]
+    figures = {"prefix_cache_hit_rate": hits / queries if queries else 0.0}
+    steps, step_s = d["kvfleet_engine_steps_total"], d["kvfleet_engine_step_seconds_total"]
+    if steps > 0:
+        figures.update(engine_steps=int(steps), engine_step_ms_mean=1e3 * step_s / steps,
+                       engine_host_share=1.0 - d["kvfleet_engine_device_wait_seconds_total"]
+                       / max(step_s, 1e-9),
+                       engine_busy=step_s / duration if duration > 0 else 0.0)
+    return figures
 
 
 def _print(run: dict[str, Any]) -> None:
@@ -232,6 +254,10 @@ def _print(run: dict[str, Any]) -> None:
               f"{run[f'{name}_ms_median']:.2f}  p99 {run[f'{name}_ms_p99']:.2f}")
     if "prefix_cache_hit_rate" in run:
         print(f"prefix cache hit rate: {run['prefix_cache_hit_rate']:.1%}")
+    if "engine_steps" in run:
+        print(f"engine: {run['engine_steps']} steps, {run['engine_step_ms_mean']:.2f} ms a step "
+              f"(host work {run['engine_host_share']:.0%} of it), in steps "
+              f"{run['engine_busy']:.0%} of the run")
     if "first_error" in run:
         print(f"first error: {run['first_error']}")
     sys.stdout.flush()
@@ -260,16 +286,15 @@ def run_serve(args: argparse.Namespace) -> int:
                              args.prefix_len, args.seed)
     runs = []
     for rate in rates:
-        before = _prefix_cache_totals(args.base_url)
+        before = _server_totals(args.base_url)
         results, duration = asyncio.run(_run(args, model, requests, rate))
-        after = _prefix_cache_totals(args.base_url)
+        after = _server_totals(args.base_url)
         run = {"request_rate": rate, "max_concurrency": args.max_concurrency,
                "dataset": args.dataset, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "model": model,
                **summarize(results, duration)}
         if before is not None and after is not None:
-            queries, hits = after[0] - before[0], after[1] - before[1]
-            run["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+            run.update(server_figures(before, after, duration))
         runs.append(run)
         _print(run)
     if args.json:

@@ -265,14 +265,14 @@ class LLMEngine:
         sampled, final_only, append = result.sampled, self.final_only, self._append
         for s in sched.scheduled:
             r = s.request
-            tok = sampled.get(r.request_id)
-            if tok is None:
+            token_id = sampled.get(r.request_id)
+            if token_id is None:
                 continue
             r.num_pending -= 1
             if r.status in _FINISHED:   # stopped or aborted while this step ran: drop its token
                 continue
             # a final-only group has an output only once its last request finishes
-            if append(r, tok, now) or r.group_id not in final_only:
+            if append(r, token_id, result, now) or r.group_id not in final_only:
                 touched[r.group_id] = None
         return self._outputs(touched), result
 
@@ -298,21 +298,22 @@ class LLMEngine:
             if prompt_logprobs:
                 for tok in prompt_logprobs.get(r.request_id, ()):
                     r.prompt_logprobs.append(self._position_logprobs(r, tok))
-            tok = sampled.get(r.request_id)
-            if tok is None:
+            token_id = sampled.get(r.request_id)
+            if token_id is None:
                 continue
             # a final-only group has an output only once its last request finishes
-            if append(r, tok, now) or r.group_id not in final_only:
+            if append(r, token_id, result, now) or r.group_id not in final_only:
                 touched[r.group_id] = None
         return list(touched)
 
-    def _append(self, r: Request, tok: SampledToken, now: float) -> bool:
-        """Appends a sampled token (detokenize, stop checks); True when it finished `r`.
-        Runs for every running request every step: the common case reads few attributes."""
-        token_id = tok.token_id
+    def _append(self, r: Request, token_id: int, result: ModelRunnerOutput, now: float) -> bool:
+        """Appends a sampled token (detokenize, stop checks; its logprobs from `result` where
+        asked for); True when it finished `r`. Runs for every running request every step: the
+        common case reads few attributes."""
         r.output_token_ids.append(token_id)
         r.all_token_ids.append(token_id)
         if r.logprobs is not None:    # decoding the top-k costs: only when asked for
+            tok = result.logprobs[r.request_id]
             r.add_logprobs(self._position_logprobs(r, tok), tok.logprob)
         metrics = r.metrics
         if metrics.first_token_time is None:

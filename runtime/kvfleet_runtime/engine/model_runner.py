@@ -62,7 +62,10 @@ class PendingStep:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    sampled: dict[str, int] = field(default_factory=dict)       # request id -> its new token
+    # the requests that asked for logprobs: their new token's (SampledToken: logprob, rank,
+    # top-k); no object a row for the others (~1000 rows a step)
+    logprobs: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
     prepare_s: float = 0.0       # CPU time building inputs
     forward_s: float = 0.0       # forward + sampling, synchronised (async: the wait for them)
@@ -388,7 +391,9 @@ class ModelRunner:
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
-                out.sampled[s.request.request_id] = tok
+                out.sampled[s.request.request_id] = tok.token_id
+                if s.request.logprobs is not None:
+                    out.logprobs[s.request.request_id] = tok
         out.forward_s = time.perf_counter() - t1
         return out
 
@@ -456,9 +461,14 @@ class ModelRunner:
         if pending.token_ids is not None:
             if pending.done is not None:
                 pending.done.synchronize()
-            tokens = sampled_tokens(pending.host_ids.tolist(), pending.logprobs, pending.num_top,
-                                    [t.tolist() for t in pending.host_logprobs])
-            out.sampled = {rid: tokens[row] for rid, row in pending.rows.items()}
+            ids = pending.host_ids.tolist()
+            out.sampled = {rid: ids[row] for rid, row in pending.rows.items()}
+            if pending.logprobs is not None:
+                tokens = sampled_tokens(ids, pending.logprobs, pending.num_top,
+                                        [t.tolist() for t in pending.host_logprobs])
+                top = pending.num_top
+                out.logprobs = {rid: tokens[row] for rid, row in pending.rows.items()
+                                if top[row] is not None}
         # async: only the wait counts as device time; host work overlapped the device
         out.forward_s = time.perf_counter() - t0
         return out

@@ -56,6 +56,14 @@ class EngineMetrics:
                                          "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("kvfleet_num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("kvfleet_prompt_tokens", "Prefilled prompt tokens.")
+        # how busy the engine is: its steps, the time inside them, and the part of that time it
+        # waited on the device (the rest is its host work: scheduling, inputs, detokenizing)
+        self.engine_steps = counter("kvfleet_engine_steps", "Engine steps.")
+        self.engine_step_seconds = counter("kvfleet_engine_step_seconds",
+                                           "Time inside engine steps.")
+        self.engine_device_wait_seconds = counter(
+            "kvfleet_engine_device_wait_seconds",
+            "Time inside engine steps spent waiting on the device (model and sampling).")
         self.generation_tokens = counter("kvfleet_generation_tokens", "Generated tokens.")
         success = Counter("kvfleet_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=registry)
@@ -90,6 +98,9 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits_total
                                        - last.prefix_cache_hits_total))
         self.num_preemptions.inc(max(0, stats.num_preemptions_total - last.num_preemptions_total))
+        for metric, key in ((self.engine_steps, "steps"), (self.engine_step_seconds, "step_s"),
+                            (self.engine_device_wait_seconds, "forward_s")):
+            metric.inc(max(0.0, stats.extra.get(key, 0.0) - last.extra.get(key, 0.0)))
         self._last_totals = stats
         for out in outputs:
             self._record_output(out, now)
