@@ -18,7 +18,7 @@ import httpx
 import pytest
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from kvfleet_runtime.engine.delta_engine import DeltaEngine, text_delta
+from kvfleet_runtime.engine.delta_engine import DeltaEngine, server_detokenizes, text_delta
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.engine.engine_process import EngineProcessError, OutputMerger
 from kvfleet_runtime.outputs import CompletionOutput, RequestOutput
@@ -100,9 +100,17 @@ def test_delta_steps_merged_together_give_each_requests_latest_output(tiny_llama
     LLMEngine's own output at the last of those steps."""
     config = EngineConfig(model=str(tiny_llama), max_model_len=256, device="cpu")
     steps = _run_to_the_end(LLMEngine(config))
-    deltas = _run_to_the_end(DeltaEngine(config))
+    delta_engine = DeltaEngine(config)
+    deltas = _run_to_the_end(delta_engine)
     assert len(steps) == len(deltas) > 5
-    merger = OutputMerger()
+    # the requests that need no text in the engine (no stop strings, no logprobs: "Hello
+    # there") come without it; the parent detokenizes them, as AsyncLLMEngine has it expect them
+    assert [server_detokenizes(params) for _, params in CASES] == [True, False, False, False]
+    assert all(c[2] == "" for d in itertools.chain(*deltas) if d[0] == "case-0" for c in d[5])
+    assert any(c[2] for d in itertools.chain(*deltas) if d[0] == "case-2" for c in d[5])
+    merger = OutputMerger(delta_engine.tokenizer)
+    for i, (_, params) in enumerate(CASES):
+        merger.expect(f"case-{i}", params)
     for start in range(0, len(steps), group):
         chunk = slice(start, start + group)
         expected = {}       # LLMEngine's latest output of each request in these steps
@@ -117,7 +125,7 @@ def test_delta_steps_merged_together_give_each_requests_latest_output(tiny_llama
             assert out.metrics.arrival_time == want.metrics.arrival_time
             assert out.metrics.first_token_time is not None
             assert dataclasses.replace(out, metrics=None) == dataclasses.replace(want, metrics=None)
-    assert not merger._requests      # every request finished: nothing kept
+    assert not merger._requests and not merger._expected     # every request finished: nothing kept
 
 
 def test_a_text_that_does_not_grow_at_its_end_comes_through_whole() -> None:

@@ -134,23 +134,29 @@ def run_once(model: str, num_prompts: int, input_len: int, output_len: int, max_
         gc.set_threshold(*saved)
 
 
-def _stream(engine, prompts: list[list[int]], params, totals: dict[str, float]) -> list:
+def _stream(engine, prompts: list[list[int]], params, totals: dict[str, float]) -> list[bytes]:
     """The engine process's loop (engine_process._child_main) without the pipe: every request
-    queued, then each step's deltas and stats pickled as its message to the server; the
-    outputs, merged back as the server does (not timed), in the prompts' order."""
+    queued, then each step's deltas and stats pickled as its message to the server."""
     from multiprocessing.reduction import ForkingPickler
-
-    from kvfleet_runtime.engine.engine_process import OutputMerger
-    ids = [f"stream-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"stream-{i}", prompt, params)
     messages = []
     while engine.has_unfinished_requests():
         deltas = engine.step()
         t0 = time.perf_counter()
         messages.append(ForkingPickler.dumps(("step", deltas, engine.get_stats())))
         totals["post"] += time.perf_counter() - t0
-    merger, final = OutputMerger(), {}
+    return messages
+
+
+def _merged(engine, messages: list[bytes], num_prompts: int, params) -> list:
+    """_stream's outputs, merged (and, without stop strings, detokenized) as the server's
+    process does (its work, not the engine's: not timed), in the prompts' order."""
+    from kvfleet_runtime.engine.engine_process import OutputMerger
+    merger, final = OutputMerger(engine.tokenizer), {}
+    ids = [f"stream-{i}" for i in range(num_prompts)]
+    for rid in ids:
+        merger.expect(rid, params)
     for message in messages:
         for out in merger.merge([pickle.loads(message)[1]]):
             if out.finished:
@@ -189,6 +195,8 @@ def _run_once(model: str, num_prompts: int, input_len: int, output_len: int, max
         if fine:
             engine._restore_detok()
     wall = time.perf_counter() - t0
+    if stream:
+        outs = _merged(engine, outs, len(prompts), params)
     st = engine.step_totals
     steps = int(st["steps"])
     device_s = totals["forward"] + totals["sample"]

@@ -85,7 +85,7 @@ class AsyncLLMEngine:
         self._merger: OutputMerger | None = None
         if engine_process:
             self.engine = EngineProcess(config)
-            self._merger = OutputMerger()
+            self._merger = OutputMerger(self.engine.tokenizer)
         else:
             from kvfleet_runtime.engine.engine import LLMEngine  # torch-heavy; imported on use
             self.engine = LLMEngine(config)
@@ -226,6 +226,8 @@ class AsyncLLMEngine:
         if self._merger is not None:
             # straight to the engine process, which confirms aborts: the loop thread then ends
             # their streams, as it does every other change to them
+            if isinstance(command, _Add):
+                self._merger.expect(command.request_id, command.params)
             self.engine.send(("add", command.request_id, command.prompt, command.params,
                               command.arrival_time) if isinstance(command, _Add)
                              else ("abort", command.request_ids))
@@ -268,6 +270,7 @@ class AsyncLLMEngine:
                 if kind == "step":
                     continue
                 if kind == "rejected":
+                    self._merger.forget([message[1]])
                     self._deliver([(self._pop_stream(message[1]), message[2])])
                 elif kind == "commands":       # applied: the aborted ones, the stats after
                     self._merger.forget(message[1])

@@ -149,7 +149,8 @@ class LLMEngine:
             if params.seed is not None:
                 r.generator = torch.Generator(device=self.config.torch_device).manual_seed(
                     params.seed + i)
-            r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            if self._detokenizes(params):
+                r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             if i and self.config.enable_prefix_caching and params.prompt_logprobs is None:
                 r.sibling = children[0]
             children.append(r)
@@ -161,6 +162,11 @@ class LLMEngine:
             self.final_only.add(request_id)
         for r in children:
             self.scheduler.add_request(r)
+
+    def _detokenizes(self, params: SamplingParams) -> bool:
+        """Whether this engine turns a request's tokens into its text (DeltaEngine leaves
+        what needs no text to stop to the server's process)."""
+        return True
 
     def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
         max_len = self.config.max_model_len
@@ -320,7 +326,8 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.last_token_time = now
         metrics.num_generation_tokens += 1
-        stop_str = r.detokenizer.update_one(token_id)
+        detokenizer = r.detokenizer
+        stop_str = detokenizer.update_one(token_id) if detokenizer is not None else None
         p = r.params
         if (stop_str is None and token_id not in p._eos_token_ids
                 and token_id not in p.stop_token_ids
@@ -330,8 +337,8 @@ class LLMEngine:
         status = self._check_stop(r, token_id, stop_str)
         if status is None:
             return False
-        if not isinstance(r.stop_reason, str):
-            r.detokenizer.finish()
+        if not isinstance(r.stop_reason, str) and detokenizer is not None:
+            detokenizer.finish()
         metrics.finished_time = now
         self.scheduler.finish(r, status)
         return True

@@ -29,7 +29,10 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.detokenizer import IncrementalDetokenizer
+from kvfleet_runtime.engine.delta_engine import server_detokenizes
 from kvfleet_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvfleet_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -144,21 +147,33 @@ def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
 # ---- the parent ----
 
 class _Tracked:
-    __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs", "text")
+    __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs", "text",
+                 "params", "detokenizers")
 
-    def __init__(self, prompt: tuple) -> None:
+    def __init__(self, prompt: tuple, params: SamplingParams | None) -> None:
         self.prompt, self.prompt_token_ids, self.prompt_logprobs = prompt
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
         self.text: dict[int, str] = {}
+        self.params = params          # set: this process detokenizes the request
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
 
 
 class OutputMerger:
     """The parent's side of DeltaEngine (delta_engine.py): deltas -> cumulative RequestOutputs
-    (new lists each time, as LLMEngine builds them)."""
+    (new lists each time, as LLMEngine builds them). The requests `expect`ed with params that
+    `server_detokenizes` are detokenized here, from their token ids (their deltas carry no
+    text), with the tokenizer given."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer=None) -> None:
+        self._tokenizer = tokenizer
         self._requests: dict[str, _Tracked] = {}
+        self._expected: dict[str, SamplingParams] = {}
+
+    def expect(self, request_id: str, params: SamplingParams) -> None:
+        """A request about to be sent to the engine process (before any delta of it)."""
+        if server_detokenizes(params):
+            self._expected[request_id] = params
 
     def merge(self, steps: list[list[tuple]]) -> list[RequestOutput]:
         """One RequestOutput per request that the steps' deltas touch (in their order), as of
@@ -177,13 +192,31 @@ class OutputMerger:
         if tracked is None:
             if prompt is None:
                 return False
-            tracked = self._requests[request_id] = _Tracked(prompt)
-        for index, keep, new_text, new_ids, _, new_logprobs, _, _ in completions:
-            tracked.text[index] = tracked.text.get(index, "")[:keep] + new_text
+            tracked = self._requests[request_id] = _Tracked(
+                prompt, self._expected.pop(request_id, None))
+        for index, keep, new_text, new_ids, _, new_logprobs, finish_reason, _ in completions:
+            if tracked.params is None:
+                tracked.text[index] = tracked.text.get(index, "")[:keep] + new_text
+            else:
+                tracked.text[index] = self._detokenize(tracked, index, new_ids, finish_reason)
             tracked.token_ids.setdefault(index, []).extend(new_ids)
             if new_logprobs is not None:
                 tracked.logprobs.setdefault(index, []).extend(new_logprobs)
         return True
+
+    def _detokenize(self, tracked: _Tracked, index: int, new_ids: list[int],
+                    finish_reason: str | None) -> str:
+        """A completion's text after its new tokens, as the engine's detokenizer makes it."""
+        detokenizer = tracked.detokenizers.get(index)
+        if detokenizer is None:
+            detokenizer = tracked.detokenizers[index] = IncrementalDetokenizer(
+                self._tokenizer, tracked.prompt_token_ids, tracked.params)
+        update = detokenizer.update_one
+        for token_id in new_ids:
+            update(token_id)
+        if finish_reason is not None:
+            detokenizer.finish()
+        return detokenizer.output_text
 
     def _output(self, delta: tuple) -> RequestOutput:
         request_id, finished, num_cached, metrics, _, completions = delta
@@ -206,6 +239,7 @@ class OutputMerger:
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._requests.pop(rid, None)
+            self._expected.pop(rid, None)
 
 
 class EngineProcess:
