@@ -68,7 +68,8 @@ def check_kernel_environment() -> None:
     from kvfleet_runtime.layers import linear
     linear.gemv_modes(os.environ.get("KVFLEET_TRITON_GEMV", ""))
     for name in ("KVFLEET_GEMV_SILU", "KVFLEET_GEMV_PUSH", "KVFLEET_DECODE_PRELOAD",
-                 "KVFLEET_W4A16_BLOCKED", "KVFLEET_V_TOKEN_MAJOR", "KVFLEET_K_HEAD_MAJOR"):
+                 "KVFLEET_W4A16_BLOCKED", "KVFLEET_V_TOKEN_MAJOR", "KVFLEET_K_HEAD_MAJOR",
+                 "KVFLEET_WARM_UP_STEPS"):
         env.on_off(name, os.environ.get(name, ""))
     w4a16.gemv_overrides(os.environ.get("KVFLEET_W4A16_GEMV", ""))
     w4a16.dequant_min_m()
