@@ -1,6 +1,7 @@
 """The synthetic steps a GPU engine runs at start (ModelRunner._warm_up_eager_steps): prefill
-and mixed batches that write nothing into the KV cache, here through the Triton kernels under
-the interpreter (the warm-up itself runs on CUDA only; tests/runtime/test_gpu_warm_up.py)."""
+and mixed batches, one for each compiled variant of the decode kernels, that write nothing
+into the KV cache; here through the Triton kernels under the interpreter (an engine runs them
+on CUDA only; whether they leave nothing to compile: tests/runtime/test_gpu_warm_up.py)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,25 @@ import torch
 from kvfleet_runtime import LLM
 
 
-def test_synthetic_steps_run_every_shape_and_write_nothing(tiny_model_dir):
+def test_the_warm_up_runs_prefill_and_mixed_steps_and_writes_nothing(tiny_model_dir):
     llm = LLM(model=tiny_model_dir("llama3"), dtype="float32", max_num_seqs=8,
-              max_model_len=1024, attention_backend="triton")
+              max_model_len=1024, max_num_batched_tokens=64, attention_backend="triton")
     runner = llm.engine.runner
+    shapes = runner._warm_up_shapes()
+    assert shapes[0] == (0, 0, 32)          # a prefill alone first
+    for rows, context, chunk in shapes[1:]:
+        assert 1 <= rows < 8 and rows + chunk <= 64 and chunk <= context < 1024
+    # the decode kernel's variants by split count: contexts split in 1, 2, 4, ... partitions
+    assert len({context for _, context, _ in shapes[1:]}) >= 2
+    with torch.inference_mode():
+        ids, positions, meta = runner._synthetic_step(3, 100, 17)
+    assert meta.seq_lens.tolist() == [100, 100, 100, 17]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 20] and meta.min_query_len == 1
+    assert positions.tolist() == [99, 99, 99, *range(17)] and meta.max_seq_len == 100
     runner.kv_cache.normal_()          # any write into it would show
     before = runner.kv_cache.clone()
-    with torch.inference_mode():
-        for rows, context, chunk in [(0, 0, 32), (1, 512, 17), (7, 1023, 17)]:
-            ids, positions, meta = runner._synthetic_step(rows, context, chunk)
-            assert meta.seq_lens.tolist() == [context] * rows + [chunk]
-            assert meta.query_start_loc.tolist() == list(range(rows + 1)) + [rows + chunk]
-            assert meta.min_query_len == (1 if rows else chunk) and meta.max_query_len == chunk
-            hidden = runner.model(ids, positions, meta)
-            assert hidden.shape[0] == rows + chunk and torch.isfinite(hidden).all()
+    runner._warm_up_eager_steps()
     assert torch.equal(runner.kv_cache, before)
+    # and the engine serves as before
+    out = llm.generate([[5, 6, 7]], None)[0].outputs[0]
+    assert out.token_ids

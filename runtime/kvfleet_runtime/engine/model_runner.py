@@ -19,6 +19,7 @@ from itertools import chain
 
 import numpy as np
 import torch
+import triton
 from kvfleet_kernels.env import on_off
 from kvfleet_kernels.paged_attention import FP8_KV_DTYPE, head_major_k, token_major_v
 
@@ -187,37 +188,66 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    # (decode rows, their context) of the mixed steps run at start (_warm_up_eager_steps): row
-    # counts on both sides of the decode kernel's thresholds (preloading up to 8 sequences, one
-    # warp from 128 / 512, split-KV partitions 32 down to 1), contexts in each of its tile ranges
-    WARM_UP_DECODE_ROWS = (0, 1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1023)
-    WARM_UP_CONTEXTS = (512, 1500, 3000)
-
     @torch.inference_mode()
     def _warm_up_eager_steps(self) -> None:
         """Eager forwards of a prefill step and of mixed steps (a prompt chunk beside decode
         rows), as serving first meets them, before any request comes: Triton compiles a
         kernel on its first launch with new constants, and the decode graphs and the memory
         profile never run the prefill kernel (nor the decode kernel's eager tile shapes), so a
-        fresh server's first requests waited seconds on those compiles (two fresh 8B servers on
-        the H200 streamed their first 1000 requests 30% slower than the next 1000, ~40% of the
+        fresh server's first requests waited seconds on those compiles (a fresh 8B server on
+        the H200 streamed its first 1000 requests 30% slower than the next 1000, ~40% of the
         engine's time in Triton's compiler). Nothing is written (slots -1); reads go to the
-        null block. Every tensor-parallel rank runs the same steps. KVFLEET_WARM_UP_STEPS=0
-        skips them (an A/B switch)."""
-        cfg = self.config
+        null block. Then the sampler, greedy and at a temperature. Every tensor-parallel rank
+        runs the same steps. KVFLEET_WARM_UP_STEPS=0 skips them (an A/B switch)."""
         start = time.perf_counter()
-        prompt = max(1, min(17, cfg.max_model_len - 1, cfg.max_num_batched_tokens - 1))
-        shapes = {(0, 0, 32 if cfg.max_num_batched_tokens >= 32 else prompt)}   # prefill alone
-        for rows in self.WARM_UP_DECODE_ROWS:
-            rows = min(rows, cfg.max_num_seqs - 1, cfg.max_num_batched_tokens - prompt)
-            for context in self.WARM_UP_CONTEXTS:
-                if rows > 0:
-                    shapes.add((rows, min(context, cfg.max_model_len - 1), prompt))
-        for rows, context, chunk in sorted(shapes):
+        shapes = self._warm_up_shapes()
+        for rows, context, chunk in shapes:
             self.model(*self._synthetic_step(rows, context, chunk))
-        torch.cuda.synchronize()
-        log.info("warmed up %d prefill and mixed step shapes in %.1f s", len(shapes),
-                 time.perf_counter() - start)
+        logits = self.model.compute_logits(
+            torch.zeros(2, self.model_config.hidden_size, dtype=self.dtype, device=self.device))
+        if logits is not None:          # (rank 0 of a tensor-parallel group samples)
+            from kvfleet_runtime.sampling_params import SamplingParams
+            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)):
+                for rows in (1, 2):
+                    self.sampler.sample_on_device(logits[:rows], SamplingBatch(
+                        params=[params] * rows, prompt_token_ids=[[0]] * rows,
+                        output_token_ids=[[]] * rows, generators=[None] * rows))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        log.info("warmed up %d prefill and mixed step shapes and the sampler in %.1f s",
+                 len(shapes), time.perf_counter() - start)
+
+    def _warm_up_shapes(self) -> list[tuple[int, int, int]]:
+        """(decode rows, their context, prompt chunk) of the warm-up's steps: a prefill alone,
+        then one mixed step for each launch of the decode kernels that differs in its compiled
+        constants (tiles, preloading, the reduce's padded split count and whether that count is
+        a multiple of 16), as decode_config and decode_split choose them for the eager steps'
+        batches (the decode graphs compiled theirs)."""
+        from kvfleet_kernels.paged_attention import decode_config, decode_preload, decode_split
+        cfg = self.config
+        chunk = max(1, min(17, cfg.max_model_len - 1, cfg.max_num_batched_tokens - 1))
+        shapes = [(0, 0, max(1, min(32, cfg.max_model_len - 1, cfg.max_num_batched_tokens)))]
+        fp8 = self.kv_cache_dtype == FP8_KV_DTYPE
+        elem, head_dim, heads = (self.kv_cache.element_size(), self.model_config.head_dim,
+                                 self.num_kv_heads)
+        # a mixed step's sequences: its decode rows and the prompt's
+        most = min(cfg.max_num_seqs, cfg.max_num_batched_tokens - chunk + 1)
+        counts = sorted({*range(2, min(most, 300) + 1), most,
+                         *(b + 1 for b in self.decode_batch_sizes if b + 1 <= most)})
+        seen = set()
+        for seqs in counts:
+            # enough sequences that no context is split (the reduce never runs): tiles only
+            unsplit = decode_split(seqs, heads, cfg.max_model_len, 16, self.device).num_splits == 1
+            for context in range(chunk, cfg.max_model_len, 16):
+                tile = decode_config(True, fp8, context, seqs * heads)
+                splits = 1 if unsplit else decode_split(seqs, heads, context, tile.block_n,
+                                                        self.device).num_splits
+                key = (tile, decode_preload(seqs * heads, tile.block_n, head_dim, elem),
+                       triton.next_power_of_2(splits), splits % 16 == 0)
+                if key not in seen:
+                    seen.add(key)
+                    shapes.append((seqs - 1, context, chunk))
+        return shapes
 
     def _synthetic_step(self, rows: int, context: int, chunk: int
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
