@@ -26,7 +26,8 @@ from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server.api import build_app
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-# greedy, seeded sampling with n > 1 and logprobs, a stop string, prompt logprobs, token ids
+# greedy, seeded sampling with n > 1 and logprobs, a stop string, prompt logprobs, token ids,
+# seeded sampling with n > 1 alone
 CASES = [
     ("Hello there", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
     ("Tell me a story", SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, logprobs=2,
@@ -34,6 +35,9 @@ CASES = [
     ("Count: 1, 2, 3", SamplingParams(temperature=0.0, max_tokens=20, stop=["e"])),
     ([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1,
                                      ignore_eos=True)),
+    # n > 1 with neither: each sample's text made by the server's process
+    ("Once upon a time", SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=9,
+                                        ignore_eos=True)),
 ]
 
 
@@ -105,8 +109,9 @@ def test_delta_steps_merged_together_give_each_requests_latest_output(tiny_llama
     assert len(steps) == len(deltas) > 5
     # the requests that need no text in the engine (no stop strings, no logprobs: "Hello
     # there") come without it; the parent detokenizes them, as AsyncLLMEngine has it expect them
-    assert [server_detokenizes(params) for _, params in CASES] == [True, False, False, False]
-    assert all(c[2] == "" for d in itertools.chain(*deltas) if d[0] == "case-0" for c in d[5])
+    assert [server_detokenizes(params) for _, params in CASES] == [True, False, False, False, True]
+    assert all(c[2] == "" for d in itertools.chain(*deltas) if d[0] in ("case-0", "case-4")
+               for c in d[5])
     assert any(c[2] for d in itertools.chain(*deltas) if d[0] == "case-2" for c in d[5])
     merger = OutputMerger(delta_engine.tokenizer)
     for i, (_, params) in enumerate(CASES):
