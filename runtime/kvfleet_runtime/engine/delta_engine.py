@@ -22,7 +22,7 @@ from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.sampling_params import SamplingParams
 
-# a delta: (request_id, finished, num_cached_tokens, metrics (RequestMetrics' fields) or None,
+# a delta: (request_id, finished, num_cached_tokens, metrics (RequestMetrics' fields),
 #           (prompt, prompt_token_ids, prompt_logprobs) the first time else None,
 #           [(index, chars kept, new text, new token ids, cumulative_logprob, new logprobs,
 #             finish_reason, stop_reason) per completion])
@@ -58,8 +58,7 @@ class DeltaEngine(LLMEngine):
 
     def _make_output(self, group_id: str) -> Delta:   # type: ignore[override]
         # runs for every running request every step (~1000 a step at full load, in the process
-        # whose host time bounds the steps): attributes read once, no generator, no helper
-        # calls on the common path (one completion, its text only growing)
+        # whose host time bounds the steps): attributes read once, no generator
         children = self.groups[group_id]
         first = children[0]
         sent = self._sent.get(group_id)
@@ -72,25 +71,21 @@ class DeltaEngine(LLMEngine):
         finished = True
         for c in children:
             tokens, logprobs, text = sent.get(c.index, _NOTHING_SENT)
-            # no detokenizer: the server's process makes the text (its deltas carry none)
-            now = c.detokenizer.output_text if c.detokenizer is not None else ""
-            keep = len(text) if now.startswith(text) else 0
-            ids = c.output_token_ids
+            if c.detokenizer is None:   # the server's process makes its text: none sent
+                now, keep, new_text = "", 0, ""
+            else:
+                now = c.detokenizer.output_text
+                keep, new_text = text_delta(text, now)
+            ids, lps = c.output_token_ids, c.logprobs
             done = c.status in _FINISHED
             finished = finished and done
-            if c.logprobs is None:
-                completions.append((c.index, keep, now[keep:], ids[tokens:], None, None,
-                                    c.status.value if done else None, c.stop_reason))
-                sent[c.index] = (len(ids), 0, now)
-            else:
-                completions.append((c.index, keep, now[keep:], ids[tokens:],
-                                    c.cumulative_logprob, c.logprobs[logprobs:],
-                                    c.status.value if done else None, c.stop_reason))
-                sent[c.index] = (len(ids), len(c.logprobs), now)
-        m = first.metrics
+            completions.append((c.index, keep, new_text, ids[tokens:],
+                                None if lps is None else c.cumulative_logprob,
+                                None if lps is None else lps[logprobs:],
+                                c.status.value if done else None, c.stop_reason))
+            sent[c.index] = (len(ids), 0 if lps is None else len(lps), now)
         delta = (group_id, finished, max(first.num_cached_tokens, 0),
-                 (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
-                  m.finished_time, m.num_generation_tokens), prompt, completions)
+                 tuple(vars(first.metrics).values()), prompt, completions)
         if finished:
             del self._sent[group_id]
             self._retire(group_id)
