@@ -230,18 +230,29 @@ class ModelRunner:
         fp8 = self.kv_cache_dtype == FP8_KV_DTYPE
         elem, head_dim, heads = (self.kv_cache.element_size(), self.model_config.head_dim,
                                  self.num_kv_heads)
-        # a mixed step's sequences: its decode rows and the prompt's
+        # a mixed step's sequences (its decode rows and the prompt's): every count while the
+        # decode kernel may split contexts, then the graphs' sizes + 1 (the tiles change with
+        # the count only at thresholds that sit on them) and the largest
         most = min(cfg.max_num_seqs, cfg.max_num_batched_tokens - chunk + 1)
-        counts = sorted({*range(2, min(most, 300) + 1), most,
-                         *(b + 1 for b in self.decode_batch_sizes if b + 1 <= most)})
+        counts = {most, *(b + 1 for b in self.decode_batch_sizes if b + 1 <= most)}
+        split_counts = set()
+        for seqs in range(2, most + 1):
+            if decode_split(seqs, heads, cfg.max_model_len, 16, self.device).num_splits == 1:
+                break
+            split_counts.add(seqs)
+        # contexts: every 16 tokens up to 8192 (the tiles and the partitions' rounding move
+        # there), then every 25% more (a long context splits into as many partitions as a
+        # shorter one)
+        contexts = list(range(chunk, min(cfg.max_model_len, 8192), 16))
+        while contexts[-1] * 1.25 < cfg.max_model_len - 1:
+            contexts.append(int(contexts[-1] * 1.25))
+        contexts.append(cfg.max_model_len - 1)
         seen = set()
-        for seqs in counts:
-            # enough sequences that no context is split (the reduce never runs): tiles only
-            unsplit = decode_split(seqs, heads, cfg.max_model_len, 16, self.device).num_splits == 1
-            for context in range(chunk, cfg.max_model_len, 16):
+        for seqs in sorted(counts | split_counts):
+            for context in contexts:
                 tile = decode_config(True, fp8, context, seqs * heads)
-                splits = 1 if unsplit else decode_split(seqs, heads, context, tile.block_n,
-                                                        self.device).num_splits
+                splits = (decode_split(seqs, heads, context, tile.block_n, self.device).num_splits
+                          if seqs in split_counts else 1)
                 key = (tile, decode_preload(seqs * heads, tile.block_n, head_dim, elem),
                        triton.next_power_of_2(splits), splits % 16 == 0)
                 if key not in seen:
