@@ -79,6 +79,7 @@ def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.Monkey
     ("KVFLEET_W4A16_BLOCKED", "no", "KVFLEET_W4A16_BLOCKED must be unset, 0 or 1; got 'no'"),
     ("KVFLEET_V_TOKEN_MAJOR", "rows", "KVFLEET_V_TOKEN_MAJOR must be unset, 0 or 1; got 'rows'"),
     ("KVFLEET_K_HEAD_MAJOR", "heads", "KVFLEET_K_HEAD_MAJOR must be unset, 0 or 1; got 'heads'"),
+    ("KVFLEET_WARM_UP_STEPS", "no", "KVFLEET_WARM_UP_STEPS must be unset, 0 or 1; got 'no'"),
     ("KVFLEET_CUBLASLT_TUNE", "on", "KVFLEET_CUBLASLT_TUNE must be unset, 0 or 1; got 'on'"),
     ("KVFLEET_CUBLASLT_ROWS", "0", "KVFLEET_CUBLASLT_ROWS must be comma-separated row counts"),
     ("KVFLEET_DECODE_MANY_PROGRAMS", "0",
