@@ -401,7 +401,8 @@ class _CompletionCall(_GenerationCall):
                 if any(not 0 <= t < vocab for t in prompt):
                     raise p.OpenAIError(f"prompt token ids must be in [0, {vocab})",
                                         param="prompt")
-                ids, text = list(prompt), self.tokenizer.decode(prompt)
+                # the text only shows with echo: no decode of every token-id prompt
+                ids, text = list(prompt), self.tokenizer.decode(prompt) if self.body.echo else ""
             max_tokens = self.max_tokens_for(len(ids), self.body.max_tokens, "max_tokens")
             params = self.body.to_sampling_params(max_tokens)
             if self.body.echo and self.body.logprobs is not None:
