@@ -1,4 +1,4 @@
-"""A fresh engine on a GPU compiles its attention kernels at start, not in its first steps.
+"""A fresh engine on a GPU compiles its kernels at start, not in its first steps.
 
 Triton compiles a kernel specialisation on its first launch in a process; the decode graphs
 and the memory profile run no prefill, so before ModelRunner._warm_up_eager_steps a fresh
