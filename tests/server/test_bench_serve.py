@@ -17,8 +17,10 @@ from support.server import ServerProcess, running_server
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[ServerProcess]:
-    # as one benchmarks a server: no log line per request
-    with running_server(tiny_llama, "--max-model-len", "512", "--disable-uvicorn-access-log") as s:
+    # as one benchmarks a server: no log line per request; the engine in its own process, as
+    # on a GPU
+    with running_server(tiny_llama, "--max-model-len", "512", "--disable-uvicorn-access-log",
+                        "--engine-process") as s:
         yield s
 
 
@@ -30,6 +32,7 @@ def _bench(server: ServerProcess, tmp_path: Path, *flags: str) -> list[dict]:
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TTFT ms" in done.stdout and "req/s" in done.stdout
+    assert "CPU (cores busy over the run): client " in done.stdout
     return json.loads(out.read_text())
 
 
@@ -51,6 +54,14 @@ def test_a_rate_sweep_reports_every_run_and_plots_it(server: ServerProcess,
         # for 12 requests take at least 6 steps, each with some host work and some wait
         assert run["engine_steps"] >= 6 and run["engine_step_ms_mean"] > 0
         assert 0 < run["engine_host_share"] < 1 and 0 < run["engine_busy"] <= 1
+        # each request's headers came before its first token, and the server's own TTFT (from
+        # taking the request in) is inside the client's
+        assert 0 < run["accept_ms_median"] <= run["accept_ms_p99"] <= run["accept_ms_max"]
+        assert run["accept_ms_mean"] < run["ttft_ms_mean"]
+        assert 0 < run["server_queue_ms_mean"] <= run["server_ttft_ms_mean"] < run["ttft_ms_mean"]
+        # the CPU each process used over the run, in cores
+        for key in ("client_cpu", "server_cpu", "engine_process_cpu"):
+            assert 0 < run[key] < 64, key
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -93,3 +104,18 @@ def test_the_server_kept_no_access_log(server: ServerProcess, tmp_path: Path) ->
     log = server.log(tail=1_000_000)
     assert "Uvicorn running on" in log       # uvicorn's own lines still come
     assert "POST /v1/completions" not in log and "GET /v1/models" not in log
+
+
+def test_the_engine_process_is_reported_like_every_kvfleet_metric(server: ServerProcess) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    every = [s for f in text_string_to_metric_families(server.metrics()) for s in f.samples]
+    samples = [s for s in every if s.name.startswith("kvfleet_engine_process_")]
+    by_name = {s.name: s for s in every}
+    assert by_name["kvfleet_engine_process_cpu_seconds_total"].value > 0
+    assert by_name["kvfleet_engine_process_resident_memory_bytes"].value > 10 * 2**20
+    # its own process, not the server's: the server started it once running
+    assert (by_name["kvfleet_engine_process_start_time_seconds"].value
+            >= by_name["process_start_time_seconds"].value)
+    assert (by_name["kvfleet_engine_process_cpu_seconds_total"].value
+            != by_name["process_cpu_seconds_total"].value)
+    assert all(s.labels.get("model_name") for s in samples)

@@ -54,6 +54,16 @@ def test_every_contract_metric_is_exposed_with_model_name(server: ServerProcess)
     assert reasons == {"stop", "length", "abort"}
 
 
+def test_the_process_series_a_prometheus_client_exports_by_default(server: ServerProcess) -> None:
+    samples = {s.name: s for f in text_string_to_metric_families(server.metrics())
+               for s in f.samples}
+    assert samples["process_cpu_seconds_total"].value > 0
+    assert samples["process_resident_memory_bytes"].value > 10 * 2**20
+    assert "python_gc_collections_total" in samples and "python_info" in samples
+    # the engine runs in a thread of this server: no engine process to report
+    assert not any(name.startswith("kvfleet_engine_process_") for name in samples)
+
+
 def test_counters_and_histograms_follow_each_request(server: ServerProcess) -> None:
     names = ["kvfleet_prompt_tokens_total", "kvfleet_generation_tokens_total",
              "kvfleet_time_to_first_token_seconds_count",

@@ -40,6 +40,7 @@ class RequestResult:
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
+    accepted: float = 0.0                              # seconds to the response's headers
     ttft: float = 0.0                                  # seconds
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)     # seconds between content chunks
@@ -119,6 +120,9 @@ async def _send(session, url: str, model: str, req: BenchRequest, headers: dict[
             if r.status != 200:
                 result.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return result
+            # the server answers a stream's headers once it has taken the request in: how
+            # long that took says how fast it admits a burst, apart from the engine's work
+            result.accepted = time.perf_counter() - start
             async for raw in r.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -181,13 +185,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
     }
-    for name, values in (("ttft", [r.ttft for r in done]), ("tpot", tpots),
+    for name, values in (("accept", [r.accepted for r in done]),
+                         ("ttft", [r.ttft for r in done]), ("tpot", tpots),
                          ("itl", [x for r in done for x in r.itl]),
                          ("e2el", [r.latency for r in done])):
         ms = sorted(1e3 * v for v in values) or [0.0]
         summary[f"{name}_ms_mean"] = statistics.fmean(ms)
         summary[f"{name}_ms_median"] = statistics.median(ms)
         summary[f"{name}_ms_p99"] = ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)]
+    summary["accept_ms_max"] = 1e3 * max((r.accepted for r in done), default=0.0)
     errors = [r.error for r in results if not r.ok]
     if errors:
         summary["first_error"] = errors[0]
@@ -205,12 +211,17 @@ def _get(base_url: str, path: str, api_key: str | None) -> str:
 _TOTALS = ("kvfleet_prefix_cache_queries_total", "kvfleet_prefix_cache_hits_total",
            "kvfleet_engine_steps_total", "kvfleet_engine_step_seconds_total",
            "kvfleet_engine_device_wait_seconds_total")
+# read where the server has them (not every server runs an engine process, or says this much)
+_OPTIONAL = ("process_cpu_seconds_total", "kvfleet_engine_process_cpu_seconds_total",
+             "kvfleet_time_to_first_token_seconds_sum", "kvfleet_time_to_first_token_seconds_count",
+             "kvfleet_request_queue_time_seconds_sum", "kvfleet_request_queue_time_seconds_count")
 
 
 def _server_totals(base_url: str) -> dict[str, float] | None:
-    """The server's counters in _TOTALS, summed over models, from its /metrics; None where it
-    cannot be read (another server, a proxy without it, a server going away): the run is
-    reported without the figures read from them rather than lost."""
+    """The server's counters in _TOTALS (0 where absent) and in _OPTIONAL (where present),
+    summed over models, from its /metrics; None where it cannot be read (another server, a
+    proxy without it, a server going away): the run is reported without the figures read
+    from them rather than lost."""
     from prometheus_client.parser import text_string_to_metric_families
     totals = dict.fromkeys(_TOTALS, 0.0)
     try:
@@ -221,8 +232,8 @@ def _server_totals(base_url: str) -> dict[str, float] | None:
         return None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
+            if sample.name in _TOTALS or sample.name in _OPTIONAL:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 
@@ -230,8 +241,11 @@ def server_figures(before: dict[str, float], after: dict[str, float], duration: 
                    ) -> dict[str, float]:
     """What the server's counters say about a run: its prefix-cache hit rate and, where the
     server counts engine steps, their number, mean length, the share of them the engine
-    spent on host work (not waiting on the device) and the share of the run spent in them."""
-    d = {name: after[name] - before[name] for name in _TOTALS}
+    spent on host work (not waiting on the device) and the share of the run spent in them;
+    where it exports them, the CPU its process and its engine process used (in cores: CPU
+    seconds over the run's length) and its own TTFT and queue time (from its taking a
+    request in to the first token / the first step: without the client's side and HTTP)."""
+    d = {name: after[name] - before[name] for name in after if name in before}
     queries, hits = d["kvfleet_prefix_cache_queries_total"], d["kvfleet_prefix_cache_hits_total"]
     figures = {"prefix_cache_hit_rate": hits / queries if queries else 0.0}
     steps, step_s = d["kvfleet_engine_steps_total"], d["kvfleet_engine_step_seconds_total"]
@@ -240,6 +254,14 @@ def server_figures(before: dict[str, float], after: dict[str, float], duration: 
                        engine_host_share=1.0 - d["kvfleet_engine_device_wait_seconds_total"]
                        / max(step_s, 1e-9),
                        engine_busy=step_s / duration if duration > 0 else 0.0)
+    for key, name in (("server_cpu", "process_cpu_seconds_total"),
+                      ("engine_process_cpu", "kvfleet_engine_process_cpu_seconds_total")):
+        if name in d and duration > 0:
+            figures[key] = d[name] / duration
+    for key, name in (("server_ttft_ms_mean", "kvfleet_time_to_first_token_seconds"),
+                      ("server_queue_ms_mean", "kvfleet_request_queue_time_seconds")):
+        if d.get(name + "_count", 0) > 0:
+            figures[key] = 1e3 * d[name + "_sum"] / d[name + "_count"]
     return figures
 
 
@@ -252,6 +274,17 @@ def _print(run: dict[str, Any]) -> None:
     for name in ("ttft", "tpot", "itl", "e2el"):
         print(f"{name.upper():>5} ms: mean {run[f'{name}_ms_mean']:.2f}  median "
               f"{run[f'{name}_ms_median']:.2f}  p99 {run[f'{name}_ms_p99']:.2f}")
+    print(f"headers ms: mean {run['accept_ms_mean']:.2f}  median {run['accept_ms_median']:.2f}  "
+          f"p99 {run['accept_ms_p99']:.2f}  last {run['accept_ms_max']:.2f} (the server taking "
+          f"the requests in)")
+    if "server_ttft_ms_mean" in run:
+        queue = run.get("server_queue_ms_mean")
+        print(f"server's own TTFT ms: mean {run['server_ttft_ms_mean']:.2f}"
+              + ("" if queue is None else f" (queued {queue:.2f} of it)"))
+    cpu = [f"{label} {run[key]:.2f}" for label, key in (
+        ("client", "client_cpu"), ("server", "server_cpu"), ("engine process", "engine_process_cpu"))
+        if key in run]
+    print(f"CPU (cores busy over the run): {', '.join(cpu)}")
     if "prefix_cache_hit_rate" in run:
         print(f"prefix cache hit rate: {run['prefix_cache_hit_rate']:.1%}")
     if "engine_steps" in run:
@@ -287,12 +320,14 @@ def run_serve(args: argparse.Namespace) -> int:
     runs = []
     for rate in rates:
         before = _server_totals(args.base_url)
+        cpu_start = time.process_time()
         results, duration = asyncio.run(_run(args, model, requests, rate))
+        client_cpu = (time.process_time() - cpu_start) / duration
         after = _server_totals(args.base_url)
         run = {"request_rate": rate, "max_concurrency": args.max_concurrency,
                "dataset": args.dataset, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "model": model,
-               **summarize(results, duration)}
+               **summarize(results, duration), "client_cpu": client_cpu}
         if before is not None and after is not None:
             run.update(server_figures(before, after, duration))
         runs.append(run)

@@ -167,9 +167,10 @@ def serve(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, disable_created_metrics
 
     from kvfleet_runtime.engine.async_engine import AsyncLLMEngine
+    from kvfleet_runtime.engine.engine_process import EngineProcess
     from kvfleet_runtime.engine.gc_tuning import gc_threshold, tune_gc
     from kvfleet_runtime.server.api import build_app
-    from kvfleet_runtime.server.metrics import EngineMetrics
+    from kvfleet_runtime.server.metrics import EngineMetrics, add_process_metrics
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -202,6 +203,8 @@ def serve(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     # set before the first request: the loop thread only reads it when requests come
     engine.stat_logger = EngineMetrics(names[0], registry)
+    child = engine.engine.process if isinstance(engine.engine, EngineProcess) else None
+    add_process_metrics(registry, names[0], None if child is None else lambda: child.pid)
     logger.info("loaded %s as %s in %.1f s (max_model_len %d)", config.model, names[0],
                 time.monotonic() - start, engine.config.max_model_len)
     app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry)

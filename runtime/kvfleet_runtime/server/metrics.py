@@ -8,9 +8,19 @@ derives per-request TTFT, ITL, queue time and end-to-end latency.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Metric,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 from kvfleet_runtime.outputs import EngineStats, RequestOutput
 
@@ -140,6 +150,39 @@ class EngineMetrics:
             # with n > 1 the request counts once, by its first sample's reason
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
             self.request_success[reason if reason in FINISHED_REASONS else "stop"].inc()
+
+
+class _EngineProcessCollector(ProcessCollector):
+    """kvfleet_engine_process_* (cpu_seconds_total, resident_memory_bytes, open_fds, ...):
+    ProcessCollector's figures of the engine's child process, labelled with model_name as
+    every kvfleet_ metric is; nothing once the process is gone."""
+
+    def __init__(self, pid: Callable[[], int], model_name: str,
+                 registry: CollectorRegistry) -> None:
+        self._model_name = model_name     # before registering: registering collects once
+        super().__init__(namespace="kvfleet_engine", pid=pid, registry=registry)
+
+    def collect(self) -> Iterable[Metric]:
+        for family in super().collect():
+            labelled = Metric(family.name, family.documentation, family.type)
+            for sample in family.samples:
+                labelled.add_sample(sample.name, {**sample.labels, "model_name": self._model_name},
+                                    sample.value)
+            yield labelled
+
+
+def add_process_metrics(registry: CollectorRegistry, model_name: str,
+                        engine_pid: Callable[[], int] | None = None) -> None:
+    """The standard process_* (this process: CPU seconds, memory, file descriptors), python_gc_*
+    and python_info series a Prometheus client exports by default, and with an engine process
+    (engine_pid) the same figures of it as kvfleet_engine_process_*: what the server's process
+    and the engine's each spend of a CPU is `rate(process_cpu_seconds_total[1m])` and
+    `rate(kvfleet_engine_process_cpu_seconds_total[1m])`."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    if engine_pid is not None:
+        _EngineProcessCollector(engine_pid, model_name, registry)
 
 
 class HTTPMetrics:
