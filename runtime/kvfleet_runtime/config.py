@@ -5,16 +5,27 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# torch is imported where a dtype or device is resolved, not here: the commands that only read
+# the engine's flags (`kvfleet bench serve`, any --help) start without it
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8")
-DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# flag value -> the torch dtype's name (torch_dtype() resolves it)
+DTYPES = {"auto": None, "float32": "float32", "fp32": "float32",
+          "float16": "float16", "fp16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
 # KV-cache element type; auto: the compute dtype. fp8 is e4m3 with scale 1.0 (as vLLM without
 # calibrated scales): half the bytes of bf16 per cached token.
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype a DTYPES / KV_CACHE_DTYPES value names (None stays None)."""
+    import torch
+    return None if name is None else getattr(torch, name)
 
 
 def default_model() -> str:
@@ -29,6 +40,7 @@ def default_model() -> str:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX), as torch reports."""
+    import torch
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(cpu, name, lambda: False)() for name in checks)
@@ -99,12 +111,14 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
         if self.device == "auto":
+            import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
@@ -114,7 +128,8 @@ class EngineConfig:
         where the CPU computes bf16 natively (AVX512-BF16 or AMX, as vLLM's CPU backend
         picks), fp32 otherwise; an fp32 checkpoint, or one that does not say, stays fp32.
         """
-        chosen = DTYPES[self.dtype]
+        import torch
+        chosen = torch_dtype(DTYPES[self.dtype])
         if chosen is not None:
             return chosen
         if self.device == "cpu":
@@ -127,7 +142,7 @@ class EngineConfig:
 
     def resolve_kv_cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: the compute dtype unless kv_cache_dtype picks fp8."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype] or compute_dtype
+        return torch_dtype(KV_CACHE_DTYPES[self.kv_cache_dtype]) or compute_dtype
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the lengths that depend on the model once it is known."""

@@ -83,6 +83,17 @@ def test_sharegpt_like_lengths_vary(server: ServerProcess, tmp_path: Path) -> No
     assert run["total_output_tokens"] != 8 * 6 and run["total_input_tokens"] != 8 * 32
 
 
+def test_the_client_runs_without_importing_torch(server: ServerProcess) -> None:
+    # a load generator for a remote server needs no torch (nor the time it takes to import)
+    code = ("import sys\nfrom kvfleet_runtime.cli import main\n"
+            f"code = main(['bench', 'serve', '--base-url', {server.base_url!r}, '--num-prompts', "
+            "'2', '--input-len', '8', '--output-len', '2'])\n"
+            "print('exit', code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "exit 0 False", out.stdout + out.stderr
+
+
 def test_bad_flags_and_unreachable_servers_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--request-rate", "fast"]) == 2
     assert "--request-rate must be numbers or inf" in capsys.readouterr().err

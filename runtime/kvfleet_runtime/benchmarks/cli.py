@@ -84,8 +84,8 @@ def _hf_throughput(config, prompts, output_len: int, batch_size: int) -> tuple[f
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvfleet_runtime.config import DTYPES
-    dtype = DTYPES[config.dtype]
+    from kvfleet_runtime.config import DTYPES, torch_dtype
+    dtype = torch_dtype(DTYPES[config.dtype])
     path = config.model
     kwargs = {} if dtype is None else {"dtype": dtype}
     if path.endswith(".gguf"):
