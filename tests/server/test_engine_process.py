@@ -18,7 +18,12 @@ import httpx
 import pytest
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from kvfleet_runtime.engine.delta_engine import DeltaEngine, server_detokenizes, text_delta
+from kvfleet_runtime.engine.delta_engine import (
+    SHORT_DELTA_LEN,
+    DeltaEngine,
+    server_detokenizes,
+    text_delta,
+)
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.engine.engine_process import EngineProcessError, OutputMerger
 from kvfleet_runtime.outputs import CompletionOutput, RequestOutput
@@ -110,9 +115,13 @@ def test_delta_steps_merged_together_give_each_requests_latest_output(tiny_llama
     # the requests that need no text in the engine (no stop strings, no logprobs: "Hello
     # there") come without it; the parent detokenizes them, as AsyncLLMEngine has it expect them
     assert [server_detokenizes(params) for _, params in CASES] == [True, False, False, False, True]
-    assert all(c[2] == "" for d in itertools.chain(*deltas) if d[0] in ("case-0", "case-4")
-               for c in d[5])
-    assert any(c[2] for d in itertools.chain(*deltas) if d[0] == "case-2" for c in d[5])
+    full = [d for d in itertools.chain(*deltas) if len(d) != SHORT_DELTA_LEN]
+    assert all(c[2] == "" for d in full if d[0] in ("case-0", "case-4") for c in d[5])
+    assert any(c[2] for d in full if d[0] == "case-2" for c in d[5])
+    # a running step of one completion without text here comes as a short delta (request,
+    # token, time): case-0's; n > 1 (case-4), text or logprobs in this process never do
+    short = {d[0] for d in itertools.chain(*deltas) if len(d) == SHORT_DELTA_LEN}
+    assert short == {"case-0"}
     merger = OutputMerger(delta_engine.tokenizer)
     for i, (_, params) in enumerate(CASES):
         merger.expect(f"case-{i}", params)
@@ -129,6 +138,10 @@ def test_delta_steps_merged_together_give_each_requests_latest_output(tiny_llama
             # RequestMetrics that goes on changing
             assert out.metrics.arrival_time == want.metrics.arrival_time
             assert out.metrics.first_token_time is not None
+            # counted as the engine counts them (the first sample's), whatever kind of delta
+            # brought the tokens
+            assert out.metrics.num_generation_tokens == len(out.outputs[0].token_ids)
+            assert out.metrics.last_token_time >= out.metrics.first_token_time
             assert dataclasses.replace(out, metrics=None) == dataclasses.replace(want, metrics=None)
     assert not merger._requests and not merger._expected     # every request finished: nothing kept
 

@@ -26,7 +26,10 @@ from kvfleet_runtime.sampling_params import SamplingParams
 #           (prompt, prompt_token_ids, prompt_logprobs) the first time else None,
 #           [(index, chars kept, new text, new token ids, cumulative_logprob, new logprobs,
 #             finish_reason, stop_reason) per completion])
+# or, for the common step of a running request (one completion, one new token, no text or
+# logprobs in this process, not finished), a short delta: (request_id, token id, its time)
 Delta = tuple
+SHORT_DELTA_LEN = 3
 
 _NOTHING_SENT = (0, 0, "")     # (token ids, logprobs, text) of a completion sent so far
 
@@ -62,6 +65,14 @@ class DeltaEngine(LLMEngine):
         children = self.groups[group_id]
         first = children[0]
         sent = self._sent.get(group_id)
+        if sent is not None and len(children) == 1 and first.detokenizer is None:
+            # the short delta: what the merger needs of a running request's step is its token
+            ids = first.output_token_ids
+            tokens = sent[first.index][0]
+            if (len(ids) == tokens + 1 and first.logprobs is None
+                    and first.status not in _FINISHED):
+                sent[first.index] = (tokens + 1, 0, "")
+                return (group_id, ids[tokens], first.metrics.last_token_time)
         prompt = None
         if sent is None:
             sent = self._sent[group_id] = {}

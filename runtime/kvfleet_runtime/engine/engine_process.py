@@ -18,6 +18,7 @@ that fell behind merges the steps waiting for it into one output a request.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ from typing import Any
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.detokenizer import IncrementalDetokenizer
-from kvfleet_runtime.engine.delta_engine import server_detokenizes
+from kvfleet_runtime.engine.delta_engine import SHORT_DELTA_LEN, server_detokenizes
 from kvfleet_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -40,6 +41,9 @@ _IDLE_POLL_S = 0.5          # an idle engine process waits this long for a comma
 READY_TIMEOUT_S = 3600.0    # loading a large checkpoint can take long; a dead child ends it sooner
 _SENDER_JOIN_S = 10.0       # how long a stopping engine process waits for its last messages to go
 _HEALTH_POLL_S = 0.2        # how often the engine process asks its engine whether it can step
+# where a short delta's step goes in a request's RequestMetrics fields
+_METRIC = {f.name: i for i, f in enumerate(dataclasses.fields(RequestMetrics))}
+_LAST_TOKEN_TIME, _NUM_GENERATION_TOKENS = _METRIC["last_token_time"], _METRIC["num_generation_tokens"]
 
 
 class EngineProcessError(RuntimeError):
@@ -147,8 +151,9 @@ def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
 # ---- the parent ----
 
 class _Tracked:
+    """A request as the merger has it so far: what its deltas said, added up."""
     __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs", "text",
-                 "params", "detokenizers")
+                 "params", "detokenizers", "finished", "num_cached", "metrics", "ends")
 
     def __init__(self, prompt: tuple, params: SamplingParams | None) -> None:
         self.prompt, self.prompt_token_ids, self.prompt_logprobs = prompt
@@ -157,6 +162,11 @@ class _Tracked:
         self.text: dict[int, str] = {}
         self.params = params          # set: this process detokenizes the request
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.finished = False
+        self.num_cached = 0
+        self.metrics: list | None = None    # RequestMetrics' fields
+        # completion index -> (cumulative_logprob, logprobs asked for, finish_reason, stop_reason)
+        self.ends: dict[int, tuple] = {}
 
 
 class OutputMerger:
@@ -179,22 +189,45 @@ class OutputMerger:
         """One RequestOutput per request that the steps' deltas touch (in their order), as of
         the last of them: a reader that fell behind builds each output once, not once a step.
         A request forgotten (aborted) since its first delta gives none."""
-        latest: dict[str, tuple] = {}
+        latest: dict[str, _Tracked] = {}
         for deltas in steps:
             for delta in deltas:
-                if self._absorb(delta):
-                    latest[delta[0]] = delta
-        return [self._output(delta) for delta in latest.values()]
+                if len(delta) == SHORT_DELTA_LEN:
+                    tracked = self._absorb_token(*delta)
+                else:
+                    tracked = self._absorb(delta)
+                if tracked is not None:
+                    latest[delta[0]] = tracked
+        return [self._output(rid, tracked) for rid, tracked in latest.items()]
 
-    def _absorb(self, delta: tuple) -> bool:
-        request_id, _, _, _, prompt, completions = delta
+    def _absorb_token(self, request_id: str, token_id: int, now: float) -> _Tracked | None:
+        """A short delta: one more token of a running request's only completion."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return None
+        (index,) = tracked.token_ids
+        tracked.token_ids[index].append(token_id)
+        if tracked.params is not None:
+            tracked.text[index] = self._detokenize(tracked, index, (token_id,), None)
+        metrics = tracked.metrics
+        if metrics is not None:     # as _append keeps them: the token's time, one more counted
+            metrics[_LAST_TOKEN_TIME] = now
+            metrics[_NUM_GENERATION_TOKENS] += 1
+        return tracked
+
+    def _absorb(self, delta: tuple) -> _Tracked | None:
+        request_id, finished, num_cached, metrics, prompt, completions = delta
         tracked = self._requests.get(request_id)
         if tracked is None:
             if prompt is None:
-                return False
+                return None
             tracked = self._requests[request_id] = _Tracked(
                 prompt, self._expected.pop(request_id, None))
-        for index, keep, new_text, new_ids, _, new_logprobs, finish_reason, _ in completions:
+        tracked.finished, tracked.num_cached = finished, num_cached
+        tracked.metrics = None if metrics is None else list(metrics)
+        for (index, keep, new_text, new_ids, cumulative, new_logprobs, finish_reason,
+             stop_reason) in completions:
+            tracked.ends[index] = (cumulative, new_logprobs is not None, finish_reason, stop_reason)
             if tracked.params is None:
                 tracked.text[index] = tracked.text.get(index, "")[:keep] + new_text
             else:
@@ -202,9 +235,9 @@ class OutputMerger:
             tracked.token_ids.setdefault(index, []).extend(new_ids)
             if new_logprobs is not None:
                 tracked.logprobs.setdefault(index, []).extend(new_logprobs)
-        return True
+        return tracked
 
-    def _detokenize(self, tracked: _Tracked, index: int, new_ids: list[int],
+    def _detokenize(self, tracked: _Tracked, index: int, new_ids: list[int] | tuple[int, ...],
                     finish_reason: str | None) -> str:
         """A completion's text after its new tokens, as the engine's detokenizer makes it."""
         detokenizer = tracked.detokenizers.get(index)
@@ -218,22 +251,21 @@ class OutputMerger:
             detokenizer.finish()
         return detokenizer.output_text
 
-    def _output(self, delta: tuple) -> RequestOutput:
-        request_id, finished, num_cached, metrics, _, completions = delta
-        tracked = self._requests[request_id]
+    def _output(self, request_id: str, tracked: _Tracked) -> RequestOutput:
         outputs = []
-        for index, _, _, _, cumulative, new_logprobs, finish_reason, stop_reason in completions:
-            logprobs = None if new_logprobs is None else list(tracked.logprobs[index])
+        for index, (cumulative, has_logprobs, finish_reason, stop_reason) in tracked.ends.items():
+            logprobs = list(tracked.logprobs[index]) if has_logprobs else None
             outputs.append(CompletionOutput(index, tracked.text[index],
                                             list(tracked.token_ids[index]), cumulative, logprobs,
                                             finish_reason, stop_reason))
-        if finished:
+        if tracked.finished:
             del self._requests[request_id]
+        metrics = tracked.metrics
         return RequestOutput(
             request_id=request_id, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
-            outputs=outputs, finished=finished,
+            outputs=outputs, finished=tracked.finished,
             prompt_logprobs=None if tracked.prompt_logprobs is None else list(tracked.prompt_logprobs),
-            num_cached_tokens=num_cached,
+            num_cached_tokens=tracked.num_cached,
             metrics=None if metrics is None else RequestMetrics(*metrics))
 
     def forget(self, request_ids: list[str]) -> None:
