@@ -94,6 +94,19 @@ def test_the_client_runs_without_importing_torch(server: ServerProcess) -> None:
     assert out.stdout.strip().splitlines()[-1] == "exit 0 False", out.stdout + out.stderr
 
 
+def test_warm_connections_are_opened_before_the_clock_starts(server: ServerProcess,
+                                                             tmp_path: Path) -> None:
+    def health_gets() -> float:
+        return server.metric("kvfleet_http_requests_total", method="GET", route="/health")
+
+    before = health_gets()
+    (run,) = _bench(server, tmp_path, "--num-prompts", "6", "--max-concurrency", "4",
+                    "--input-len", "8", "--output-len", "3", "--warm-connections")
+    # one GET a connection the run may use at once (4 in flight), then the run on them
+    assert health_gets() - before == 4
+    assert run["warm_connections"] is True and run["completed"] == 6
+
+
 def test_bad_flags_and_unreachable_servers_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--request-rate", "fast"]) == 2
     assert "--request-rate must be numbers or inf" in capsys.readouterr().err

@@ -70,6 +70,11 @@ def add_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="shared-prefix: tokens of the common system prompt (default: 512)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--warm-connections", action="store_true",
+                   help="open the run's connections (one a request in flight at most) before "
+                        "its clock starts, so it measures the server without the burst of new "
+                        "connections (as behind a proxy that pools them); default: every request "
+                        "on a new connection, as vLLM's bench serve")
     p.add_argument("--json", metavar="PATH", help="write the list of run results as JSON")
     p.add_argument("--plot", metavar="PNG", help="draw throughput and latencies of the runs")
     p.set_defaults(func=run_serve)
@@ -162,6 +167,9 @@ async def _run(args: argparse.Namespace, model: str, requests: list[BenchRequest
             async with limit:
                 return await _send(session, url, model, req, headers, args.timeout)
 
+        if args.warm_connections:
+            await _open_connections(session, args.base_url.rstrip("/") + "/health",
+                                    min(len(requests), args.max_concurrency or len(requests)))
         start = time.perf_counter()
         tasks = []
         for req in requests:
@@ -170,6 +178,18 @@ async def _run(args: argparse.Namespace, model: str, requests: list[BenchRequest
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+async def _open_connections(session, url: str, count: int) -> None:
+    """`count` connections in the session's pool, each opened by a GET of url answered and
+    read at once (the server keeps them alive for the run's requests)."""
+    async def get() -> None:
+        async with session.get(url) as r:
+            await r.read()
+
+    # all at once: a connection goes back to the pool when its answer is read, so requests
+    # in turn would reuse one
+    await asyncio.gather(*(get() for _ in range(count)))
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -267,7 +287,8 @@ def server_figures(before: dict[str, float], after: dict[str, float], duration: 
 
 def _print(run: dict[str, Any]) -> None:
     print(f"---- request rate {run['request_rate']:g}, max concurrency "
-          f"{run['max_concurrency'] or 'none'}, dataset {run['dataset']} ----")
+          f"{run['max_concurrency'] or 'none'}, dataset {run['dataset']}"
+          f"{', connections opened before' if run.get('warm_connections') else ''} ----")
     print(f"completed {run['completed']}/{run['num_prompts']} in {run['duration_s']:.2f} s; "
           f"{run['request_throughput']:.2f} req/s, {run['output_throughput']:.1f} output tok/s, "
           f"{run['total_token_throughput']:.1f} total tok/s")
@@ -325,7 +346,7 @@ def run_serve(args: argparse.Namespace) -> int:
         client_cpu = (time.process_time() - cpu_start) / duration
         after = _server_totals(args.base_url)
         run = {"request_rate": rate, "max_concurrency": args.max_concurrency,
-               "dataset": args.dataset, "num_prompts": args.num_prompts,
+               "warm_connections": args.warm_connections, "dataset": args.dataset, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "model": model,
                **summarize(results, duration), "client_cpu": client_cpu}
         if before is not None and after is not None:
