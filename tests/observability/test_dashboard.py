@@ -23,6 +23,7 @@ CONTRACT_METRICS = [
     "kvfleet_http_requests_total", "kvfleet_time_to_first_token_seconds_bucket",
     "kvfleet_inter_token_latency_seconds_bucket", "kvfleet_request_queue_time_seconds_bucket",
     "kvfleet_engine_step_seconds_total", "kvfleet_engine_device_wait_seconds_total",
+    "process_cpu_seconds_total", "kvfleet_engine_process_cpu_seconds_total",
     "kube_horizontalpodautoscaler_status_desired_replicas", "kube_deployment_status_replicas",
 ]
 

@@ -101,9 +101,11 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         Hpa("gone", "orphan", current_replicas=1, desired_replicas=1, max_replicas=4),
     ])
     # max 2 running + 2 queued, and a KV pool of 8 blocks of 16 tokens: the 6-request
-    # bursts of ~95 tokens each wait, get preempted and overflow the queue (503).
+    # bursts of ~95 tokens each wait, get preempted and overflow the queue (503). The engine
+    # in its own process, as on a GPU pod, for the kvfleet_engine_process_* series.
     with running_server(model, "--served-model-name", MODEL_NAME, "--max-num-seqs", "2",
-                        "--max-queued-requests", "2", "--num-gpu-blocks", "8") as server:
+                        "--max-queued-requests", "2", "--num-gpu-blocks", "8",
+                        "--engine-process") as server:
         prometheus = start_prometheus(workdir / "prometheus", targets=[], rule_files=[rules],
                                       extra_config={"scrape_configs": [
             {"job_name": "kubernetes-pods", "static_configs": [{
