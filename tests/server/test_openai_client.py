@@ -76,6 +76,20 @@ def test_streamed_completion_equals_the_non_streamed_one(client) -> None:
     assert all(c.usage is None for c in text_chunks)
 
 
+def test_continuous_usage_stats_count_the_tokens_on_every_chunk(client) -> None:
+    # vLLM's stream_options extension: every chunk carries its usage so far
+    chunks = list(client.completions.create(
+        model=NAME, prompt="Once upon a time", max_tokens=6, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **FIXED))
+    *text_chunks, usage_chunk = chunks
+    # a chunk a step with new text (tokens without text, and steps a busy reader merged, add
+    # no chunk of their own): the counts rise chunk by chunk to the last token
+    counts = [c.usage.completion_tokens for c in text_chunks]
+    assert counts == sorted(set(counts)) and counts[-1] == 6 and counts[0] >= 1
+    assert {c.usage.prompt_tokens for c in chunks} == {usage_chunk.usage.prompt_tokens}
+    assert text_chunks[-1].usage == usage_chunk.usage
+
+
 def test_chat_uses_the_chat_template_and_max_completion_tokens(client, tokenizer) -> None:
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "What is the capital of France?"},

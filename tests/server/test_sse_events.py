@@ -41,8 +41,8 @@ def test_a_text_event_is_the_models_event_byte_for_byte(kind, usage):
     c = call(kind, stream_options={"include_usage": usage})
     for index in (0, 3, 12):
         for text in TEXTS:
-            expected = c.event(c.text_chunk(index, text))
-            assert c.text_event(index, text) == expected
+            expected = c.event(c.text_chunk(index, text), (2, 5))
+            assert c.text_event(index, text, (2, 5)) == expected
             chunk = data(expected)
             assert chunk["choices"][0]["index"] == index
             assert chunk["model"] == MODEL and ("usage" in chunk) == usage
@@ -102,3 +102,18 @@ def test_a_chat_stream_with_logprobs_carries_them_on_every_content_chunk():
     chunks = stream(call("chat", logprobs=True), outputs(["Hi", " there"]))
     content = [ch["choices"][0] for ch in chunks if ch["choices"][0]["delta"].get("content")]
     assert [[e["token"] for e in c["logprobs"]["content"]] for c in content] == [["Hi"], [" there"]]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_continuous_usage_puts_the_tokens_so_far_on_every_chunk(kind):
+    texts = ["a", "b", "c"]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream(call(kind, stream_options=options), outputs(texts))
+    completion_tokens = [ch["usage"]["completion_tokens"] for ch in chunks]
+    # the chat's role chunk comes before any token; its finish chunk after the last
+    assert completion_tokens == ([1, 2, 3] if kind == "completion" else [0, 1, 2, 3, 3])
+    assert all(ch["usage"]["prompt_tokens"] == 2 and ch["usage"]["total_tokens"]
+               == 2 + ch["usage"]["completion_tokens"] for ch in chunks)
+    # without include_usage the setting asks nothing (vLLM's rule): no usage key at all
+    plain = stream(call(kind, stream_options={"continuous_usage_stats": True}), outputs(texts))
+    assert all("usage" not in ch for ch in plain)

@@ -289,6 +289,7 @@ class _GenerationCall:
         self.sent: dict[int, tuple[int, int]] = {}    # choice index -> (chars, tokens) streamed
         self.done: set[int] = set()                   # choices whose finish was streamed
         self.include_usage = body.include_usage
+        self.continuous_usage = body.continuous_usage
         # choice index -> the SSE event of a text-only chunk, split where its text goes
         self._text_events: dict[int, tuple[str, str]] = {}
 
@@ -364,23 +365,29 @@ class _GenerationCall:
         self.sent[index] = (len(c.text), len(c.token_ids))
         return c.text[chars:], chars, tokens, first
 
-    def event(self, chunk: dict[str, Any]) -> str:
-        if self.include_usage:
+    def event(self, chunk: dict[str, Any], usage: tuple[int, int]) -> str:
+        """A chunk's SSE event; usage: its request's (prompt, choice) tokens so far."""
+        if self.continuous_usage:
+            chunk["usage"] = p.UsageInfo.of(*usage).model_dump()
+        elif self.include_usage:
             # OpenAI's chunks carry "usage": null only when usage was asked for
             chunk["usage"] = None
         return _sse_event(chunk)
 
-    def text_event(self, index: int, text: str) -> str:
+    def text_event(self, index: int, text: str, usage: tuple[int, int]) -> str:
         """event(text_chunk(index, text)) without building it: the commonest event of a stream.
 
         The chunk's event is rendered once a choice through the same models and json.dumps,
         with a marker for its text, and split there; each event then joins the two halves
-        around the text's JSON (~1 us where the models took ~9).
+        around the text's JSON (~1 us where the models took ~9). With continuous usage
+        each chunk differs: built whole.
         """
+        if self.continuous_usage:
+            return self.event(self.text_chunk(index, text), usage)
         halves = self._text_events.get(index)
         if halves is None:
-            before, marker, after = self.event(self.text_chunk(index, _TEXT_MARKER)).partition(
-                _TEXT_MARKER_JSON)
+            before, marker, after = self.event(self.text_chunk(index, _TEXT_MARKER),
+                                               usage).partition(_TEXT_MARKER_JSON)
             assert marker and _TEXT_MARKER_JSON not in after, "the marker must occur once"
             halves = self._text_events[index] = (before, after)
         return halves[0] + json.dumps(text, ensure_ascii=False) + halves[1]
@@ -459,11 +466,12 @@ class _CompletionCall(_GenerationCall):
             new_tokens = self.body.logprobs is not None and tokens < len(c.token_ids)
             if not (text or new_tokens or c.finished or (first and self.body.echo)):
                 continue
+            usage = (len(out.prompt_token_ids), len(c.token_ids))
             if text_only and not c.finished:
-                events.append(self.text_event(self.choice_index(prompt_index, c), text))
+                events.append(self.text_event(self.choice_index(prompt_index, c), text, usage))
                 continue
             choice = self._choice(prompt_index, out, c, text, chars, tokens, first)
-            events.append(self.event(self._chunk(choice)))
+            events.append(self.event(self._chunk(choice), usage))
         return events
 
     def text_chunk(self, index: int, text: str) -> dict[str, Any]:
@@ -535,18 +543,20 @@ class _ChatCall(_GenerationCall):
             if (delta := self.delta(prompt_index, c)) is None:
                 continue
             text, _, tokens, first = delta
+            usage = (len(out.prompt_token_ids), len(c.token_ids))
             if first:
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(role="assistant",
-                                                                              content=""))))
+                                                                              content="")),
+                                         (usage[0], 0)))
             if self.body.logprobs:
                 if text or tokens < len(c.token_ids):
                     events.append(self.event(self._chunk(c.index, p.DeltaMessage(content=text),
-                                                         logprobs=self.logprobs(c, tokens))))
+                                                         logprobs=self.logprobs(c, tokens)), usage))
             elif text:
-                events.append(self.text_event(c.index, text))
+                events.append(self.text_event(c.index, text, usage))
             if c.finished:
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(),
-                                                     finish_reason=c.finish_reason)))
+                                                     finish_reason=c.finish_reason), usage))
         return events
 
     def text_chunk(self, index: int, text: str) -> dict[str, Any]:

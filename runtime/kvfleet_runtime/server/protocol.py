@@ -117,6 +117,12 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries
+        its request's usage so far (the prompt's tokens and its choice's)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
