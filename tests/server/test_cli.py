@@ -49,6 +49,11 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
     (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0; got -1"),
     (["--quantization", "int3"], "invalid choice: 'int3'"),
+    (["--chat-template", "no/such/template.jinja"],
+     "--chat-template: no file 'no/such/template.jinja'"),
+    (["--chat-template", "{% for m in messages %}{{ m.content }}"],
+     "--chat-template: not a valid Jinja template (line 1:"),
+    (["--allowed-origins", "https://ui.example"], "must be a JSON list of strings"),
 ])
 def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -46,19 +47,32 @@ class ServerState:
     served_model_names: list[str]
     api_key: str | None
     registry: CollectorRegistry
+    chat_template: str | None = None      # --chat-template: instead of the tokenizer's
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
 
+@dataclass
+class CORS:
+    """Cross-origin resource sharing, as vLLM's --allowed-origins / --allowed-methods /
+    --allowed-headers / --allow-credentials (Starlette's CORSMiddleware does the work)."""
+    allowed_origins: list[str]
+    allowed_methods: list[str]
+    allowed_headers: list[str]
+    allow_credentials: bool = False
+
+
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
-              api_key: str | None = None, registry: CollectorRegistry | None = None) -> FastAPI:
+              api_key: str | None = None, registry: CollectorRegistry | None = None,
+              chat_template: str | None = None, cors: CORS | None = None) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
                         api_key=api_key or None,
-                        registry=registry or CollectorRegistry())
+                        registry=registry or CollectorRegistry(),
+                        chat_template=chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,6 +81,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan)
     app.state.kvfleet = state
+    if cors is not None and cors.allowed_origins:
+        # browsers' cross-origin calls (a web UI on another origin); preflights are answered
+        # here, before the API key is asked for, as the CORS protocol wants
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)
+    # added last: the outermost, so that it counts every answer, preflights included
     app.add_middleware(_HTTPMetricsMiddleware,
                        metrics=HTTPMetrics(state.model_name, state.registry))
     _add_error_handlers(app)
@@ -244,12 +265,12 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _chat_prompt_ids(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:
     tokenizer = state.engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise p.OpenAIError("this model has no chat template; use /v1/completions",
-                            param="messages")
+    if not (state.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise p.OpenAIError("this model has no chat template; use /v1/completions, or start "
+                            "the server with --chat-template", param="messages")
     try:
         text = tokenizer.apply_chat_template(
-            body.template_messages(), tokenize=False,
+            body.template_messages(), chat_template=state.chat_template, tokenize=False,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -156,10 +157,54 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "clients does not hold the engine's steps back on the GIL (default: "
                              "on for one GPU; off on a CPU, and with tensor parallelism until it "
                              "is measured there)")
+    server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                        help="the chat template for /v1/chat/completions: a Jinja file, or the "
+                             "template itself (default: the tokenizer's)")
+    cors = parser.add_argument_group("CORS (vLLM's flags; JSON lists)")
+    cors.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                      help='origins browsers may call from, e.g. \'["https://ui.example"]\'; '
+                           "[] turns CORS off (default: [\"*\"])")
+    cors.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                      help='(default: ["*"])')
+    cors.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                      help='(default: ["*"])')
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="let browsers send cookies and Authorization headers cross-origin")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
     parser.set_defaults(func=serve)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]'; "
+                                         f"got {text!r}")
+    return value
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value: a file's text, or the template itself (as vLLM reads it);
+    ValueError when it is neither a file nor a template, or does not compile."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{" in value or "\n" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template: no file {value!r} (and it is not a Jinja template)")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:       # transformers renders chat templates in this environment
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: "
+                         f"{e.message})") from None
+    return template
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -169,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.async_engine import AsyncLLMEngine
     from kvfleet_runtime.engine.engine_process import EngineProcess
     from kvfleet_runtime.engine.gc_tuning import gc_threshold, tune_gc
-    from kvfleet_runtime.server.api import build_app
+    from kvfleet_runtime.server.api import CORS, build_app
     from kvfleet_runtime.server.metrics import EngineMetrics, add_process_metrics
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -185,6 +230,8 @@ def serve(args: argparse.Namespace) -> int:
     if names:
         overrides["served_model_name"] = names[0]
     try:
+        chat_template = (None if args.chat_template is None
+                         else load_chat_template(args.chat_template))
         config = engine_config_from_args(args, **overrides)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
         check_kernel_environment()
@@ -207,7 +254,10 @@ def serve(args: argparse.Namespace) -> int:
     add_process_metrics(registry, names[0], None if child is None else lambda: child.pid)
     logger.info("loaded %s as %s in %.1f s (max_model_len %d)", config.model, names[0],
                 time.monotonic() - start, engine.config.max_model_len)
-    app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry)
+    cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                args.allow_credentials)
+    app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry,
+                    chat_template=chat_template, cors=cors)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log,
