@@ -54,6 +54,8 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
     (["--chat-template", "{% for m in messages %}{{ m.content }}"],
      "--chat-template: not a valid Jinja template (line 1:"),
     (["--allowed-origins", "https://ui.example"], "must be a JSON list of strings"),
+    (["--generation-config", "no/such/folder"],
+     "--generation-config: no generation_config.json in 'no/such/folder'"),
 ])
 def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -48,6 +48,8 @@ class ServerState:
     api_key: str | None
     registry: CollectorRegistry
     chat_template: str | None = None      # --chat-template: instead of the tokenizer's
+    # what requests leave unset: the model's generation config's (--generation-config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -66,13 +68,15 @@ class CORS:
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, registry: CollectorRegistry | None = None,
-              chat_template: str | None = None, cors: CORS | None = None) -> FastAPI:
+              chat_template: str | None = None, cors: CORS | None = None,
+              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
                         api_key=api_key or None,
                         registry=registry or CollectorRegistry(),
-                        chat_template=chat_template)
+                        chat_template=chat_template,
+                        sampling_defaults=sampling_defaults or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -361,7 +365,11 @@ class _GenerationCall:
                 f"This model's maximum context length is {max_len} tokens. However, the "
                 f"prompt has {prompt_len} tokens, leaving none for the completion.",
                 param=field, code="context_length_exceeded")
-        return requested if requested is not None else max_len - prompt_len
+        if requested is not None:
+            return requested
+        # unset: what is left of the context, or less where the model's generation config says
+        return min(max_len - prompt_len,
+                   self.state.sampling_defaults.get("max_tokens", max_len - prompt_len))
 
     def usage(self, outs: list[RequestOutput]) -> p.UsageInfo:
         return p.UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs),
@@ -464,7 +472,7 @@ class _CompletionCall(_GenerationCall):
                 # the text only shows with echo: no decode of every token-id prompt
                 ids, text = list(prompt), self.tokenizer.decode(prompt) if self.body.echo else ""
             max_tokens = self.max_tokens_for(len(ids), self.body.max_tokens, "max_tokens")
-            params = self.body.to_sampling_params(max_tokens)
+            params = self.body.to_sampling_params(max_tokens, self.state.sampling_defaults)
             if self.body.echo and self.body.logprobs is not None:
                 params.prompt_logprobs = self.body.logprobs
             out.append(_Prompt(ids, text, params))
@@ -546,7 +554,8 @@ class _ChatCall(_GenerationCall):
         field = ("max_completion_tokens" if self.body.max_completion_tokens is not None
                  else "max_tokens")
         max_tokens = self.max_tokens_for(len(ids), self.body.requested_max_tokens(), field)
-        return [_Prompt(ids, "", self.body.to_sampling_params(max_tokens))]
+        return [_Prompt(ids, "", self.body.to_sampling_params(max_tokens,
+                                                              self.state.sampling_defaults))]
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals

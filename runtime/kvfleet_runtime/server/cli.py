@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import typing
+from pathlib import Path
 from typing import Any
 
 from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
@@ -160,6 +161,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                         help="the chat template for /v1/chat/completions: a Jinja file, or the "
                              "template itself (default: the tokenizer's)")
+    server.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="where requests' unset sampling knobs (temperature, top_p, top_k, "
+                             "min_p, repetition_penalty, max_tokens) take their defaults from: "
+                             "auto, the model folder's generation_config.json (as vLLM); vllm, "
+                             "nowhere (the API's defaults); or another folder's (default: auto)")
     cors = parser.add_argument_group("CORS (vLLM's flags; JSON lists)")
     cors.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                       help='origins browsers may call from, e.g. \'["https://ui.example"]\'; '
@@ -207,6 +213,23 @@ def load_chat_template(value: str) -> str:
     return template
 
 
+def load_sampling_defaults(value: str, model: str) -> dict[str, Any]:
+    """--generation-config's sampling defaults; ValueError for a folder without the file."""
+    from kvfleet_runtime.server.protocol import generation_defaults
+    if value == "vllm":
+        return {}
+    folder = Path(model if value == "auto" else value)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if value == "auto":     # a .gguf file, or a folder without one: the API's defaults
+            return {}
+        raise ValueError(f"--generation-config: no generation_config.json in {value!r}")
+    try:
+        return generation_defaults(json.loads(path.read_text()))
+    except ValueError as e:
+        raise ValueError(f"--generation-config: {path} is not valid JSON: {e}") from None
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -233,6 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         chat_template = (None if args.chat_template is None
                          else load_chat_template(args.chat_template))
         config = engine_config_from_args(args, **overrides)
+        sampling_defaults = load_sampling_defaults(args.generation_config, config.model)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
         check_kernel_environment()
         engine_process = args.engine_process
@@ -257,7 +281,10 @@ def serve(args: argparse.Namespace) -> int:
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
     app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry,
-                    chat_template=chat_template, cors=cors)
+                    chat_template=chat_template, cors=cors, sampling_defaults=sampling_defaults)
+    if sampling_defaults:
+        logger.info("requests' unset sampling knobs default to the model's generation config: "
+                    "%s (--generation-config vllm: the API's defaults)", sampling_defaults)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log,

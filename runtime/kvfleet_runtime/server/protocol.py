@@ -53,6 +53,24 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# the knobs a request leaves unset (null or absent) that a model's generation_config.json may
+# set, as vLLM's --generation-config auto takes them; with its HF default, a value sets nothing
+SAMPLING_DEFAULT_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
+                           "repetition_penalty": 1.0, "max_new_tokens": None}
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a model's generation_config.json sets (vLLM's rule: the
+    keys that differ from transformers' defaults), max_new_tokens as max_tokens."""
+    out = {}
+    for key, hf_default in _HF_GENERATION_DEFAULTS.items():
+        value = generation_config.get(key)
+        if value is not None and value != hf_default:
+            out["max_tokens" if key == "max_new_tokens" else key] = value
+    return out
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -93,7 +111,8 @@ class _SamplingRequest(_Strict):
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict[str, Any]) -> SamplingParams:
         self._check_unsupported()
         # None means "the API default" for the knobs OpenAI documents as nullable
         knobs: dict[str, Any] = dict(
@@ -103,8 +122,10 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)      # the model's generation config, if it says
             if value is not None:
                 knobs[name] = value
         try:
@@ -149,14 +170,16 @@ class CompletionRequest(_SamplingRequest):
             raise OpenAIError("prompt must not contain empty prompts", param="prompt")
         return items
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix is not None:
             raise OpenAIError("suffix is not supported (no fill-in-the-middle); remove it",
                               param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError(f"best_of must equal n ({self.n}); got {self.best_of}",
                               param="best_of")
-        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs)
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs,
+                                     defaults=defaults or {})
 
 
 class ContentPart(_Strict):
@@ -218,7 +241,8 @@ class ChatCompletionRequest(_SamplingRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.tools:
             raise OpenAIError("tools are not supported; remove the tools field", param="tools")
         if self.tool_choice not in (None, "none"):
@@ -233,7 +257,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise OpenAIError(f"top_logprobs must be an integer in [0, 20]; got "
                               f"{self.top_logprobs}", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                     defaults=defaults or {})
 
 
 class TokenizeRequest(_Strict):
