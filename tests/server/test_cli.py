@@ -53,6 +53,8 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
      "--chat-template: no file 'no/such/template.jinja'"),
     (["--chat-template", "{% for m in messages %}{{ m.content }}"],
      "--chat-template: not a valid Jinja template (line 1:"),
+    (["--chat-template", "{% generation %}{{ messages[0].content }}"],     # no endgeneration
+     "--chat-template: not a valid Jinja template (line 1:"),
     (["--allowed-origins", "https://ui.example"], "must be a JSON list of strings"),
     (["--generation-config", "no/such/folder"],
      "--generation-config: no generation_config.json in 'no/such/folder'"),

@@ -332,6 +332,7 @@ class _GenerationCall:
     def text_chunk(self, index: int, text: str) -> dict[str, Any]:
         """The chunk of choice index that carries only new text (no logprobs, not finished)."""
         raise NotImplementedError
+
     async def run(self) -> Response:
         _check_model(self.state, self.body.model)
         engine = self.state.engine

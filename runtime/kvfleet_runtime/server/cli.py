@@ -204,9 +204,9 @@ def load_chat_template(value: str) -> str:
     else:
         raise ValueError(f"--chat-template: no file {value!r} (and it is not a Jinja template)")
     from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    try:       # transformers renders chat templates in this environment
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    try:       # compiled as transformers will render it (its extensions: {% generation %}, ...)
+        _compile_jinja_template(template)
     except TemplateSyntaxError as e:
         raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: "
                          f"{e.message})") from None
