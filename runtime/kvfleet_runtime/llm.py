@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.engine import LLMEngine
+from kvfleet_runtime.generation_config import load_sampling_defaults
 from kvfleet_runtime.outputs import RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -14,23 +15,35 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Keyword arguments are EngineConfig fields (block_size, max_num_seqs, max_model_len, ...)."""
+    """Keyword arguments are EngineConfig fields (block_size, max_num_seqs, max_model_len, ...).
 
-    def __init__(self, model: str = "", **kwargs) -> None:
+    generation_config: where generate() and chat() without sampling_params take their
+    defaults: "auto", the model folder's generation_config.json (as vLLM), "vllm" for
+    SamplingParams(), or a folder holding one."""
+
+    def __init__(self, model: str = "", generation_config: str = "auto", **kwargs) -> None:
         fields = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(kwargs) - fields)
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
                             f"expected EngineConfig fields: {', '.join(sorted(fields))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self._defaults = load_sampling_defaults(generation_config, config.model)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, generation_config: str = "auto") -> LLM:
         llm = cls.__new__(cls)
+        llm._defaults = load_sampling_defaults(generation_config, config.model)
         llm.engine = LLMEngine(config)
         llm._ids = itertools.count()
         return llm
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: SamplingParams() with the
+        model's generation config's values (vLLM's method of this name)."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -43,7 +56,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvfleet_runtime.server.cli import load_sampling_defaults
-from kvfleet_runtime.server.protocol import generation_defaults
+from kvfleet_runtime.generation_config import generation_defaults, load_sampling_defaults
+from kvfleet_runtime.llm import LLM
+from kvfleet_runtime.sampling_params import SamplingParams
 from support.server import ServerProcess, running_server
 
 # greedy and 5 tokens unless a request says otherwise; top_k 50 and repetition_penalty 1.0
@@ -69,3 +70,13 @@ def test_a_requests_own_values_win(server: ServerProcess) -> None:
     body = chat(server, n=4, temperature=1.5, seed=1, max_tokens=7)
     assert body["usage"]["completion_tokens"] == 28
     assert len({c["message"]["content"] for c in body["choices"]}) > 1     # sampled
+
+
+def test_the_offline_api_takes_them_without_sampling_params(model: Path) -> None:
+    llm = LLM(str(model), device="cpu", max_model_len=128)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    (out,) = llm.generate("Tell me a story", None)
+    assert len(out.outputs[0].token_ids) <= 5      # greedy, 5 at most (EOS may come first)
+    plain = LLM.from_config(llm.engine.config, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()

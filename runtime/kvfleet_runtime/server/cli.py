@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import typing
-from pathlib import Path
 from typing import Any
 
 from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
@@ -213,23 +212,6 @@ def load_chat_template(value: str) -> str:
     return template
 
 
-def load_sampling_defaults(value: str, model: str) -> dict[str, Any]:
-    """--generation-config's sampling defaults; ValueError for a folder without the file."""
-    from kvfleet_runtime.server.protocol import generation_defaults
-    if value == "vllm":
-        return {}
-    folder = Path(model if value == "auto" else value)
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        if value == "auto":     # a .gguf file, or a folder without one: the API's defaults
-            return {}
-        raise ValueError(f"--generation-config: no generation_config.json in {value!r}")
-    try:
-        return generation_defaults(json.loads(path.read_text()))
-    except ValueError as e:
-        raise ValueError(f"--generation-config: {path} is not valid JSON: {e}") from None
-
-
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -237,6 +219,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.async_engine import AsyncLLMEngine
     from kvfleet_runtime.engine.engine_process import EngineProcess
     from kvfleet_runtime.engine.gc_tuning import gc_threshold, tune_gc
+    from kvfleet_runtime.generation_config import load_sampling_defaults
     from kvfleet_runtime.server.api import CORS, build_app
     from kvfleet_runtime.server.metrics import EngineMetrics, add_process_metrics
 

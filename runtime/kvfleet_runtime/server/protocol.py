@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvfleet_runtime.generation_config import SAMPLING_DEFAULT_KNOBS
 from kvfleet_runtime.sampling_params import SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -51,24 +52,6 @@ def error_body(message: str, *, err_type: str, param: str | None = None,
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# the knobs a request leaves unset (null or absent) that a model's generation_config.json may
-# set, as vLLM's --generation-config auto takes them; with its HF default, a value sets nothing
-SAMPLING_DEFAULT_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
-                           "repetition_penalty": 1.0, "max_new_tokens": None}
-
-
-def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
-    """The sampling defaults a model's generation_config.json sets (vLLM's rule: the
-    keys that differ from transformers' defaults), max_new_tokens as max_tokens."""
-    out = {}
-    for key, hf_default in _HF_GENERATION_DEFAULTS.items():
-        value = generation_config.get(key)
-        if value is not None and value != hf_default:
-            out["max_tokens" if key == "max_new_tokens" else key] = value
-    return out
 
 
 class _Strict(BaseModel):
