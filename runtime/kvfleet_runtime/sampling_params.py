@@ -28,6 +28,10 @@ class SamplingParams:
     logprobs: int | None = None          # top-k logprobs per generated token (0: only the chosen)
     prompt_logprobs: int | None = None   # top-k logprobs per prompt token
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: sample only among these ids
+    allowed_token_ids: list[int] | None = None
     # filled by the engine: ids that end generation besides stop_token_ids (EOS)
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -38,6 +42,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -76,6 +84,28 @@ class SamplingParams:
             raise bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer", self.seed)
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise bad("logit_bias", "a map of token ids (integers >= 0) to biases",
+                              token_id)
+                if isinstance(bias, bool) or not isinstance(bias, int | float) \
+                        or not -100.0 <= bias <= 100.0:
+                    raise bad("logit_bias", f"biases in [-100, 100] (token {token_id})", bias)
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of token ids (integers >= 0)",
+                      self.allowed_token_ids)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The ids logit_bias and allowed_token_ids name must be in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise ValueError(f"{name} must name token ids in [0, {vocab_size}); "
+                                 f"got {bad[:5]}")
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +115,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def masks_logits(self) -> bool:
+        """Whether sampling changes this row's logits before the draw besides penalties."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def max_stop_len(self) -> int:
@@ -97,4 +132,12 @@ class SamplingParams:
         new.stop = list(self.stop)
         new.stop_token_ids = list(self.stop_token_ids)
         new._eos_token_ids = set(self._eos_token_ids)
+        if self.logit_bias is not None:
+            new.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            new.allowed_token_ids = list(self.allowed_token_ids)
         return new
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

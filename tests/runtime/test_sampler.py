@@ -247,6 +247,65 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_adds_to_the_logits_and_steers_greedy_but_not_the_raw_logprob(device):
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7)).to(device)
+    low = logits[0].argmin().item()
+    params = [SamplingParams(temperature=0.0, logit_bias={low: 100.0}, logprobs=0),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={3: -2.5, 4: 1.25})]
+    batch = make_batch(params, device=device)
+    processed = apply_penalties(logits, batch)
+    expected = logits.clone()
+    expected[0, low] += 100.0
+    expected[2, 3] -= 2.5
+    expected[2, 4] += 1.25
+    torch.testing.assert_close(processed, expected, atol=1e-5, rtol=0)
+    out = Sampler()(logits, batch)
+    assert [t.token_id for t in out] == expected.argmax(dim=-1).tolist()
+    assert out[0].token_id == low
+    assert out[0].logprob == pytest.approx(
+        torch.log_softmax(logits[0].float(), -1)[low].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_of_minus_100_bans_a_token_from_random_draws(device):
+    probs = [0.5, 0.3, 0.2]
+    drawn = sample_many(probs, 400, device=device, logit_bias={0: -100.0})
+    assert 0 not in drawn and set(drawn) == {1, 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_confine_greedy_and_random_rows(device):
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(8)).to(device)
+    allowed = [5, 17, 40]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=3, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.9, allowed_token_ids=allowed, logit_bias={40: 50.0}),
+              SamplingParams(temperature=0.0)]
+    out = [t.token_id for t in Sampler()(logits, make_batch(params, device=device))]
+    assert out[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out[1] in allowed
+    assert out[2] == 40
+    assert out[3] == int(logits[3].argmax())
+
+
+def test_logit_bias_and_allowed_token_ids_are_checked():
+    with pytest.raises(ValueError, match=r"logit_bias must be biases in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 150})
+    with pytest.raises(ValueError, match="logit_bias must be a map of token ids"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+    params = SamplingParams(logit_bias={3: 1.0, 99: 2.0}, allowed_token_ids=[1, 64])
+    with pytest.raises(ValueError, match=r"logit_bias must name token ids in \[0, 64\); got \[99\]"):
+        params.check_token_ids(64)
+    params.logit_bias = None
+    with pytest.raises(ValueError, match=r"allowed_token_ids .* got \[64\]"):
+        params.check_token_ids(64)
+    params.check_token_ids(65)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_ranks_and_top_k_match_log_softmax(device):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(6, VOCAB, generator=gen) * 2
@@ -327,13 +386,16 @@ def test_empty_batch_samples_nothing():
 
 def test_sampling_params_clone_is_equal_and_shares_no_mutable_state():
     p = SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x", "yz"], stop_token_ids=[7],
-                       max_tokens=9, logprobs=2)
+                       max_tokens=9, logprobs=2, logit_bias={1: 2.0}, allowed_token_ids=[1, 2])
     p._eos_token_ids = {2}
     c = p.clone()
     assert c == p and c is not p
     c.stop.append("w")
     c.stop_token_ids.append(8)
     c._eos_token_ids.add(4)
+    c.logit_bias[5] = 1.0
+    c.allowed_token_ids.append(5)
     c.max_tokens = 3
     assert p.stop == ["x", "yz"] and p.stop_token_ids == [7] and p._eos_token_ids == {2}
+    assert p.logit_bias == {1: 2.0} and p.allowed_token_ids == [1, 2]
     assert p.max_tokens == 9

@@ -168,6 +168,22 @@ def test_vllm_extras_stop_token_ids_and_min_tokens(client, tokenizer) -> None:
     assert r.usage.completion_tokens <= 3
 
 
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens(client, tokenizer) -> None:
+    kwargs = dict(model=NAME, prompt="Counting:", max_tokens=5, **FIXED)
+    free = client.completions.create(**kwargs).choices[0].text
+    word = tokenizer.encode(" Paris")[0]
+    forced = client.completions.create(logit_bias={str(word): 100}, **kwargs).choices[0].text
+    assert forced == tokenizer.decode([word] * 5) != free
+    allowed = tokenizer.encode(" yes no")
+    kwargs["extra_body"] = {**FIXED["extra_body"], "allowed_token_ids": allowed}
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Well?"}], logprobs=True,
+        **{k: v for k, v in kwargs.items() if k != "prompt"})
+    tokens = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(t.token)[0])
+              for t in chat.choices[0].logprobs.content]
+    assert len(tokens) == 5 and set(tokens) <= set(allowed)
+
+
 def test_logprobs_of_greedy_tokens_are_the_top_ones(client) -> None:
     r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=3, **FIXED)
     lp = r.choices[0].logprobs

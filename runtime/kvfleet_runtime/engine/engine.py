@@ -126,6 +126,7 @@ class LLMEngine:
         """The prompt's token ids, after the checks add_request makes (a ValueError names what
         is wrong); nothing is queued and params is not changed."""
         prompt_ids = self.tokenize(prompt)
+        params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params.clone())
         return prompt_ids
 
@@ -140,6 +141,7 @@ class LLMEngine:
         if prompt_ids is None:
             prompt_ids = self.tokenize(prompt)
         params = params.clone()
+        params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params)
         params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
         children = []

@@ -176,7 +176,8 @@ class Sampler:
 
 
 def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """min_tokens mask, repetition, presence and frequency penalties; raw stays untouched.
+    """min_tokens mask, allowed_token_ids mask, logit_bias, then repetition, presence and
+    frequency penalties; raw stays untouched.
 
     Returns raw itself when no row needs any of them, else a processed fp32 copy."""
     vocab = raw.shape[1]
@@ -190,12 +191,15 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                     mask_rows.append(i)
                     mask_cols.append(t)
     penalized = [i for i, p in enumerate(batch.params) if p.needs_penalties]
-    if not mask_rows and not penalized:
+    masked = [i for i, p in enumerate(batch.params) if p.masks_logits]
+    if not mask_rows and not penalized and not masked:
         return raw
     x = raw.clone() if raw.dtype == torch.float32 else raw.float()
     if mask_rows:
         x[_rows_tensor(mask_rows, x.device, torch.long),
           _rows_tensor(mask_cols, x.device, torch.long)] = float("-inf")
+    if masked:
+        _allow_and_bias(x, [batch.params[i] for i in masked], masked)
     if penalized:
         params = [batch.params[i] for i in penalized]
         out_rows, out_ids = _flat_ids([batch.output_token_ids[i] for i in penalized], x.device)
@@ -227,6 +231,28 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = rows - freq * counts - pres * (counts > 0).float()
         x[idx] = rows
     return x
+
+
+def _allow_and_bias(x: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
+    """allowed_token_ids: every other id of the row to -inf; then logit_bias added (OpenAI's
+    rule: a bias of -100 bans a token in effect, +100 all but forces it). In place on x."""
+    vocab = x.shape[1]
+    allowed = [(r, p.allowed_token_ids) for r, p in zip(rows, params, strict=True)
+               if p.allowed_token_ids is not None]
+    if allowed:
+        keep_rows, keep_ids = _flat_ids([ids for _, ids in allowed], x.device)
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=x.device)
+        keep[keep_rows, keep_ids] = True
+        idx = _rows_tensor([r for r, _ in allowed], x.device, torch.long)
+        x[idx] = x[idx].masked_fill(~keep, float("-inf"))
+    biased = [(r, p.logit_bias) for r, p in zip(rows, params, strict=True) if p.logit_bias]
+    if biased:
+        bias_rows = [r for r, b in biased for _ in b]
+        bias_ids = [t for _, b in biased for t in b]
+        values = [v for _, b in biased for v in b.values()]
+        x.index_put_((_rows_tensor(bias_rows, x.device, torch.long),
+                      _rows_tensor(bias_ids, x.device, torch.long)),
+                     _rows_tensor(values, x.device, torch.float32), accumulate=True)
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -337,6 +337,12 @@ class _GenerationCall:
         _check_model(self.state, self.body.model)
         engine = self.state.engine
         self.prompts = self.make_prompts()
+        vocab = len(self.tokenizer)
+        for prompt in self.prompts:
+            try:
+                prompt.params.check_token_ids(vocab)
+            except ValueError as e:
+                raise p.OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
         try:
             # refuse before the response starts: a stream's status line cannot change later
             engine.check_admission(len(self.prompts))

@@ -78,6 +78,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
+    allowed_token_ids: list[int] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -88,8 +89,6 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
 
     def _check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise OpenAIError("logit_bias is not supported; leave it empty", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -104,7 +103,8 @@ class _SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids)
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
             if value is None:
@@ -116,6 +116,16 @@ class _SamplingRequest(_Strict):
         except ValueError as e:
             # SamplingParams says "<field> must be ...; got ...": the field is the param
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias keys are token ids written as strings."""
+        if not self.logit_bias:
+            return None
+        bad = [key for key in self.logit_bias if not (key.isascii() and key.isdigit())]
+        if bad:
+            raise OpenAIError(f"logit_bias keys must be token ids (non-negative integers); "
+                              f"got {bad[0]!r}", param="logit_bias")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
