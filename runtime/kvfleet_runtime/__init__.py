@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "kvfleet_runtime.llm",
     "SamplingParams": "kvfleet_runtime.sampling_params",
+    "StructuredOutputsParams": "kvfleet_runtime.structured_outputs",
     "EngineConfig": "kvfleet_runtime.config",
     "RequestOutput": "kvfleet_runtime.outputs",
     "CompletionOutput": "kvfleet_runtime.outputs",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from kvfleet_runtime.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -32,6 +34,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: sample only among these ids
     allowed_token_ids: list[int] | None = None
+    # a JSON schema, regex, choice or grammar the output must follow (vLLM's field)
+    structured_outputs: StructuredOutputsParams | None = None
     # filled by the engine: ids that end generation besides stop_token_ids (EOS)
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -46,6 +50,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +103,10 @@ class SamplingParams:
                 or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "a non-empty list of token ids (integers >= 0)",
                       self.allowed_token_ids)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams",
+                      type(self.structured_outputs).__name__)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The ids logit_bias and allowed_token_ids name must be in the model's vocabulary."""
@@ -119,7 +129,8 @@ class SamplingParams:
     @property
     def masks_logits(self) -> bool:
         """Whether sampling changes this row's logits before the draw besides penalties."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
     @property
     def max_stop_len(self) -> int:

@@ -59,6 +59,16 @@ CASES = [
      "biases in [-100, 100] (token 5); got 101"),
     (CHAT, {"messages": USER_HI, "logit_bias": {"49152": 1}}, 400, "logit_bias",
      "token ids in [0, 49152); got [49152]"),
+    (CHAT, {"messages": USER_HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     400, "response_format", 'response_format is not valid: Unsupported type "bogus"'),
+    (CHAT, {"messages": USER_HI, "response_format": {"type": "xml"}}, 400,
+     "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, 400,
+     "structured_outputs", "structured_outputs.regex is not valid: Regex parsing error"),
+    (COMPLETIONS, {"prompt": "x", "guided_regex": "a+", "response_format": {
+        "type": "json_object"}}, 400, "guided_regex",
+     "give one way to structure the output; got response_format, guided_regex"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids",
      "non-empty list of token ids"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [3, 10**6]}, 400, "allowed_token_ids",

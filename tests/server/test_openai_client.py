@@ -3,11 +3,14 @@ of a tiny random Llama, behind an API key and two served names."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from support.server import ServerProcess, running_server
 from transformers import AutoTokenizer
@@ -182,6 +185,42 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(client, tokenizer) ->
     tokens = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(t.token)[0])
               for t in chat.choices[0].logprobs.content]
     assert len(tokens) == 5 and set(tokens) <= set(allowed)
+
+
+class Person(pydantic.BaseModel):
+    # a pattern, not max_length: xgrammar's length-bounded strings admit raw control
+    # characters, which strict JSON forbids (mlc-ai/xgrammar#800, open; docs/SERVER.md)
+    name: str = pydantic.Field(pattern=r"^[a-z]{1,8}$")
+    age: int = pydantic.Field(ge=0, le=120)
+    color: Literal["red", "green"]
+
+
+def test_response_format_json_schema_parses_into_the_clients_model(client, tokenizer) -> None:
+    # the tiny model's free output is noise; its whitespace runs are banned through logit_bias
+    # (the grammar allows whitespace between JSON's tokens) so that it ends within max_tokens
+    spaces = {str(i): -100 for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()}
+    r = client.chat.completions.parse(
+        model=NAME, messages=[{"role": "user", "content": "Describe a person."}],
+        response_format=Person, max_tokens=150, temperature=0.0, logit_bias=spaces)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)
+    assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_structured_outputs_regex_and_choice_streamed_and_not(client) -> None:
+    stream = client.completions.create(
+        model=NAME, prompt="A code:", max_tokens=30, temperature=0.0, stream=True,
+        extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    choices = ["red alert", 'say "hi"', "naïve"]
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Pick one."}], max_tokens=20,
+        temperature=1.0, n=3, seed=1, extra_body={"guided_choice": choices})
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in chat.choices)
 
 
 def test_logprobs_of_greedy_tokens_are_the_top_ones(client) -> None:

@@ -74,6 +74,7 @@ class LLMEngine:
         self.in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sync_groups: set[str] = set()
         self.final_only: set[str] = set()
+        self._grammar_backend = None     # structured outputs: made at the first such request
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
                                               "step_s": 0.0}
@@ -128,7 +129,18 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt)
         params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params.clone())
+        if params.structured_outputs is not None:
+            self._grammar_matcher(params)      # compiled (and cached) now: errors say so here
         return prompt_ids
+
+    def _grammar_matcher(self, params: SamplingParams):
+        """A new GrammarMatcher for params.structured_outputs (ValueError if it does not
+        compile). The backend reads the vocabulary once, at the first request that needs it."""
+        if self._grammar_backend is None:
+            from kvfleet_runtime.structured_outputs import GrammarBackend
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                                   self.eos_token_ids)
+        return self._grammar_backend.matcher(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,
@@ -144,6 +156,8 @@ class LLMEngine:
         params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params)
         params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
+        grammars = ([self._grammar_matcher(params) for _ in range(params.n)]
+                    if params.structured_outputs is not None else None)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -155,10 +169,14 @@ class LLMEngine:
                 r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             if i and self.config.enable_prefix_caching and params.prompt_logprobs is None:
                 r.sibling = children[0]
+            if grammars is not None:
+                r.grammar = grammars[i]
             children.append(r)
         self.groups[request_id] = children
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
-        if params.prompt_logprobs is not None:     # targets read row by row on the host
+        # prompt logprobs: targets read row by row on the host; a grammar's mask needs the
+        # last token on the host
+        if params.prompt_logprobs is not None or grammars is not None:
             self.sync_groups.add(request_id)
         if final_only:
             self.final_only.add(request_id)
@@ -331,6 +349,12 @@ class LLMEngine:
         detokenizer = r.detokenizer
         stop_str = detokenizer.update_one(token_id) if detokenizer is not None else None
         p = r.params
+        if r.grammar is not None and self._grammar_done(r, token_id):
+            if detokenizer is not None:
+                detokenizer.finish()
+            metrics.finished_time = now
+            self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+            return True
         if (stop_str is None and token_id not in p._eos_token_ids
                 and token_id not in p.stop_token_ids
                 and len(r.output_token_ids) < p.max_tokens
@@ -344,6 +368,17 @@ class LLMEngine:
         metrics.finished_time = now
         self.scheduler.finish(r, status)
         return True
+
+    @staticmethod
+    def _grammar_done(r: Request, token_id: int) -> bool:
+        """Feed the token to the request's grammar; True once the grammar is complete (its
+        output says all it can), or if the token broke it (only a stop token was left and
+        something masked that: min_tokens)."""
+        if not r.grammar.accept_token(token_id):
+            log.warning("request %s: token %d does not follow its structured output; stopped",
+                        r.request_id, token_id)
+            return True
+        return r.grammar.is_terminated()
 
     def _check_stop(self, r: Request, token_id: int, stop_str: str | None) -> RequestStatus | None:
         p = r.params

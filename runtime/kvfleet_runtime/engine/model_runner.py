@@ -485,6 +485,10 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.samples]
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
+            # structured outputs run here only: their requests keep the engine synchronous
+            grammars = [s.request.grammar for s in sampling]
+            if any(g is not None for g in grammars):
+                batch.grammars = grammars
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok.token_id
                 if s.request.logprobs is not None:

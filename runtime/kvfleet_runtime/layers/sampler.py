@@ -36,6 +36,8 @@ class SamplingBatch:
     # output_token_ids: its id here ([N], -1: none), and how many such tokens each row has
     pending_ids: torch.Tensor | None = None
     num_pending: list[int] | None = None
+    # structured outputs: each row's GrammarMatcher (None: the row has no grammar), or None
+    grammars: list | None = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -176,8 +178,8 @@ class Sampler:
 
 
 def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """min_tokens mask, allowed_token_ids mask, logit_bias, then repetition, presence and
-    frequency penalties; raw stays untouched.
+    """min_tokens mask, allowed_token_ids mask, logit_bias, repetition, presence and
+    frequency penalties, then each grammar's mask (structured outputs); raw stays untouched.
 
     Returns raw itself when no row needs any of them, else a processed fp32 copy."""
     vocab = raw.shape[1]
@@ -230,6 +232,11 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
         rows = rows - freq * counts - pres * (counts > 0).float()
         x[idx] = rows
+    if masked and batch.grammars is not None:
+        rows = [i for i in masked if batch.grammars[i] is not None]
+        if rows:
+            from kvfleet_runtime.structured_outputs import mask_logits
+            mask_logits(x, rows, [batch.grammars[i] for i in rows])
     return x
 
 

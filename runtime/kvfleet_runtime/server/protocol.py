@@ -10,6 +10,7 @@ Range checks live in SamplingParams, so the server and the offline API share one
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvfleet_runtime.generation_config import SAMPLING_DEFAULT_KNOBS
 from kvfleet_runtime.sampling_params import SamplingParams
+from kvfleet_runtime.structured_outputs import StructuredOutputsParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -63,6 +65,28 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
@@ -79,6 +103,14 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
     allowed_token_ids: list[int] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
+    # guided_* fields of vLLM's earlier releases (one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -104,7 +136,8 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self._structured_outputs())
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
             if value is None:
@@ -116,6 +149,44 @@ class _SamplingRequest(_Strict):
         except ValueError as e:
             # SamplingParams says "<field> must be ...; got ...": the field is the param
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's grammar, parsed (a 400 naming its field when it is not valid)."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+            if schema is None:
+                raise OpenAIError("response_format of type json_schema needs "
+                                  "json_schema.schema", param="response_format")
+            given.append(("response_format", {"json": schema}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given.append(("structured_outputs", {
+                "json": so.json_, "regex": so.regex, "choice": so.choice,
+                "grammar": so.grammar, "json_object": so.json_object,
+                "disable_any_whitespace": so.disable_any_whitespace}))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise OpenAIError(f"give one way to structure the output; got "
+                              f"{', '.join(name for name, _ in given)}", param=given[1][0])
+        ((name, spec),) = given
+        try:
+            params = StructuredOutputsParams(**spec)
+            params.check()
+        except ValueError as e:
+            message = str(e)      # it names structured_outputs' field; the request used another
+            if name != "structured_outputs":
+                message = re.sub(r"^structured_outputs(\.\w+)?", name, message)
+            raise OpenAIError(message, param=name) from None
+        return params
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's logit_bias keys are token ids written as strings."""
@@ -192,17 +263,12 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -241,9 +307,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tool_choice not in (None, "none"):
             raise OpenAIError("tool_choice must be none (tools are not supported)",
                               param="tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise OpenAIError("response_format.type must be text; got "
-                              f"{self.response_format.type!r}", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:

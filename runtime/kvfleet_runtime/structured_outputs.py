@@ -1,0 +1,161 @@
+"""Structured outputs: a JSON schema, any JSON, a regex, a choice of strings or an EBNF grammar
+confines what a request may generate (vLLM's `structured_outputs`, OpenAI's `response_format`).
+
+xgrammar does the grammar work (vLLM's default backend): `StructuredOutputsParams.check()`
+parses the request's grammar without a tokenizer (the server's check, before a response
+starts); `GrammarBackend` compiles it against the model's vocabulary (cached by xgrammar,
+so the same schema compiles once) and gives each sequence a `GrammarMatcher`. Every step the
+sampler asks each matcher for its allowed next tokens (a bitmask) and sets the others' logits
+to -inf; the engine feeds the matcher each token it appends and stops the sequence once the
+grammar is complete. A request with a grammar runs its steps synchronously (the mask needs
+the last token on the host), as prompt logprobs do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar
+
+log = logging.getLogger(__name__)
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of json (a JSON schema, as a dict or its text), regex, choice (a list of
+    strings), grammar (EBNF, xgrammar's dialect of GBNF) or json_object (any JSON object).
+    disable_any_whitespace: JSON without whitespace between its tokens (a model that emits
+    runs of newlines otherwise may fill max_tokens with them)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    _text: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {', '.join(given) or 'none'}")
+        (kind,) = given
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, dict):
+                text = json.dumps(value)
+            elif isinstance(value, str):
+                text = value
+                try:
+                    json.loads(text)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json must be a JSON schema; it is "
+                                     f"not JSON: {e}") from None
+            else:
+                raise ValueError("structured_outputs.json must be a JSON schema (an object or "
+                                 f"its text); got {type(value).__name__}")
+        elif kind == "choice":
+            if (not isinstance(value, list | tuple) or not value
+                    or any(not isinstance(c, str) or not c for c in value)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"non-empty strings; got {value!r}")
+            object.__setattr__(self, "choice", list(value))
+            # xgrammar's EBNF string literals take JSON's escapes
+            text = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        elif kind == "json_object":
+            text = ""
+        else:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string; "
+                                 f"got {value!r}")
+            text = value
+        object.__setattr__(self, "_text", text)
+
+    @property
+    def kind(self) -> str:
+        """json, regex, choice, grammar or json_object."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def check(self) -> None:
+        """Parse the grammar (no tokenizer needed); ValueError saying what is wrong with it."""
+        import xgrammar as xgr
+        kind = self.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(self._text, any_whitespace=not self.disable_any_whitespace)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(self._text)
+            elif kind in ("choice", "grammar"):
+                xgr.Grammar.from_ebnf(self._text)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.{kind} is not valid: {_reason(e)}") from None
+
+    def compile(self, compiler: xgrammar.GrammarCompiler) -> xgrammar.CompiledGrammar:
+        kind = self.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(
+                    self._text, any_whitespace=not self.disable_any_whitespace)
+            if kind == "json_object":
+                if self.disable_any_whitespace:
+                    return compiler.compile_json_schema(
+                        '{"type": "object"}', any_whitespace=False)
+                return compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return compiler.compile_regex(self._text)
+            return compiler.compile_grammar(self._text)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.{kind} is not valid: {_reason(e)}") from None
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its C++ source location ("[time] file.cc:123: ...")."""
+    text = str(error).strip()
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.startswith("[") and ".cc:" in head else text
+
+
+class GrammarBackend:
+    """The model's vocabulary as xgrammar sees it, its compiler, and the bitmask step."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
+        import xgrammar as xgr
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(info)
+        log.info("structured outputs: xgrammar %s over a vocabulary of %d",
+                 getattr(xgr, "__version__", "?"), vocab_size)
+
+    def matcher(self, params: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
+        return self._xgr.GrammarMatcher(params.compile(self.compiler))
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int],
+                matchers: list[xgrammar.GrammarMatcher]) -> None:
+    """Set the logits of the tokens each row's grammar does not allow next to -inf, in place
+    (logits [N, V], V the vocabulary the matchers were compiled for)."""
+    import torch
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, i)
+    cuda = logits.is_cuda
+    if cuda:
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    if len(rows) == logits.shape[0]:
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        return
+    index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(logits.device,
+                                                                       non_blocking=cuda)
+    sub = logits.index_select(0, index)
+    xgr.apply_token_bitmask_inplace(sub, bitmask)
+    logits.index_copy_(0, index, sub)
