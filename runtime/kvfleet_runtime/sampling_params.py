@@ -123,14 +123,9 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
+        # (the sampler's apply_penalties reads these fields inline)
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-    @property
-    def masks_logits(self) -> bool:
-        """Whether sampling changes this row's logits before the draw besides penalties."""
-        return (bool(self.logit_bias) or self.allowed_token_ids is not None
-                or self.structured_outputs is not None)
 
     @property
     def max_stop_len(self) -> int:

@@ -185,15 +185,22 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = raw.shape[1]
     mask_rows: list[int] = []
     mask_cols: list[int] = []
+    penalized: list[int] = []
+    masked: list[int] = []
     pending = batch.num_pending or [0] * len(batch.params)
+    # one pass with the fields read inline: it runs for every row every step (~0.1 ms a
+    # property a pass at 1024 rows)
     for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids, strict=True)):
-        if len(out) + pending[i] < p.min_tokens:
+        if p.min_tokens and len(out) + pending[i] < p.min_tokens:
             for t in p._eos_token_ids.union(p.stop_token_ids):
                 if t < vocab:
                     mask_rows.append(i)
                     mask_cols.append(t)
-    penalized = [i for i, p in enumerate(batch.params) if p.needs_penalties]
-    masked = [i for i, p in enumerate(batch.params) if p.masks_logits]
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or p.repetition_penalty != 1.0):
+            penalized.append(i)
+        if p.logit_bias or p.allowed_token_ids is not None or p.structured_outputs is not None:
+            masked.append(i)
     if not mask_rows and not penalized and not masked:
         return raw
     x = raw.clone() if raw.dtype == torch.float32 else raw.float()
