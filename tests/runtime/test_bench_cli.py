@@ -37,6 +37,39 @@ def test_bench_latency_reports_ttft_tpot_and_a_profile(tiny_model_dir, tmp_path,
     assert "ms/step host work" in capsys.readouterr().out
 
 
+def test_bench_throughput_with_structured_outputs_on_a_share_of_prompts(
+        tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from kvfleet_runtime.llm import LLM
+    runs = []
+    generate = LLM.generate
+
+    def recording(self, prompts, params=None, **kwargs):
+        outs = generate(self, prompts, params, **kwargs)
+        runs.append((params, outs))
+        return outs
+    monkeypatch.setattr(LLM, "generate", recording)
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "8",
+               "--input-len", "12", "--output-len", "10", "--structured-output-ratio", "0.25",
+               "--json", str(out)])
+    assert rc == 0
+    (result,) = json.loads(out.read_text())
+    assert result["structured_output_ratio"] == 0.25
+    assert "structured outputs on 25.0% of prompts" in capsys.readouterr().out
+    params, outs = runs[-1]          # the timed run
+    texts = [o.outputs[0].text for o in outs]
+    grammar_rows = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+    assert grammar_rows == [0, 4]
+    for i, text in enumerate(texts):
+        assert len(outs[i].outputs[0].token_ids) == 10
+        # a JSON array of integers cut at 10 tokens: "[" then digits, commas and minus signs
+        follows = text.startswith("[") and set(text[1:]) <= set("0123456789,-")
+        assert follows == (i in grammar_rows), (i, text)
+    rc = main(["bench", "throughput", "--model", tiny_model_dir("llama"),
+               "--structured-output-ratio", "1.5"])
+    assert rc == 2 and "--structured-output-ratio must be in [0, 1]" in capsys.readouterr().err
+
+
 def test_bench_rejects_an_unknown_backend(tiny_model_dir, capsys):
     rc = main(["bench", "throughput", "--model", tiny_model_dir("llama"), "--backend", "trt"])
     assert rc == 2 and "--backend must list kvfleet and/or hf" in capsys.readouterr().err

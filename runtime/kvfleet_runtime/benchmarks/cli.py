@@ -31,6 +31,10 @@ def register(subparsers) -> None:
                     help="HF generate() batch size (default: max_num_seqs)")
     tp.add_argument("--json", metavar="PATH", help="write the results as JSON")
     tp.add_argument("--plot", metavar="PNG", help="draw output/total tokens/s of each run")
+    tp.add_argument("--structured-output-ratio", type=float, default=0.0, metavar="R",
+                    help="the share of prompts (at least one when > 0) whose output follows a "
+                         "JSON schema: an array of integers that never completes within "
+                         "--output-len (structured outputs' cost at a fixed length)")
     add_engine_args(tp)
     tp.set_defaults(func=run_throughput)
 
@@ -57,11 +61,31 @@ def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 32000) for _ in range(length)] for _ in range(num)]
 
 
-def _kvfleet_throughput(llm, prompts, output_len: int, on_start=None) -> float:
+# structured outputs in `bench throughput`: a grammar no output can complete within
+# --output-len (minItems), so every output still has its fixed length
+_BENCH_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 1_000_000}
+
+
+def _kvfleet_throughput(llm, prompts, output_len: int, on_start=None,
+                        structured_ratio: float = 0.0) -> float:
     """Seconds to generate output_len tokens for each prompt, after a short warm-up;
-    on_start() runs between the two (where a caller snapshots the engine's counters)."""
+    on_start() runs between the two (where a caller snapshots the engine's counters).
+    structured_ratio: the share of prompts (at least one when > 0) whose output follows
+    _BENCH_SCHEMA."""
     from kvfleet_runtime.sampling_params import SamplingParams
+    from kvfleet_runtime.structured_outputs import StructuredOutputsParams
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+    if structured_ratio > 0:
+        grammar = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
+                                 max_tokens=output_len,
+                                 structured_outputs=StructuredOutputsParams(
+                                     json=_BENCH_SCHEMA, disable_any_whitespace=True))
+        num = min(len(prompts), max(1, round(structured_ratio * len(prompts))))
+        # spread over the run: a grammar row in every wave of the batch
+        every = len(prompts) / num
+        marked = {int(i * every) for i in range(num)}
+        params = [grammar if i in marked else params for i in range(len(prompts))]
+        llm.generate(prompts[:1], grammar.clone())      # the vocabulary read, the schema compiled
     llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(max_tokens=4, ignore_eos=True))
     # the timed run computes every prompt: none hits the blocks the warm-up left cached
     llm.engine.kv.block_pool.reset_prefix_cache()
@@ -123,6 +147,12 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"kvfleet bench throughput: error: --backend must list kvfleet and/or hf; got "
               f"{args.backend!r}", file=sys.stderr)
         return 2
+    if not 0.0 <= args.structured_output_ratio <= 1.0 or (
+            args.structured_output_ratio and backends != ["kvfleet"]):
+        print("kvfleet bench throughput: error: --structured-output-ratio must be in [0, 1] "
+              f"and for --backend kvfleet alone; got {args.structured_output_ratio}",
+              file=sys.stderr)
+        return 2
     config = engine_config_from_args(args)
     prompts = random_prompts(args.num_prompts, args.input_len)
     results = []
@@ -133,7 +163,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             from kvfleet_runtime.llm import LLM
             llm = LLM.from_config(config)
             tune_gc()       # as kvfleet serve does after start-up
-            elapsed = _kvfleet_throughput(llm, prompts, args.output_len)
+            elapsed = _kvfleet_throughput(llm, prompts, args.output_len,
+                                          structured_ratio=args.structured_output_ratio)
             totals = llm.engine.step_totals
             extra = {"dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
                      "steps": totals["steps"],
@@ -148,10 +179,13 @@ def run_throughput(args: argparse.Namespace) -> int:
             "output_len": args.output_len, "max_num_seqs": config.max_num_seqs,
             "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
             "output_tokens_per_s": out_tokens / elapsed,
+            "structured_output_ratio": args.structured_output_ratio,
             "total_tokens_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
             **extra})
         r = results[-1]
         host = f", host share of step time {r['host_share']:.1%}" if "host_share" in r else ""
+        if args.structured_output_ratio:
+            host += f", structured outputs on {args.structured_output_ratio:.1%} of prompts"
         print(f"[{backend}] {r['dtype']}, {args.num_prompts} prompts {args.input_len} in / "
               f"{args.output_len} out: "
               f"{r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} req/s, "
