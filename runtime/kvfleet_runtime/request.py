@@ -57,7 +57,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.detokenizer = None              # set by the engine
-        self.grammar = None                  # structured outputs: its GrammarMatcher
+        self.grammar = None                  # structured outputs: its SequenceGrammar
         # sampling reads this request's generated tokens (penalties, min_tokens)
         self.needs_history = params.needs_penalties or bool(params.min_tokens)
 

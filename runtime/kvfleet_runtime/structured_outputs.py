@@ -6,15 +6,16 @@ parses the request's grammar without a tokenizer (the server's check, before a r
 starts); `GrammarBackend` compiles it against the model's vocabulary (cached by xgrammar,
 so the same schema compiles once) and gives each sequence a `GrammarMatcher`. Every step the
 sampler asks each matcher for its allowed next tokens (a bitmask) and sets the others' logits
-to -inf; the engine feeds the matcher each token it appends and stops the sequence once the
-grammar is complete. A request with a grammar runs its steps synchronously (the mask needs
-the last token on the host), as prompt logprobs do.
+to -inf; each token is fed to the matcher before the next mask (with async scheduling, by the
+model runner from the step that sampled it, while the next step's forward already runs), and
+the engine stops the sequence once the grammar is complete.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -123,7 +124,7 @@ def _reason(error: Exception) -> str:
 
 
 class GrammarBackend:
-    """The model's vocabulary as xgrammar sees it, its compiler, and the bitmask step."""
+    """The model's vocabulary as xgrammar sees it, and its compiler."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
         import xgrammar as xgr
@@ -135,27 +136,69 @@ class GrammarBackend:
         log.info("structured outputs: xgrammar %s over a vocabulary of %d",
                  getattr(xgr, "__version__", "?"), vocab_size)
 
-    def matcher(self, params: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
-        return self._xgr.GrammarMatcher(params.compile(self.compiler))
+    def sequence(self, params: StructuredOutputsParams) -> SequenceGrammar:
+        """A new sequence's grammar state (ValueError if the grammar does not compile)."""
+        return SequenceGrammar(self._xgr.GrammarMatcher(params.compile(self.compiler)))
+
+
+class SequenceGrammar:
+    """One sequence's GrammarMatcher, and how many of its output tokens it has been fed.
+
+    With async scheduling the model runner feeds a sequence's newest token (read back from the
+    step that sampled it) before the engine appends it; the engine then feeds only what the
+    runner has not (catch_up)."""
+    __slots__ = ("matcher", "fed", "broken")
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.fed = 0
+        self.broken = False      # a token the grammar refused (only a stop token was left and
+                                 # min_tokens masked it): the sequence is stopped
+
+    def feed(self, tokens: list[int]) -> None:
+        m = self.matcher
+        for t in tokens:
+            if not self.broken and not m.is_terminated() and not m.accept_token(t):
+                self.broken = True
+        self.fed += len(tokens)
+
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        if self.fed < len(output_token_ids):
+            self.feed(output_token_ids[self.fed:])
+
+    @property
+    def done(self) -> bool:
+        """Complete (the output says all it can) or broken: nothing more to sample under it."""
+        return self.broken or self.matcher.is_terminated()
+
+
+_local = threading.local()
+
+
+def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
+    """xgrammar's batch filler (its own threads), one per thread that steps an engine."""
+    batch = getattr(_local, "batch", None)
+    if batch is None:
+        import xgrammar as xgr
+        batch = _local.batch = xgr.BatchGrammarMatcher("auto")
+    return batch
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int],
                 matchers: list[xgrammar.GrammarMatcher]) -> None:
     """Set the logits of the tokens each row's grammar does not allow next to -inf, in place
-    (logits [N, V], V the vocabulary the matchers were compiled for)."""
+    (logits [N, V], V the vocabulary the matchers were compiled for; rows[i] is matchers[i]'s
+    row). The bitmask is filled on the host by xgrammar's threads into pinned memory (the
+    caching host allocator keeps a buffer from reuse while its copy is in flight) and applied
+    by its kernel to those rows only."""
     import torch
     import xgrammar as xgr
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, i)
+    num_rows, vocab = logits.shape
     cuda = logits.is_cuda
+    bitmask = torch.empty(xgr.get_bitmask_shape(num_rows, vocab), dtype=xgr.bitmask_dtype,
+                          pin_memory=cuda)
+    _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
     if cuda:
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    if len(rows) == logits.shape[0]:
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
-        return
-    index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(logits.device,
-                                                                       non_blocking=cuda)
-    sub = logits.index_select(0, index)
-    xgr.apply_token_bitmask_inplace(sub, bitmask)
-    logits.index_copy_(0, index, sub)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask,
+                                    indices=rows if len(rows) < num_rows else None)

@@ -140,3 +140,21 @@ def test_bad_grammars_are_refused_before_anything_runs(llm, spec, words):
 def test_a_dict_is_taken_for_structured_outputs_params():
     params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
     assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+
+
+def test_grammar_requests_keep_async_scheduling(tiny_model_dir, monkeypatch):
+    # with async scheduling the runner feeds each grammar the token still in flight: the
+    # engine never falls back to synchronous steps for them
+    llm = LLM(model=tiny_model_dir("llama"), max_num_seqs=16, num_gpu_blocks=256,
+              max_model_len=512, device="cpu", async_scheduling=True, dtype="float32")
+    calls = []
+    launch = llm.engine.runner.launch
+    monkeypatch.setattr(llm.engine.runner, "execute",
+                        lambda *a, **k: pytest.fail("a synchronous step ran"))
+    monkeypatch.setattr(llm.engine.runner, "launch",
+                        lambda *a, **k: calls.append(1) or launch(*a, **k))
+    outs = llm.generate([PROMPT, PROMPT], [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=SPECS["json"]),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SPECS["regex"])])
+    assert _parses("json", outs[0].outputs[0].text) and _parses("regex", outs[1].outputs[0].text)
+    assert len(calls) > 10

@@ -134,13 +134,13 @@ class LLMEngine:
         return prompt_ids
 
     def _grammar_matcher(self, params: SamplingParams):
-        """A new GrammarMatcher for params.structured_outputs (ValueError if it does not
-        compile). The backend reads the vocabulary once, at the first request that needs it."""
+        """A new sequence's SequenceGrammar for params.structured_outputs (ValueError if it
+        does not compile). The backend reads the vocabulary at the first request that needs it."""
         if self._grammar_backend is None:
             from kvfleet_runtime.structured_outputs import GrammarBackend
             self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                                    self.eos_token_ids)
-        return self._grammar_backend.matcher(params.structured_outputs)
+        return self._grammar_backend.sequence(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,
@@ -174,9 +174,7 @@ class LLMEngine:
             children.append(r)
         self.groups[request_id] = children
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
-        # prompt logprobs: targets read row by row on the host; a grammar's mask needs the
-        # last token on the host
-        if params.prompt_logprobs is not None or grammars is not None:
+        if params.prompt_logprobs is not None:     # targets read row by row on the host
             self.sync_groups.add(request_id)
         if final_only:
             self.final_only.add(request_id)
@@ -349,7 +347,7 @@ class LLMEngine:
         detokenizer = r.detokenizer
         stop_str = detokenizer.update_one(token_id) if detokenizer is not None else None
         p = r.params
-        if r.grammar is not None and self._grammar_done(r, token_id):
+        if r.grammar is not None and self._grammar_done(r):
             if detokenizer is not None:
                 detokenizer.finish()
             metrics.finished_time = now
@@ -370,15 +368,16 @@ class LLMEngine:
         return True
 
     @staticmethod
-    def _grammar_done(r: Request, token_id: int) -> bool:
-        """Feed the token to the request's grammar; True once the grammar is complete (its
-        output says all it can), or if the token broke it (only a stop token was left and
-        something masked that: min_tokens)."""
-        if not r.grammar.accept_token(token_id):
-            log.warning("request %s: token %d does not follow its structured output; stopped",
-                        r.request_id, token_id)
-            return True
-        return r.grammar.is_terminated()
+    def _grammar_done(r: Request) -> bool:
+        """Feed the request's grammar the tokens it has not seen (the model runner may have fed
+        the newest already); True once the grammar is complete (its output says all it can),
+        or if a token broke it (only a stop token was left and min_tokens masked it)."""
+        grammar = r.grammar
+        grammar.catch_up(r.output_token_ids)
+        if grammar.broken:
+            log.warning("request %s: a token does not follow its structured output; stopped",
+                        r.request_id)
+        return grammar.done
 
     def _check_stop(self, r: Request, token_id: int, stop_str: str | None) -> RequestStatus | None:
         p = r.params

@@ -93,6 +93,31 @@ def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+def _grammar_matchers(sampling: list, rows: list[int], prev: PendingStep | None) -> list:
+    """The GrammarMatchers of sampling[rows] (structured outputs), each fed every token of its
+    sequence first: those on the host, and with async scheduling the one `prev` (the step still
+    in flight) sampled, read back once it is done (this step's forward is queued already, so
+    the GPU does not wait); None for a row whose grammar is done (its sequence stops with the
+    token `prev` gives it, and this step's token is dropped)."""
+    out = []
+    host_ids = None
+    for i in rows:
+        r = sampling[i].request
+        grammar = r.grammar
+        if grammar is None:
+            out.append(None)
+            continue
+        grammar.catch_up(r.output_token_ids)
+        if r.num_pending and prev is not None and grammar.fed == len(r.output_token_ids):
+            if host_ids is None:
+                if prev.done is not None:
+                    prev.done.synchronize()
+                host_ids = prev.host_ids.tolist()
+            grammar.feed([host_ids[prev.rows[r.request_id]]])
+        out.append(None if grammar.done else grammar.matcher)
+    return out
+
+
 def _padded_table(rows: list[list[int]]) -> np.ndarray:
     """Block-id lists -> [len(rows), longest] int32, zero-padded, without a Python loop per id
     (1000-token contexts make this ~250 rows x 60+ ids every step)."""
@@ -485,10 +510,7 @@ class ModelRunner:
         sampling = [s for s in sched.scheduled if s.samples]
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
-            # structured outputs run here only: their requests keep the engine synchronous
-            grammars = [s.request.grammar for s in sampling]
-            if any(g is not None for g in grammars):
-                batch.grammars = grammars
+            batch.grammar_lookup = lambda rows: _grammar_matchers(sampling, rows, None)
             for s, tok in zip(sampling, self.sampler(last, batch), strict=True):
                 out.sampled[s.request.request_id] = tok.token_id
                 if s.request.logprobs is not None:
@@ -540,6 +562,7 @@ class ModelRunner:
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
             self._add_pending_history(batch, sampling, prev)
+            batch.grammar_lookup = lambda rows: _grammar_matchers(sampling, rows, prev)
             ids, pending.logprobs = self.sampler.sample_on_device(last, batch)
             pending.num_top = [p.logprobs for p in batch.params]
             pending.rows = {s.request.request_id: i for i, s in enumerate(sampling)}

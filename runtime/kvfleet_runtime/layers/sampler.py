@@ -13,6 +13,7 @@ host with one .tolist() per tensor at the end, never one .item() per row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -36,8 +37,10 @@ class SamplingBatch:
     # output_token_ids: its id here ([N], -1: none), and how many such tokens each row has
     pending_ids: torch.Tensor | None = None
     num_pending: list[int] | None = None
-    # structured outputs: each row's GrammarMatcher (None: the row has no grammar), or None
-    grammars: list | None = None
+    # structured outputs: rows -> each row's GrammarMatcher (None: nothing to mask), asked
+    # only for rows whose params carry structured_outputs (the model runner feeds the matchers
+    # the tokens they have not seen first)
+    grammar_lookup: Callable[[list[int]], list] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -239,11 +242,14 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
         rows = rows - freq * counts - pres * (counts > 0).float()
         x[idx] = rows
-    if masked and batch.grammars is not None:
-        rows = [i for i in masked if batch.grammars[i] is not None]
+    if masked and batch.grammar_lookup is not None:
+        rows = [i for i in masked if batch.params[i].structured_outputs is not None]
         if rows:
-            from kvfleet_runtime.structured_outputs import mask_logits
-            mask_logits(x, rows, [batch.grammars[i] for i in rows])
+            matchers = batch.grammar_lookup(rows)
+            live = [(i, m) for i, m in zip(rows, matchers, strict=True) if m is not None]
+            if live:
+                from kvfleet_runtime.structured_outputs import mask_logits
+                mask_logits(x, [i for i, _ in live], [m for _, m in live])
     return x
 
 
