@@ -129,6 +129,10 @@ class GrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
         import xgrammar as xgr
         self._xgr = xgr
+        # the tokenizer's ids only: a model's vocabulary padded past them (a 49k tokenizer on a
+        # 128k shape; Qwen's 151,665 of 152,064) would be ids xgrammar takes for special tokens
+        # (accept_token then costs ~16 us instead of ~1 at 128k); mask_logits bans the rest
+        vocab_size = min(vocab_size, len(tokenizer))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self.vocab_size = vocab_size
@@ -138,7 +142,8 @@ class GrammarBackend:
 
     def sequence(self, params: StructuredOutputsParams) -> SequenceGrammar:
         """A new sequence's grammar state (ValueError if the grammar does not compile)."""
-        return SequenceGrammar(self._xgr.GrammarMatcher(params.compile(self.compiler)))
+        return SequenceGrammar(self._xgr.GrammarMatcher(params.compile(self.compiler)),
+                               self.vocab_size)
 
 
 class SequenceGrammar:
@@ -147,10 +152,11 @@ class SequenceGrammar:
     With async scheduling the model runner feeds a sequence's newest token (read back from the
     step that sampled it) before the engine appends it; the engine then feeds only what the
     runner has not (catch_up)."""
-    __slots__ = ("matcher", "fed", "broken")
+    __slots__ = ("matcher", "vocab_size", "fed", "broken")
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size     # the ids the matcher knows: [0, vocab_size)
         self.fed = 0
         self.broken = False      # a token the grammar refused (only a stop token was left and
                                  # min_tokens masked it): the sequence is stopped
@@ -184,21 +190,30 @@ def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
     return batch
 
 
-def mask_logits(logits: torch.Tensor, rows: list[int],
-                matchers: list[xgrammar.GrammarMatcher]) -> None:
+def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
     """Set the logits of the tokens each row's grammar does not allow next to -inf, in place
-    (logits [N, V], V the vocabulary the matchers were compiled for; rows[i] is matchers[i]'s
-    row). The bitmask is filled on the host by xgrammar's threads into pinned memory (the
-    caching host allocator keeps a buffer from reuse while its copy is in flight) and applied
-    by its kernel to those rows only."""
+    (logits [N, V]; rows[i] is grammars[i]'s row). The bitmask is filled on the host by
+    xgrammar's threads into pinned memory (the caching host allocator keeps a buffer from
+    reuse while its copy is in flight) and applied by its kernel to those rows only. Ids past
+    the tokenizer's (a model's padded vocabulary) are never allowed."""
     import torch
     import xgrammar as xgr
-    num_rows, vocab = logits.shape
+    num_rows, width = logits.shape
+    vocab = grammars[0].vocab_size
     cuda = logits.is_cuda
     bitmask = torch.empty(xgr.get_bitmask_shape(num_rows, vocab), dtype=xgr.bitmask_dtype,
                           pin_memory=cuda)
-    _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+    _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
+                                                   indices=rows)
     if cuda:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask,
-                                    indices=rows if len(rows) < num_rows else None)
+    every = len(rows) == num_rows
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, width),
+                                    indices=None if every else rows)
+    if vocab < width:
+        if every:
+            logits[:, vocab:] = float("-inf")
+        else:
+            index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(
+                logits.device, non_blocking=cuda)
+            logits[index, vocab:] = float("-inf")

@@ -158,3 +158,22 @@ def test_grammar_requests_keep_async_scheduling(tiny_model_dir, monkeypatch):
         SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SPECS["regex"])])
     assert _parses("json", outs[0].outputs[0].text) and _parses("regex", outs[1].outputs[0].text)
     assert len(calls) > 10
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_never_samples_the_padding(tmp_path):
+    # a model whose embedding rows outnumber the tokenizer's ids (as Qwen's, or a 49k tokenizer
+    # on a 128k shape): the grammar knows the tokenizer's ids, the padding is banned outright,
+    # even when logit_bias pushes a padding id to the top
+    from support.tiny_models import make_tiny_model
+    path = make_tiny_model("llama", tmp_path / "padded", vocab_size=49152 + 64,
+                           initializer_range=0.2)
+    llm = LLM(model=str(path), max_num_seqs=4, num_gpu_blocks=64, max_model_len=256,
+              device="cpu", async_scheduling=True)
+    bias = {49152 + 7: 100.0}
+    free, out = llm.generate([PROMPT, PROMPT], [
+        SamplingParams(temperature=0.0, max_tokens=3, logit_bias=bias, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, logit_bias=bias,
+                       structured_outputs=SPECS["regex"])])
+    assert free.outputs[0].token_ids == [49152 + 7] * 3, "the bias must reach a free row"
+    assert _parses("regex", out.outputs[0].text)
+    assert max(out.outputs[0].token_ids) < 49152

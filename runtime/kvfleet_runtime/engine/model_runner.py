@@ -94,7 +94,7 @@ def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grammar_matchers(sampling: list, rows: list[int], prev: PendingStep | None) -> list:
-    """The GrammarMatchers of sampling[rows] (structured outputs), each fed every token of its
+    """The SequenceGrammars of sampling[rows] (structured outputs), each fed every token of its
     sequence first: those on the host, and with async scheduling the one `prev` (the step still
     in flight) sampled, read back once it is done (this step's forward is queued already, so
     the GPU does not wait); None for a row whose grammar is done (its sequence stops with the
@@ -114,7 +114,7 @@ def _grammar_matchers(sampling: list, rows: list[int], prev: PendingStep | None)
                     prev.done.synchronize()
                 host_ids = prev.host_ids.tolist()
             grammar.feed([host_ids[prev.rows[r.request_id]]])
-        out.append(None if grammar.done else grammar.matcher)
+        out.append(None if grammar.done else grammar)
     return out
 
 

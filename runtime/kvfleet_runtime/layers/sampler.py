@@ -37,7 +37,7 @@ class SamplingBatch:
     # output_token_ids: its id here ([N], -1: none), and how many such tokens each row has
     pending_ids: torch.Tensor | None = None
     num_pending: list[int] | None = None
-    # structured outputs: rows -> each row's GrammarMatcher (None: nothing to mask), asked
+    # structured outputs: rows -> each row's SequenceGrammar (None: nothing to mask), asked
     # only for rows whose params carry structured_outputs (the model runner feeds the matchers
     # the tokens they have not seen first)
     grammar_lookup: Callable[[list[int]], list] | None = None
