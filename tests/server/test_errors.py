@@ -74,13 +74,19 @@ CASES = [
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [3, 10**6]}, 400, "allowed_token_ids",
      "token ids in [0, 49152); got [1000000]"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role",
-     "must be one of system, developer, user, assistant; got 'wizard'"),
+     "must be one of system, developer, user, assistant, tool; got 'wizard'"),
     (CHAT, {"messages": []}, 400, "messages", "at least one message"),
     (CHAT, {"messages": USER_HI, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs"),
     (CHAT, {"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      "top_logprobs must be an integer in [0, 20]; got 21"),
-    (CHAT, {"messages": USER_HI, "tools": [{"type": "function"}]}, 400, "tools",
-     "not supported"),
+    (CHAT, {"messages": USER_HI, "tools": [{"type": "function"}]}, 400,
+     "tools.0.function", "tools.0.function is required"),
+    (CHAT, {"messages": USER_HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice", '"auto" tool choice requires the server to be started with '
+     "--enable-auto-tool-choice and --tool-call-parser"),
+    (CHAT, {"messages": USER_HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "bogus"}}}], "tool_choice": "required"}, 400,
+     "tools", "a tool's parameters are not a usable JSON schema"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "ids in [0, 49152)"),
     ("/tokenize", {}, 400, "prompt", "exactly one of prompt or messages"),
 ]

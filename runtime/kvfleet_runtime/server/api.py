@@ -34,6 +34,7 @@ from kvfleet_runtime.outputs import CompletionOutput, PositionLogprobs, RequestO
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server import protocol as p
 from kvfleet_runtime.server.metrics import HTTPMetrics
+from kvfleet_runtime.server.tools import OpenAIToolError, ToolPlan, ToolStreamer, plan_tools
 
 VERSION = "0.1.0"
 # seconds a client should wait after a 503 for a full queue
@@ -50,6 +51,8 @@ class ServerState:
     chat_template: str | None = None      # --chat-template: instead of the tokenizer's
     # what requests leave unset: the model's generation config's (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # --enable-auto-tool-choice's --tool-call-parser: tool_choice "auto" reads calls with it
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -69,14 +72,16 @@ class CORS:
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, registry: CollectorRegistry | None = None,
               chat_template: str | None = None, cors: CORS | None = None,
-              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+              sampling_defaults: dict[str, Any] | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
                         api_key=api_key or None,
                         registry=registry or CollectorRegistry(),
                         chat_template=chat_template,
-                        sampling_defaults=sampling_defaults or {})
+                        sampling_defaults=sampling_defaults or {},
+                        tool_call_parser=tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -267,7 +272,8 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             param="model", code="model_not_found")
 
 
-def _chat_prompt_ids(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:
+def _chat_prompt_ids(state: ServerState, body: p.ChatCompletionRequest,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
     tokenizer = state.engine.tokenizer
     if not (state.chat_template or getattr(tokenizer, "chat_template", None)):
         raise p.OpenAIError("this model has no chat template; use /v1/completions, or start "
@@ -276,7 +282,7 @@ def _chat_prompt_ids(state: ServerState, body: p.ChatCompletionRequest) -> list[
         text = tokenizer.apply_chat_template(
             body.template_messages(), chat_template=state.chat_template, tokenize=False,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
+            continue_final_message=body.continue_final_message, tools=tools,
             **(body.chat_template_kwargs or {}))
     except p.OpenAIError:
         raise
@@ -555,26 +561,48 @@ class _ChatCall(_GenerationCall):
     body: p.ChatCompletionRequest
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
+    tools = ToolPlan("none", [])        # make_prompts sets the request's
 
     def make_prompts(self) -> list[_Prompt]:
-        ids = _chat_prompt_ids(self.state, self.body)
-        field = ("max_completion_tokens" if self.body.max_completion_tokens is not None
+        body = self.body
+        try:
+            self.tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                    self.state.tool_call_parser)
+        except OpenAIToolError as e:
+            raise p.OpenAIError(str(e), param=e.param) from None
+        self._tool_streams: dict[int, ToolStreamer] = {}
+        ids = _chat_prompt_ids(self.state, body, self.tools.template_tools())
+        field = ("max_completion_tokens" if body.max_completion_tokens is not None
                  else "max_tokens")
-        max_tokens = self.max_tokens_for(len(ids), self.body.requested_max_tokens(), field)
-        return [_Prompt(ids, "", self.body.to_sampling_params(max_tokens,
-                                                              self.state.sampling_defaults))]
+        max_tokens = self.max_tokens_for(len(ids), body.requested_max_tokens(), field)
+        return [_Prompt(ids, "", body.to_sampling_params(max_tokens, self.state.sampling_defaults,
+                                                         self.tools))]
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
-        choices = [p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text),
-                                logprobs=self.logprobs(c, 0), finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason)
-                   for c in _sorted_outputs(out)]
+        choices = []
+        for c in _sorted_outputs(out):
+            message, finish_reason = p.ChatResponseMessage(content=c.text), c.finish_reason
+            if self.tools.active:
+                message.content, message.tool_calls = self.tools.parse(c.text)
+                finish_reason = self._tool_finish_reason(c, bool(message.tool_calls))
+            choices.append(p.ChatChoice(index=c.index, message=message,
+                                        logprobs=self.logprobs(c, 0), finish_reason=finish_reason,
+                                        stop_reason=c.stop_reason))
         return p.ChatCompletionResponse(id=self.request_id, created=self.created,
                                         model=self.model_name, choices=choices,
                                         usage=self.usage(finals)).model_dump()
 
+    def _tool_finish_reason(self, c: CompletionOutput, called: bool) -> str | None:
+        """OpenAI's "tool_calls" when the model chose to call (auto, required); a named call
+        ends with "stop"; a cut-off answer keeps "length"."""
+        if called and c.finish_reason == "stop" and self.tools.mode in ("auto", "required"):
+            return "tool_calls"
+        return c.finish_reason
+
     def events(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        if self.tools.active:
+            return self._tool_events(out)
         events = []
         for c in _sorted_outputs(out):
             if (delta := self.delta(prompt_index, c)) is None:
@@ -594,6 +622,33 @@ class _ChatCall(_GenerationCall):
             if c.finished:
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(),
                                                      finish_reason=c.finish_reason), usage))
+        return events
+
+    def _tool_events(self, out: RequestOutput) -> list[str]:
+        """A choice's events when its text is read for tool calls (ToolStreamer)."""
+        events = []
+        for c in _sorted_outputs(out):
+            if (delta := self.delta(0, c)) is None:
+                continue
+            text, _, _, first = delta
+            usage = (len(out.prompt_token_ids), len(c.token_ids))
+            if first:
+                self._tool_streams[c.index] = self.tools.streamer()
+                events.append(self.event(self._chunk(c.index, p.DeltaMessage(role="assistant",
+                                                                              content="")),
+                                         (usage[0], 0)))
+            stream = self._tool_streams[c.index]
+            deltas = stream.feed(text)
+            called = False
+            if c.finished:
+                last, called = stream.finish()
+                deltas += last
+            for d in deltas:
+                events.append(self.event(self._chunk(c.index, p.DeltaMessage(**d)), usage))
+            if c.finished:
+                events.append(self.event(self._chunk(
+                    c.index, p.DeltaMessage(),
+                    finish_reason=self._tool_finish_reason(c, called)), usage))
         return events
 
     def text_chunk(self, index: int, text: str) -> dict[str, Any]:

@@ -22,6 +22,9 @@ from typing import Any
 
 from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 
+# server/tools.py's PARSERS (named here: `kvfleet --help` imports no pydantic)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 logger = logging.getLogger("kvfleet.serve")
 
 _ENGINE_HELP = {
@@ -165,6 +168,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "min_p, repetition_penalty, max_tokens) take their defaults from: "
                              "auto, the model folder's generation_config.json (as vLLM); vllm, "
                              "nowhere (the API's defaults); or another folder's (default: auto)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let requests with tools (tool_choice "auto", their default) have '
+                             "the model decide to call them; needs --tool-call-parser")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="how the model writes tool calls: hermes (<tool_call> tags: "
+                             "Qwen2.5, Qwen3, Hermes) or llama3_json (a JSON object: Llama 3.1+)")
     cors = parser.add_argument_group("CORS (vLLM's flags; JSON lists)")
     cors.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                       help='origins browsers may call from, e.g. \'["https://ui.example"]\'; '
@@ -229,6 +238,10 @@ def serve(args: argparse.Namespace) -> int:
         print("kvfleet serve: error: --max-queued-requests must be >= 0; "
               f"got {args.max_queued_requests}", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("kvfleet serve: error: --enable-auto-tool-choice needs --tool-call-parser "
+              f"({' or '.join(TOOL_CALL_PARSERS)})", file=sys.stderr)
+        return 2
     names = args.served_model_name or []
     overrides: dict[str, Any] = {}
     if args.model_positional:
@@ -264,7 +277,9 @@ def serve(args: argparse.Namespace) -> int:
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
     app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry,
-                    chat_template=chat_template, cors=cors, sampling_defaults=sampling_defaults)
+                    chat_template=chat_template, cors=cors, sampling_defaults=sampling_defaults,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                    else None)
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)

@@ -19,9 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvfleet_runtime.generation_config import SAMPLING_DEFAULT_KNOBS
 from kvfleet_runtime.sampling_params import SamplingParams
+from kvfleet_runtime.server.tools import (
+    ChatTool,
+    ToolCall,
+    ToolChoice,
+    ToolPlan,
+    template_message_tool_calls,
+)
 from kvfleet_runtime.structured_outputs import StructuredOutputsParams
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class OpenAIError(Exception):
@@ -126,8 +133,21 @@ class _SamplingRequest(_Strict):
                               param="stream_options")
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                         defaults: dict[str, Any]) -> SamplingParams:
+                         defaults: dict[str, Any],
+                         tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
         self._check_unsupported()
+        structured = self._structured_outputs()
+        if tool_grammar is not None:
+            if structured is not None:
+                raise OpenAIError("a required or named tool_choice structures the output "
+                                  "itself: drop response_format / structured_outputs",
+                                  param="tool_choice")
+            try:
+                tool_grammar.check()
+            except ValueError as e:
+                raise OpenAIError(f"a tool's parameters are not a usable JSON schema: "
+                                  f"{str(e).split(': ', 1)[-1]}", param="tools") from None
+            structured = tool_grammar
         # None means "the API default" for the knobs OpenAI documents as nullable
         knobs: dict[str, Any] = dict(
             n=self.n, presence_penalty=self.presence_penalty,
@@ -136,8 +156,7 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-            allowed_token_ids=self.allowed_token_ids,
-            structured_outputs=self._structured_outputs())
+            allowed_token_ids=self.allowed_token_ids, structured_outputs=structured)
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
             if value is None:
@@ -269,8 +288,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # accepted and ignored: they change nothing in the answer
     metadata: dict[str, str] | None = None
@@ -292,7 +311,8 @@ class ChatCompletionRequest(_SamplingRequest):
                                   f"got {m.role!r}", param=f"messages.{i}.role")
             # the templates we ship know "system"; OpenAI's "developer" is its newer name
             role = "system" if m.role == "developer" else m.role
-            out.append({**(m.model_extra or {}), "role": role, "content": m.text()})
+            message = {**(m.model_extra or {}), "role": role, "content": m.text()}
+            out.append(template_message_tool_calls(message) if role == "assistant" else message)
         return out
 
     def requested_max_tokens(self) -> int | None:
@@ -301,20 +321,20 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None,
-                           defaults: dict[str, Any] | None = None) -> SamplingParams:
-        if self.tools:
-            raise OpenAIError("tools are not supported; remove the tools field", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise OpenAIError("tool_choice must be none (tools are not supported)",
-                              param="tool_choice")
+                           defaults: dict[str, Any] | None = None,
+                           tools: ToolPlan | None = None) -> SamplingParams:
+        if tools is not None and tools.active and self.stream and self.logprobs:
+            raise OpenAIError("logprobs are not streamed with tools; drop one of them",
+                              param="logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be an integer in [0, 20]; got "
                               f"{self.top_logprobs}", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                     defaults=defaults or {})
+        return self._sampling_params(
+            max_tokens=max_tokens, logprobs=logprobs, defaults=defaults or {},
+            tool_grammar=tools.structured_outputs() if tools is not None else None)
 
 
 class TokenizeRequest(_Strict):
@@ -385,6 +405,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -408,6 +429,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # tools.DeltaToolCall's, dumped
 
 
 class ChatStreamChoice(BaseModel):

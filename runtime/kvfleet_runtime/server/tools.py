@@ -1,0 +1,357 @@
+"""Tool calling for /v1/chat/completions (OpenAI's `tools` and `tool_choice`, as vLLM serves them).
+
+- `tool_choice` a named function: the output is that function's arguments, held to its
+  `parameters` schema by structured outputs; one tool call, finish_reason "stop".
+- `tool_choice: "required"`: the output is a JSON array of {"name", "parameters"} objects, one
+  of the tools each (at most one with `parallel_tool_calls: false`), by structured outputs;
+  finish_reason "tool_calls".
+- `tool_choice: "auto"` (the default when tools are given): the model decides; its text is
+  parsed for calls in its own format by the server's `--tool-call-parser` (hermes:
+  `<tool_call>{"name", "arguments"}</tool_call>`, Qwen2.5/Qwen3/Hermes; llama3_json: a JSON
+  object `{"name", "parameters"}` as the whole answer, Llama 3.1+). Needs
+  `--enable-auto-tool-choice`, as vLLM.
+- `tool_choice: "none"`: the tools reach the chat template and nothing is parsed.
+
+Streamed, a named call's arguments go out as they are generated; a required or parsed call
+goes out whole when the choice ends (text before a hermes call streams as content as it comes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvfleet_runtime.structured_outputs import StructuredOutputsParams
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class OpenAIToolError(ValueError):
+    """A 400 about the request's tools: (message, param)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# ---- request side ----
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+# ---- response side ----
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str          # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools mean for its sampling and its answer."""
+    mode: Literal["none", "auto", "required", "named"]
+    tools: list[ChatTool]
+    name: str | None = None                # the named function
+    parser: str | None = None              # auto: the server's --tool-call-parser
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return self.mode != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] or None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar a named or required choice puts on the output."""
+        if self.mode == "named":
+            tool = next(t for t in self.tools if t.function.name == self.name)
+            return StructuredOutputsParams(json=_parameters(tool))
+        if self.mode == "required":
+            items = {"anyOf": [{"type": "object",
+                                "properties": {"name": {"type": "string",
+                                                        "enum": [t.function.name]},
+                                               "parameters": _parameters(t)},
+                                "required": ["name", "parameters"]} for t in self.tools]}
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputsParams(json=schema)
+        return None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished choice's text. Text that does not parse as
+        calls stays content."""
+        if self.mode == "named":
+            return None, [ToolCall(function=FunctionCall(name=self.name, arguments=text))]
+        if self.mode == "required":
+            calls = _required_calls(text)
+            return (text, []) if calls is None else (None, calls[: None if self.parallel else 1])
+        if self.mode == "auto":
+            content, calls = PARSERS[self.parser](text)
+            return content, calls[: None if self.parallel else 1]
+        return text, []
+
+    def streamer(self) -> ToolStreamer:
+        return ToolStreamer(self)
+
+
+def plan_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None,
+               parallel_tool_calls: bool | None, auto_parser: str | None) -> ToolPlan:
+    """The request's ToolPlan; OpenAIToolError names the field at fault. auto_parser: the
+    server's --tool-call-parser when it was started with --enable-auto-tool-choice."""
+    tools = tools or []
+    for i, t in enumerate(tools):
+        if not _NAME.fullmatch(t.function.name):
+            raise OpenAIToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ "
+                                  f"or -; got {t.function.name!r}", f"tools.{i}.function.name")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise OpenAIToolError("tools must have distinct function names", "tools")
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    parallel = parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise OpenAIToolError(f"tool_choice names function {choice.function.name!r}, which "
+                                  "is not among the tools", "tool_choice")
+        return ToolPlan("named", tools, name=choice.function.name, parallel=parallel)
+    if choice == "required" and not tools:
+        raise OpenAIToolError('tool_choice "required" needs tools', "tool_choice")
+    if choice == "auto" and tools:
+        if auto_parser is None:
+            raise OpenAIToolError('"auto" tool choice requires the server to be started with '
+                                  "--enable-auto-tool-choice and --tool-call-parser; or set "
+                                  'tool_choice to "required", "none" or a named function',
+                                  "tool_choice")
+        return ToolPlan("auto", tools, parser=auto_parser, parallel=parallel)
+    if choice == "required":
+        return ToolPlan("required", tools, parallel=parallel)
+    return ToolPlan("none", tools, parallel=parallel)
+
+
+def template_message_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool_calls with each call's arguments as a dict: chat templates
+    iterate over them (`arguments | tojson`, `arguments.items()`), OpenAI sends JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        function = dict((call or {}).get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass          # a template that wants text gets it as it came
+        out.append({**call, "function": function})
+    return {**message, "tool_calls": out}
+
+
+# ---- parsers ----
+
+def _call(obj: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=text))
+
+
+def _required_calls(text: str) -> list[ToolCall] | None:
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    calls = [_call(item, ("parameters",)) for item in items]
+    return None if any(c is None for c in calls) or not calls else calls
+
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Hermes / Qwen: calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    after optional content (the last call's closing tag may be missing at a stop)."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for body in _HERMES_CALL.findall(text[start:]):
+        try:
+            call = _call(json.loads(body), ("arguments", "parameters"))
+        except ValueError:
+            call = None
+        if call is None:
+            return text, []       # not calls after all: the text as it is
+        calls.append(call)
+    content = text[:start].strip()
+    return content or None, calls
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3.1+: the whole answer is `{"name": ..., "parameters": {...}}` (several joined by
+    "; "), optionally after `<|python_tag|>`."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call(obj, ("parameters", "arguments"))
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return None, calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+# ---- streaming ----
+
+@dataclass
+class ToolStreamer:
+    """One streamed choice under a ToolPlan: text deltas in, chat deltas out (as dicts of
+    DeltaMessage's fields: content and/or tool_calls)."""
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0                 # chars of text sent as content
+    holding: bool = False         # auto: the rest is (maybe) a call, held to the end
+    named_id: str | None = None
+    deltas: list[dict[str, Any]] = field(default_factory=list)
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        mode = self.plan.mode
+        if mode == "named":
+            if not delta and self.named_id is not None:
+                return []
+            first = self.named_id is None
+            if first:
+                self.named_id = ToolCall(function=FunctionCall(name="", arguments="")).id
+            call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))
+            if first:
+                call.id, call.type = self.named_id, "function"
+                call.function.name = self.plan.name
+            return [{"tool_calls": [call.model_dump(exclude_none=True)]}]
+        if mode == "required" or self.holding:
+            return []
+        # auto: content until the text may be a call; the rest is held
+        if self.plan.parser == "llama3_json":
+            stripped = self.text.lstrip()
+            if not stripped:
+                return []
+            if stripped.startswith(("{", _PYTHON_TAG[:len(stripped)])):
+                self.holding = True
+                return []
+            return self._content(len(self.text))
+        found = self.text.find(_HERMES_OPEN)
+        if found >= 0:
+            self.holding = True
+            return self._content(found)
+        return self._content(len(self.text) - _partial_suffix(self.text, _HERMES_OPEN))
+
+    def finish(self) -> tuple[list[dict[str, Any]], bool]:
+        """The choice's last deltas, and whether it made tool calls."""
+        if self.plan.mode == "named":
+            return [], True
+        _, calls = self.plan.parse(self.text)
+        out = []
+        if not calls:                   # all of it was content: what was held goes now
+            rest = self.text[self.sent:]
+            if rest:
+                out.append({"content": rest})
+            return out, False
+        if self.plan.mode == "auto" and self.plan.parser == "hermes":
+            tail = self.text[self.sent:self.text.find(_HERMES_OPEN)]    # held back before the tag
+            if tail.strip():
+                out.append({"content": tail})
+        for i, call in enumerate(calls):
+            out.append({"tool_calls": [DeltaToolCall(
+                index=i, id=call.id, type="function",
+                function=DeltaFunctionCall(name=call.function.name,
+                                           arguments=call.function.arguments),
+            ).model_dump(exclude_none=True)]})
+        return out, True
+
+    def _content(self, upto: int) -> list[dict[str, Any]]:
+        if upto <= self.sent:
+            return []
+        piece, self.sent = self.text[self.sent:upto], upto
+        return [{"content": piece}]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of text that is a start of tag (held back: it may
+    become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
