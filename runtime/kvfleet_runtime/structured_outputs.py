@@ -198,22 +198,44 @@ def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
     the tokenizer's (a model's padded vocabulary) are never allowed."""
     import torch
     import xgrammar as xgr
-    num_rows, width = logits.shape
     vocab = grammars[0].vocab_size
     cuda = logits.is_cuda
-    bitmask = torch.empty(xgr.get_bitmask_shape(num_rows, vocab), dtype=xgr.bitmask_dtype,
+    bitmask = torch.empty(xgr.get_bitmask_shape(len(rows), vocab), dtype=xgr.bitmask_dtype,
                           pin_memory=cuda)
-    _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
-                                                   indices=rows)
+    _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
     if cuda:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    every = len(rows) == num_rows
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, width),
-                                    indices=None if every else rows)
+    if len(rows) == logits.shape[0]:
+        _apply(logits, bitmask, vocab)
+        return
+    # the grammar rows gathered, masked and put back: xgrammar's kernel with row indices is a
+    # Triton specialization of its own (a compile at its first use, ~0.5 s mid-serving)
+    index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(logits.device,
+                                                                       non_blocking=cuda)
+    sub = logits.index_select(0, index)
+    _apply(sub, bitmask, vocab)
+    logits.index_copy_(0, index, sub)
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor, vocab: int) -> None:
+    import xgrammar as xgr
+    width = logits.shape[1]
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, width))
     if vocab < width:
-        if every:
-            logits[:, vocab:] = float("-inf")
-        else:
-            index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(
-                logits.device, non_blocking=cuda)
-            logits[index, vocab:] = float("-inf")
+        logits[:, vocab:] = float("-inf")
+
+
+def warm_up_masks(device: torch.device, width: int) -> None:
+    """Compile xgrammar's mask kernel for the row counts Triton tells apart (1, a multiple of
+    16, any other) on fp32 logits of `width` columns, as the sampler's are: at the first
+    structured request, not at one of its later steps."""
+    import torch
+    import xgrammar as xgr
+    if device.type != "cuda":
+        return
+    for rows in (1, 2, 16):
+        logits = torch.zeros(rows, width, device=device)
+        bitmask = torch.full(xgr.get_bitmask_shape(rows, width), -1, dtype=xgr.bitmask_dtype,
+                             device=device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+    torch.cuda.synchronize(device)

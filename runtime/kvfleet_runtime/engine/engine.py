@@ -137,9 +137,10 @@ class LLMEngine:
         """A new sequence's SequenceGrammar for params.structured_outputs (ValueError if it
         does not compile). The backend reads the vocabulary at the first request that needs it."""
         if self._grammar_backend is None:
-            from kvfleet_runtime.structured_outputs import GrammarBackend
+            from kvfleet_runtime.structured_outputs import GrammarBackend, warm_up_masks
             self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                                    self.eos_token_ids)
+            warm_up_masks(self.config.torch_device, self.model_config.vocab_size)
         return self._grammar_backend.sequence(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
