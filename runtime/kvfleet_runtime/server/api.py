@@ -34,6 +34,7 @@ from kvfleet_runtime.outputs import CompletionOutput, PositionLogprobs, RequestO
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server import protocol as p
 from kvfleet_runtime.server.metrics import HTTPMetrics
+from kvfleet_runtime.server.reasoning import ReasoningStreamer, split_reasoning
 from kvfleet_runtime.server.tools import OpenAIToolError, ToolPlan, ToolStreamer, plan_tools
 
 VERSION = "0.1.0"
@@ -53,6 +54,7 @@ class ServerState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # --enable-auto-tool-choice's --tool-call-parser: tool_choice "auto" reads calls with it
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None     # --reasoning-parser
 
     @property
     def model_name(self) -> str:
@@ -73,7 +75,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               api_key: str | None = None, registry: CollectorRegistry | None = None,
               chat_template: str | None = None, cors: CORS | None = None,
               sampling_defaults: dict[str, Any] | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
@@ -81,7 +84,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                         registry=registry or CollectorRegistry(),
                         chat_template=chat_template,
                         sampling_defaults=sampling_defaults or {},
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -562,6 +565,7 @@ class _ChatCall(_GenerationCall):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
     tools = ToolPlan("none", [])        # make_prompts sets the request's
+    reasoning_parser: str | None = None  # and the server's --reasoning-parser
 
     def make_prompts(self) -> list[_Prompt]:
         body = self.body
@@ -570,7 +574,9 @@ class _ChatCall(_GenerationCall):
                                     self.state.tool_call_parser)
         except OpenAIToolError as e:
             raise p.OpenAIError(str(e), param=e.param) from None
-        self._tool_streams: dict[int, ToolStreamer] = {}
+        self.reasoning_parser = self.state.reasoning_parser
+        # a streamed choice's parsers: (reasoning, tool calls), either None when not used
+        self._streams: dict[int, tuple[ReasoningStreamer | None, ToolStreamer | None]] = {}
         ids = _chat_prompt_ids(self.state, body, self.tools.template_tools())
         field = ("max_completion_tokens" if body.max_completion_tokens is not None
                  else "max_tokens")
@@ -581,10 +587,15 @@ class _ChatCall(_GenerationCall):
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
         choices = []
+        reasoning_parser = self.reasoning_parser
         for c in _sorted_outputs(out):
             message, finish_reason = p.ChatResponseMessage(content=c.text), c.finish_reason
+            if reasoning_parser is not None:
+                reasoning, message.content = split_reasoning(reasoning_parser, c.text)
+                if self.body.include_reasoning:
+                    message.reasoning = message.reasoning_content = reasoning
             if self.tools.active:
-                message.content, message.tool_calls = self.tools.parse(c.text)
+                message.content, message.tool_calls = self.tools.parse(message.content or "")
                 finish_reason = self._tool_finish_reason(c, bool(message.tool_calls))
             choices.append(p.ChatChoice(index=c.index, message=message,
                                         logprobs=self.logprobs(c, 0), finish_reason=finish_reason,
@@ -601,8 +612,8 @@ class _ChatCall(_GenerationCall):
         return c.finish_reason
 
     def events(self, prompt_index: int, out: RequestOutput) -> list[str]:
-        if self.tools.active:
-            return self._tool_events(out)
+        if self.tools.active or self.reasoning_parser is not None:
+            return self._parsed_events(out)
         events = []
         for c in _sorted_outputs(out):
             if (delta := self.delta(prompt_index, c)) is None:
@@ -624,8 +635,9 @@ class _ChatCall(_GenerationCall):
                                                      finish_reason=c.finish_reason), usage))
         return events
 
-    def _tool_events(self, out: RequestOutput) -> list[str]:
-        """A choice's events when its text is read for tool calls (ToolStreamer)."""
+    def _parsed_events(self, out: RequestOutput) -> list[str]:
+        """A choice's events when its text is split into reasoning and answer
+        (ReasoningStreamer) and/or the answer is read for tool calls (ToolStreamer)."""
         events = []
         for c in _sorted_outputs(out):
             if (delta := self.delta(0, c)) is None:
@@ -633,16 +645,29 @@ class _ChatCall(_GenerationCall):
             text, _, _, first = delta
             usage = (len(out.prompt_token_ids), len(c.token_ids))
             if first:
-                self._tool_streams[c.index] = self.tools.streamer()
+                parser = self.reasoning_parser
+                self._streams[c.index] = (
+                    ReasoningStreamer(parser) if parser is not None else None,
+                    self.tools.streamer() if self.tools.active else None)
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(role="assistant",
                                                                               content="")),
                                          (usage[0], 0)))
-            stream = self._tool_streams[c.index]
-            deltas = stream.feed(text)
+            thinking, tools = self._streams[c.index]
+            reasoning, answer = thinking.feed(text) if thinking is not None else ("", text)
+            if c.finished and thinking is not None:
+                more = thinking.finish()
+                reasoning, answer = reasoning + more[0], answer + more[1]
+            deltas = []
+            if reasoning and self.body.include_reasoning:
+                deltas.append({"reasoning": reasoning, "reasoning_content": reasoning})
             called = False
-            if c.finished:
-                last, called = stream.finish()
-                deltas += last
+            if tools is not None:
+                deltas += tools.feed(answer)
+                if c.finished:
+                    last, called = tools.finish()
+                    deltas += last
+            elif answer:
+                deltas.append({"content": answer})
             for d in deltas:
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(**d)), usage))
             if c.finished:

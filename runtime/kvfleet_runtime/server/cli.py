@@ -24,6 +24,7 @@ from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 # server/tools.py's PARSERS (named here: `kvfleet --help` imports no pydantic)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")       # server/reasoning.py's
 
 logger = logging.getLogger("kvfleet.serve")
 
@@ -174,6 +175,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how the model writes tool calls: hermes (<tool_call> tags: "
                              "Qwen2.5, Qwen3, Hermes) or llama3_json (a JSON object: Llama 3.1+)")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="split a thinking model's <think>...</think> from its answer into "
+                             "the message's reasoning field: deepseek_r1 (DeepSeek-R1, QwQ) or "
+                             "qwen3")
     cors = parser.add_argument_group("CORS (vLLM's flags; JSON lists)")
     cors.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                       help='origins browsers may call from, e.g. \'["https://ui.example"]\'; '
@@ -279,7 +284,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry,
                     chat_template=chat_template, cors=cors, sampling_defaults=sampling_defaults,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                    else None)
+                    else None, reasoning_parser=args.reasoning_parser)
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)

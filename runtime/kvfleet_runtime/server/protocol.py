@@ -299,6 +299,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True        # with --reasoning-parser: false drops the reasoning
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them (role + plain text content)."""
@@ -406,6 +407,9 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # --reasoning-parser: the model's thinking (vLLM's field; reasoning_content its earlier name)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -430,6 +434,8 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None     # tools.DeltaToolCall's, dumped
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -316,7 +316,7 @@ class ToolStreamer:
         if found >= 0:
             self.holding = True
             return self._content(found)
-        return self._content(len(self.text) - _partial_suffix(self.text, _HERMES_OPEN))
+        return self._content(len(self.text) - partial_suffix(self.text, _HERMES_OPEN))
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
         """The choice's last deltas, and whether it made tool calls."""
@@ -348,7 +348,7 @@ class ToolStreamer:
         return [{"content": piece}]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of text that is a start of tag (held back: it may
     become the tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
