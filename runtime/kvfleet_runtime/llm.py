@@ -101,10 +101,19 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate for one conversation or several, rendered by the model's chat template (or
+        `chat_template`), with `tools` (OpenAI's function definitions) and
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) passed to it, as vLLM's
+        LLM.chat. The answers are the model's text: read tool calls or reasoning out of it
+        with kvfleet_runtime.server.tools / .reasoning, as the server does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, tools=tools,
+                                           **(chat_template_kwargs or {}))
                    for c in conversations]
         # the template already carries BOS where the model wants it
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
