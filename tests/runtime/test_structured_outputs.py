@@ -8,9 +8,12 @@ import json
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvfleet_runtime.llm import LLM
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.structured_outputs import StructuredOutputsParams
+from support.engine_ops import all_blocks_free
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
@@ -177,3 +180,65 @@ def test_a_vocabulary_padded_past_the_tokenizer_never_samples_the_padding(tmp_pa
     assert free.outputs[0].token_ids == [49152 + 7] * 3, "the bias must reach a free row"
     assert _parses("regex", out.outputs[0].text)
     assert max(out.outputs[0].token_ids) < 49152
+
+
+ARRAY = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"},
+                                      "minItems": 100000}, disable_any_whitespace=True)
+
+
+def _array_prefix(text: str) -> bool:
+    """A JSON array of integers cut anywhere (minItems is never reached)."""
+    return text.startswith("[") and set(text[1:]) <= set("0123456789,- ")
+
+
+@pytest.fixture(scope="module")
+def small_async_llm(tiny_model_dir):
+    # 12 blocks of 16 tokens: a few requests fill the cache and preempt each other
+    return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, num_gpu_blocks=12, block_size=16,
+               max_model_len=192, device="cpu", async_scheduling=True, dtype="float32")
+
+
+def test_preempted_grammar_requests_keep_their_grammar(small_async_llm):
+    engine = small_async_llm.engine
+    before = engine.scheduler.num_preemptions
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True,
+                             structured_outputs=ARRAY if i % 2 == 0 else None) for i in range(6)]
+    outs = small_async_llm.generate([[3 + i + j for j in range(20)] for i in range(6)], params)
+    assert engine.scheduler.num_preemptions > before, "the cache was meant to run out"
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        assert len(c.token_ids) == 40
+        assert _array_prefix(c.text) == (i % 2 == 0), (i, c.text)
+    assert all_blocks_free(engine)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
+                              st.integers(1, 40), st.integers(1, 24)), min_size=5, max_size=40))
+def test_random_adds_aborts_and_steps_with_grammars_leak_nothing(small_async_llm, ops):
+    engine = small_async_llm.engine
+    live: list[str] = []
+    finished = {}
+    for i, (op, length, max_tokens) in enumerate(ops):
+        if op == "add":
+            rid = f"g{i}-{engine.step_totals['steps']}" + ("-grammar" if i % 2 == 0 else "")
+            engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
+                               SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
+                                              n=1 + i % 3 // 2, ignore_eos=True,
+                                              structured_outputs=ARRAY if i % 2 == 0 else None))
+            live.append(rid)
+        elif op == "abort" and live:
+            engine.abort_request(live.pop(length % len(live)))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+                    finished[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert all_blocks_free(engine)
+    for rid, out in finished.items():
+        for c in out.outputs:
+            assert _array_prefix(c.text) == rid.endswith("-grammar"), (rid, c.text)
