@@ -69,6 +69,10 @@ CASES = [
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a+", "response_format": {
         "type": "json_object"}}, 400, "guided_regex",
      "give one way to structure the output; got response_format, guided_regex"),
+    (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
+     "must be -1 or an integer >= 1; got 0"),
+    (CHAT, {"messages": USER_HI, "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens",
+     "got -2"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids",
      "non-empty list of token ids"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [3, 10**6]}, 400, "allowed_token_ids",

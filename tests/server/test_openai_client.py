@@ -223,6 +223,22 @@ def test_structured_outputs_regex_and_choice_streamed_and_not(client) -> None:
     assert all(c.message.content in choices and c.finish_reason == "stop" for c in chat.choices)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tokenizer) -> None:
+    ids = tokenizer.encode("one two three four five six seven eight nine ten")
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=3, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 4, **FIXED["extra_body"]},
+                                  temperature=0.0)
+    assert r.usage.prompt_tokens == 4
+    assert r.choices[0].text.startswith(tokenizer.decode(ids[-4:]))
+    alone = client.completions.create(model=NAME, prompt=ids[-4:], max_tokens=3, **FIXED)
+    assert r.choices[0].text == tokenizer.decode(ids[-4:]) + alone.choices[0].text
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "a long question " * 20}],
+        max_tokens=2, extra_body={"truncate_prompt_tokens": 8, **FIXED["extra_body"]},
+        temperature=0.0)
+    assert chat.usage.prompt_tokens == 8
+
+
 def test_logprobs_of_greedy_tokens_are_the_top_ones(client) -> None:
     r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=3, **FIXED)
     lp = r.choices[0].logprobs

@@ -367,6 +367,18 @@ class _GenerationCall:
             return Response(status_code=499)    # nobody is listening any more
         return JSONResponse(self.response(finals))
 
+    def truncated(self, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len)."""
+        k = self.body.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k < -1 or k == 0:
+            raise p.OpenAIError(f"truncate_prompt_tokens must be -1 or an integer >= 1; got {k}",
+                                param="truncate_prompt_tokens")
+        if k == -1:
+            k = self.state.engine.config.max_model_len
+        return ids[-k:]
+
     def max_tokens_for(self, prompt_len: int, requested: int | None, field: str) -> int:
         """The completion budget; 400 naming the lengths when it does not fit."""
         max_len = self.state.engine.config.max_model_len
@@ -487,6 +499,9 @@ class _CompletionCall(_GenerationCall):
                                         param="prompt")
                 # the text only shows with echo: no decode of every token-id prompt
                 ids, text = list(prompt), self.tokenizer.decode(prompt) if self.body.echo else ""
+            kept = self.truncated(ids)
+            if len(kept) < len(ids):          # echo shows what the model saw
+                ids, text = kept, self.tokenizer.decode(kept) if self.body.echo else ""
             max_tokens = self.max_tokens_for(len(ids), self.body.max_tokens, "max_tokens")
             params = self.body.to_sampling_params(max_tokens, self.state.sampling_defaults)
             if self.body.echo and self.body.logprobs is not None:
@@ -577,7 +592,7 @@ class _ChatCall(_GenerationCall):
         self.reasoning_parser = self.state.reasoning_parser
         # a streamed choice's parsers: (reasoning, tool calls), either None when not used
         self._streams: dict[int, tuple[ReasoningStreamer | None, ToolStreamer | None]] = {}
-        ids = _chat_prompt_ids(self.state, body, self.tools.template_tools())
+        ids = self.truncated(_chat_prompt_ids(self.state, body, self.tools.template_tools()))
         field = ("max_completion_tokens" if body.max_completion_tokens is not None
                  else "max_tokens")
         max_tokens = self.max_tokens_for(len(ids), body.requested_max_tokens(), field)

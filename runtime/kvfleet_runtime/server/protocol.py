@@ -126,6 +126,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: all
+                                                  # that fit max_model_len)
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
