@@ -114,6 +114,10 @@ def _plan(mode: str, parser: str | None = None, parallel: bool = True) -> ToolPl
 
 @pytest.mark.parametrize(("parser", "text"), [
     ("hermes", "Let me look.\n" + HERMES_CALL),
+    ("hermes", HERMES_CALL + "\n" + HERMES_CALL.replace("Paris", "Rome").replace(
+        '"C"', '{"deep": [1, {"x": "}"}]}')),
+    ("hermes", '<tool_call>\n{"arguments": {"zone": "UTC"}, "name": "get_time"}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'),   # no close
     ("hermes", "No call here, only <tool text and < signs."),
     ("hermes", "<tool_call>\nbroken\n</tool_call>"),
     ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
@@ -132,15 +136,37 @@ def test_streamed_deltas_join_to_the_parsed_answer(parser, text):
         last, called = streamer.finish()
         deltas += last
         content = "".join(d.get("content", "") for d in deltas)
-        calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+        calls: dict[int, dict] = {}
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                # the first delta of a call carries its id, type and name; later ones only
+                # arguments
+                entry = calls.setdefault(c["index"], {"id": c.get("id"), "name": "", "args": ""})
+                assert ("id" in c) == (entry["args"] == "" and entry["name"] == "")
+                entry["name"] += c["function"].get("name", "")
+                entry["args"] += c["function"].get("arguments", "")
         assert called == bool(want_calls)
         if want_calls:
             assert content.strip() == (want_content or "")
-            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
-                [(c.function.name, c.function.arguments) for c in want_calls]
-            assert [c["index"] for c in calls] == list(range(len(calls)))
+            assert sorted(calls) == list(range(len(calls)))
+            assert [(calls[i]["name"], json.loads(calls[i]["args"])) for i in sorted(calls)] == \
+                [(c.function.name, json.loads(c.function.arguments)) for c in want_calls]
+            assert all(calls[i]["id"].startswith("call_") for i in calls)
         else:
             assert content == text and not calls
+
+
+def test_a_hermes_calls_arguments_stream_before_the_call_ends():
+    streamer = _plan("auto", "hermes").streamer()
+    pieces = []
+    for ch in HERMES_CALL:
+        for d in streamer.feed(ch):
+            pieces += [c["function"].get("arguments", "") for c in d.get("tool_calls", [])]
+    # the header, then the arguments char by char, the object's brace held back to the end
+    assert pieces[0] == "" and len(pieces) > 20
+    assert "".join(pieces) == '{"city": "Paris", "unit": "C"}'
+    last, called = streamer.finish()
+    assert last == [] and called
 
 
 @pytest.mark.parametrize(("tools", "choice", "parser", "param", "words"), [

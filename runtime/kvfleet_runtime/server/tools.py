@@ -12,8 +12,9 @@
   `--enable-auto-tool-choice`, as vLLM.
 - `tool_choice: "none"`: the tools reach the chat template and nothing is parsed.
 
-Streamed, a named call's arguments go out as they are generated; a required or parsed call
-goes out whole when the choice ends (text before a hermes call streams as content as it comes).
+Streamed, a named call's arguments and a hermes call's go out as they are generated (its
+header once its name is read); a required or llama3_json call goes out whole when the choice
+ends (text before a hermes call streams as content as it comes).
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ def _required_calls(text: str) -> list[ToolCall] | None:
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# streaming: a call's head up to its arguments' first character, and what to hold back at the
+# end of a call not yet closed (its object's brace, whitespace, a start of </tool_call>)
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_HERMES_TAIL = re.compile(r"\}?\s*(?:<[/a-z_]*)?$")
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -285,7 +290,8 @@ class ToolStreamer:
     sent: int = 0                 # chars of text sent as content
     holding: bool = False         # auto: the rest is (maybe) a call, held to the end
     named_id: str | None = None
-    deltas: list[dict[str, Any]] = field(default_factory=list)
+    # hermes: per call streamed so far, [its id, chars of its arguments sent]
+    streamed: list[list] = field(default_factory=list)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
@@ -301,8 +307,10 @@ class ToolStreamer:
                 call.id, call.type = self.named_id, "function"
                 call.function.name = self.plan.name
             return [{"tool_calls": [call.model_dump(exclude_none=True)]}]
-        if mode == "required" or self.holding:
+        if mode == "required":
             return []
+        if self.holding:
+            return self._hermes_calls(final=False) if self.plan.parser == "hermes" else []
         # auto: content until the text may be a call; the rest is held
         if self.plan.parser == "llama3_json":
             stripped = self.text.lstrip()
@@ -315,13 +323,15 @@ class ToolStreamer:
         found = self.text.find(_HERMES_OPEN)
         if found >= 0:
             self.holding = True
-            return self._content(found)
+            return self._content(found) + self._hermes_calls(final=False)
         return self._content(len(self.text) - partial_suffix(self.text, _HERMES_OPEN))
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
         """The choice's last deltas, and whether it made tool calls."""
         if self.plan.mode == "named":
             return [], True
+        if self.streamed:          # hermes calls already under way: their arguments' ends
+            return self._hermes_calls(final=True), True
         _, calls = self.plan.parse(self.text)
         out = []
         if not calls:                   # all of it was content: what was held goes now
@@ -340,6 +350,44 @@ class ToolStreamer:
                                            arguments=call.function.arguments),
             ).model_dump(exclude_none=True)]})
         return out, True
+
+    def _hermes_calls(self, final: bool) -> list[dict[str, Any]]:
+        """Hermes calls streamed as they are written: a call's header (index, id, name) once
+        `{"name": ..., "arguments": ` is read, then its arguments' text as it comes, holding
+        back what may be the call object's closing brace or the closing tag. A call in another
+        shape (keys in another order) goes out whole at the end instead (finish)."""
+        start = self.text.find(_HERMES_OPEN)
+        blocks = self.text[start + len(_HERMES_OPEN):].split(_HERMES_OPEN)
+        out = []
+        for i, block in enumerate(blocks[:None if self.plan.parallel else 1]):
+            body, tag, _ = block.partition(_HERMES_CLOSE)
+            closed = bool(tag) or final
+            head = _HERMES_HEAD.match(body)
+            if head is None:
+                break
+            if i == len(self.streamed):
+                call = ToolCall(function=FunctionCall(name=json.loads(f'"{head[1]}"'),
+                                                      arguments=""))
+                self.streamed.append([call.id, 0])
+                out.append({"tool_calls": [DeltaToolCall(
+                    index=i, id=call.id, type="function",
+                    function=DeltaFunctionCall(name=call.function.name, arguments=""),
+                ).model_dump(exclude_none=True)]})
+            raw = body[head.end():]
+            if closed:
+                args = raw.rstrip()
+                args = args[:-1].rstrip() if args.endswith("}") else args   # the call's brace
+            else:
+                args = raw[:_HERMES_TAIL.search(raw).start()]
+            sent = self.streamed[i][1]
+            if len(args) > sent:
+                self.streamed[i][1] = len(args)
+                out.append({"tool_calls": [DeltaToolCall(
+                    index=i, function=DeltaFunctionCall(arguments=args[sent:]),
+                ).model_dump(exclude_none=True)]})
+            if not closed:
+                break
+        return out
 
     def _content(self, upto: int) -> list[dict[str, Any]]:
         if upto <= self.sent:
