@@ -348,13 +348,7 @@ class LLMEngine:
         detokenizer = r.detokenizer
         stop_str = detokenizer.update_one(token_id) if detokenizer is not None else None
         p = r.params
-        if r.grammar is not None and self._grammar_done(r):
-            if detokenizer is not None:
-                detokenizer.finish()
-            metrics.finished_time = now
-            self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
-            return True
-        if (stop_str is None and token_id not in p._eos_token_ids
+        if (stop_str is None and r.grammar is None and token_id not in p._eos_token_ids
                 and token_id not in p.stop_token_ids
                 and len(r.output_token_ids) < p.max_tokens
                 and len(r.all_token_ids) < self.config.max_model_len):
@@ -382,6 +376,8 @@ class LLMEngine:
 
     def _check_stop(self, r: Request, token_id: int, stop_str: str | None) -> RequestStatus | None:
         p = r.params
+        if r.grammar is not None and self._grammar_done(r):
+            return RequestStatus.FINISHED_STOPPED
         if len(r.output_token_ids) >= p.min_tokens:
             if token_id in p._eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
