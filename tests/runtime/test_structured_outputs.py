@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvfleet_runtime.llm import LLM
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.structured_outputs import StructuredOutputsParams
-from support.engine_ops import all_blocks_free
+from support.engine_ops import all_blocks_free, run_random_ops
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
@@ -217,32 +217,14 @@ def test_preempted_grammar_requests_keep_their_grammar(small_async_llm):
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
                               st.integers(1, 40), st.integers(1, 24)), min_size=5, max_size=40))
 def test_random_adds_aborts_and_steps_with_grammars_leak_nothing(small_async_llm, ops):
-    engine = small_async_llm.engine
-    live: list[str] = []
-    finished = {}
-    for i, (op, length, max_tokens) in enumerate(ops):
-        if op == "add":
-            rid = f"g{i}-{engine.step_totals['steps']}" + ("-grammar" if i % 2 == 0 else "")
-            engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
-                               SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
-                                              n=1 + i % 3 // 2, ignore_eos=True,
-                                              structured_outputs=ARRAY if i % 2 == 0 else None))
-            live.append(rid)
-        elif op == "abort" and live:
-            engine.abort_request(live.pop(length % len(live)))
-        else:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.remove(out.request_id)
-                    finished[out.request_id] = out
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    assert all_blocks_free(engine)
+    def params_for(i: int, max_tokens: int) -> SamplingParams:    # every other add: a grammar
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, n=1 + i % 3 // 2,
+                              ignore_eos=True, structured_outputs=ARRAY if i % 2 == 0 else None)
+    finished = run_random_ops(small_async_llm.engine, ops, params_for)
     for rid, out in finished.items():
+        grammar = int(rid.split("-")[1]) % 2 == 0          # prop-{i}-{steps}
         for c in out.outputs:
-            assert _array_prefix(c.text) == rid.endswith("-grammar"), (rid, c.text)
+            assert _array_prefix(c.text) == grammar, (rid, c.text)
 
 
 @pytest.mark.parametrize("kind", ["json", "regex", "choice"])
