@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -138,7 +139,7 @@ class _SamplingRequest(_Strict):
                          defaults: dict[str, Any],
                          tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
         self._check_unsupported()
-        structured = self._structured_outputs()
+        structured = self._structured_outputs
         if tool_grammar is not None:
             if structured is not None:
                 raise OpenAIError("a required or named tool_choice structures the output "
@@ -157,7 +158,7 @@ class _SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias,
             allowed_token_ids=self.allowed_token_ids, structured_outputs=structured)
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
@@ -171,8 +172,10 @@ class _SamplingRequest(_Strict):
             # SamplingParams says "<field> must be ...; got ...": the field is the param
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
 
+    @cached_property
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The request's grammar, parsed (a 400 naming its field when it is not valid)."""
+        """The request's grammar, parsed once for all its prompts (a 400 naming its field when
+        it is not valid)."""
         given: list[tuple[str, dict[str, Any]]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -209,6 +212,7 @@ class _SamplingRequest(_Strict):
             raise OpenAIError(message, param=name) from None
         return params
 
+    @cached_property
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's logit_bias keys are token ids written as strings."""
         if not self.logit_bias:

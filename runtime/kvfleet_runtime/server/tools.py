@@ -77,8 +77,12 @@ class FunctionCall(BaseModel):
     arguments: str          # JSON text, as OpenAI's
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ToolCall(BaseModel):
-    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = Field(default_factory=lambda: new_call_id())
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -290,23 +294,17 @@ class ToolStreamer:
     sent: int = 0                 # chars of text sent as content
     holding: bool = False         # auto: the rest is (maybe) a call, held to the end
     named_id: str | None = None
-    # hermes: per call streamed so far, [its id, chars of its arguments sent]
-    streamed: list[list] = field(default_factory=list)
+    # hermes: per call streamed so far, the chars of its arguments sent
+    streamed: list[int] = field(default_factory=list)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
         mode = self.plan.mode
         if mode == "named":
-            if not delta and self.named_id is not None:
-                return []
-            first = self.named_id is None
-            if first:
-                self.named_id = ToolCall(function=FunctionCall(name="", arguments="")).id
-            call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))
-            if first:
-                call.id, call.type = self.named_id, "function"
-                call.function.name = self.plan.name
-            return [{"tool_calls": [call.model_dump(exclude_none=True)]}]
+            if self.named_id is None:
+                self.named_id = new_call_id()
+                return [_call_delta(0, delta, self.named_id, self.plan.name)]
+            return [_call_delta(0, delta)] if delta else []
         if mode == "required":
             return []
         if self.holding:
@@ -343,12 +341,8 @@ class ToolStreamer:
             tail = self.text[self.sent:self.text.find(_HERMES_OPEN)]    # held back before the tag
             if tail.strip():
                 out.append({"content": tail})
-        for i, call in enumerate(calls):
-            out.append({"tool_calls": [DeltaToolCall(
-                index=i, id=call.id, type="function",
-                function=DeltaFunctionCall(name=call.function.name,
-                                           arguments=call.function.arguments),
-            ).model_dump(exclude_none=True)]})
+        out += [_call_delta(i, c.function.arguments, c.id, c.function.name)
+                for i, c in enumerate(calls)]
         return out, True
 
     def _hermes_calls(self, final: bool) -> list[dict[str, Any]]:
@@ -366,25 +360,18 @@ class ToolStreamer:
             if head is None:
                 break
             if i == len(self.streamed):
-                call = ToolCall(function=FunctionCall(name=json.loads(f'"{head[1]}"'),
-                                                      arguments=""))
-                self.streamed.append([call.id, 0])
-                out.append({"tool_calls": [DeltaToolCall(
-                    index=i, id=call.id, type="function",
-                    function=DeltaFunctionCall(name=call.function.name, arguments=""),
-                ).model_dump(exclude_none=True)]})
+                self.streamed.append(0)
+                out.append(_call_delta(i, "", new_call_id(), json.loads(f'"{head[1]}"')))
             raw = body[head.end():]
             if closed:
                 args = raw.rstrip()
                 args = args[:-1].rstrip() if args.endswith("}") else args   # the call's brace
             else:
                 args = raw[:_HERMES_TAIL.search(raw).start()]
-            sent = self.streamed[i][1]
+            sent = self.streamed[i]
             if len(args) > sent:
-                self.streamed[i][1] = len(args)
-                out.append({"tool_calls": [DeltaToolCall(
-                    index=i, function=DeltaFunctionCall(arguments=args[sent:]),
-                ).model_dump(exclude_none=True)]})
+                self.streamed[i] = len(args)
+                out.append(_call_delta(i, args[sent:]))
             if not closed:
                 break
         return out
@@ -394,6 +381,14 @@ class ToolStreamer:
             return []
         piece, self.sent = self.text[self.sent:upto], upto
         return [{"content": piece}]
+
+
+def _call_delta(index: int, arguments: str, call_id: str | None = None,
+                name: str | None = None) -> dict[str, Any]:
+    """A chat delta for tool call `index`: its first one carries the id, type and name."""
+    call = DeltaToolCall(index=index, id=call_id, type="function" if call_id else None,
+                         function=DeltaFunctionCall(name=name, arguments=arguments))
+    return {"tool_calls": [call.model_dump(exclude_none=True)]}
 
 
 def partial_suffix(text: str, tag: str) -> int:
