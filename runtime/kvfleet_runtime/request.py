@@ -58,6 +58,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.detokenizer = None              # set by the engine
         self.grammar = None                  # structured outputs: its SequenceGrammar
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step
         # sampling reads this request's generated tokens (penalties, min_tokens)
         self.needs_history = params.needs_penalties or bool(params.min_tokens)
 

@@ -15,6 +15,7 @@ from kvfleet_runtime.distributed.workers import WorkerDiedError, WorkerGroup
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from kvfleet_runtime.engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet_runtime.engine.speculative import speculates
 from kvfleet_runtime.layers.backend import set_backend
 from kvfleet_runtime.layers.sampler import SampledToken
 from kvfleet_runtime.loader import load_model
@@ -67,6 +68,9 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.admission_headroom)
+        self.scheduler.speculative = config.speculative is not None
+        # speculative decoding: steps that checked drafts, drafts checked, drafts kept
+        self.spec_stats = {"spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
         # async scheduling: the step launched by the last step() call, not yet read back;
@@ -230,6 +234,8 @@ class LLMEngine:
         if self.config.async_scheduling and not self.sync_groups:
             return self._step_async(t0)
         outputs = self._drain()
+        if self.config.speculative is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -270,6 +276,18 @@ class LLMEngine:
         outputs, result = self._finish_launched(prev)
         self._account(result, t0)
         return outputs
+
+    def _propose(self) -> None:
+        """Speculative decoding: drafts for every running request that decodes its next token
+        and may be drafted (engine/speculative.py); never past its max_tokens."""
+        spec = self.config.speculative
+        for r in self.scheduler.running:
+            tokens = r.all_token_ids
+            if r.num_computed_tokens == len(tokens) - 1 and speculates(r.params):
+                r.spec_token_ids = spec.propose(
+                    tokens, r.params.max_tokens - len(r.output_token_ids) - 1)
+            else:
+                r.spec_token_ids = []
 
     def _drain(self) -> list[RequestOutput]:
         """Finish the launched step, if any (before a step that needs every token on the host)."""
@@ -323,6 +341,11 @@ class LLMEngine:
             if prompt_logprobs:
                 for tok in prompt_logprobs.get(r.request_id, ()):
                     r.prompt_logprobs.append(self._position_logprobs(r, tok))
+            if s.spec_token_ids:
+                if self._append_verified(r, s, result.spec_tokens[r.request_id], result, now) \
+                        or r.group_id not in final_only:
+                    touched[r.group_id] = None
+                continue
             token_id = sampled.get(r.request_id)
             if token_id is None:
                 continue
@@ -330,6 +353,22 @@ class LLMEngine:
             if append(r, token_id, result, now) or r.group_id not in final_only:
                 touched[r.group_id] = None
         return list(touched)
+
+    def _append_verified(self, r: Request, s, tokens: list[int], result: ModelRunnerOutput,
+                         now: float) -> bool:
+        """Speculative decoding: append a step's kept drafts and the token after them, one by
+        one (a stop among them drops the rest); True when that finished `r`. The KV of the
+        rejected drafts stays in slots past the request's length: it counts as not computed."""
+        stats = self.spec_stats
+        stats["spec_drafts"] += 1
+        stats["spec_draft_tokens"] += len(s.spec_token_ids)
+        stats["spec_accepted_tokens"] += len(tokens) - 1
+        r.spec_token_ids = []
+        for token_id in tokens:
+            if self._append(r, token_id, result, now):
+                return True
+        r.num_computed_tokens = len(r.all_token_ids) - 1
+        return False
 
     def _append(self, r: Request, token_id: int, result: ModelRunnerOutput, now: float) -> bool:
         """Appends a sampled token (detokenize, stop checks; its logprobs from `result` where
@@ -442,4 +481,4 @@ class LLMEngine:
             prefix_cache_queries_total=self.kv.prefix_cache_queries,
             prefix_cache_hits_total=self.kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions,
-            extra=dict(self.step_totals))
+            extra={**self.step_totals, **self.spec_stats})

@@ -35,6 +35,7 @@ from kvfleet_runtime.layers.sampler import (
     Sampler,
     SamplingBatch,
     sampled_tokens,
+    verify_drafts,
 )
 from kvfleet_runtime.loader import LoadedModel
 
@@ -46,6 +47,9 @@ class LogitsLayout:
     """Where each use of a step's logits rows sits (indices into those rows, in order)."""
     sample: list[int] = field(default_factory=list)        # one per sampling request
     prompt: list[tuple] = field(default_factory=list)      # (request, first row, count)
+    # speculative decoding: one (first row, count) per request with drafts, whose rows (its
+    # last token's and its drafts') are not in `sample`
+    spec: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +68,8 @@ class PendingStep:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)       # request id -> its new token
+    # speculative decoding: request id -> its accepted drafts and the token after them
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # the requests that asked for logprobs: their new token's (SampledToken: logprob, rank,
     # top-k); no object a row for the others (~1000 rows a step)
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
@@ -417,6 +423,9 @@ class ModelRunner:
         nums = [s.num_new_tokens for s in scheduled]
         starts = [r.num_computed_tokens for r in reqs]
         tables = [block_ids[r.request_id] for r in reqs]
+        # speculative decoding: each row's drafts, computed after its last token
+        drafts = ([s.spec_token_ids for s in scheduled] if self.config.speculative is not None
+                  and any(s.spec_token_ids for s in scheduled) else None)
         input_ids: list[int] = []
         from_prev: list[int] = []            # rows of input_ids still being sampled ...
         prev_rows: list[int] = []            # ... and their rows in prev.token_ids
@@ -428,7 +437,7 @@ class ModelRunner:
             prev_rows = [prev.rows[r.request_id] for r in reqs]
         else:
             append, extend = input_ids.append, input_ids.extend
-            for r, start, num in zip(reqs, starts, nums, strict=True):
+            for i, (r, start, num) in enumerate(zip(reqs, starts, nums, strict=True)):
                 tokens = r.all_token_ids
                 end = start + num
                 if end <= len(tokens):
@@ -436,6 +445,9 @@ class ModelRunner:
                         append(tokens[start])
                     else:
                         extend(tokens[start:end])
+                elif drafts is not None and drafts[i]:
+                    extend(tokens[start:])
+                    extend(drafts[i])
                 else:       # async scheduling: the previous step is sampling this token
                     extend(tokens[start:])
                     from_prev.append(len(input_ids))
@@ -458,7 +470,7 @@ class ModelRunner:
         query_start_cpu = query_start.tolist()
         logits_rows: list[int]               # flat-batch rows whose logits we need
         layout = LogitsLayout()              # which of those rows serve what
-        if all(r.prompt_logprobs is None for r in reqs):
+        if drafts is None and all(r.prompt_logprobs is None for r in reqs):
             logits_rows = [query_start_cpu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
             layout.sample = list(range(len(logits_rows)))
         else:
@@ -469,7 +481,11 @@ class ModelRunner:
                     count = min(end, r.num_prompt_tokens - 1) - start
                     layout.prompt.append((r, len(logits_rows), count))
                     logits_rows.extend(range(base, base + count))
-                if s.samples:
+                if s.samples and s.spec_token_ids:   # the last token's row and the drafts'
+                    count = len(s.spec_token_ids) + 1
+                    layout.spec.append((len(logits_rows), count))
+                    logits_rows.extend(range(base + s.num_new_tokens - count, base + s.num_new_tokens))
+                elif s.samples:
                     layout.sample.append(len(logits_rows))
                     logits_rows.append(base + s.num_new_tokens - 1)
         dev = self.device
@@ -508,6 +524,10 @@ class ModelRunner:
             out.prompt_logprobs[r.request_id] = self.sampler.prompt_logprobs(
                 logits[first:first + count], targets, r.params.prompt_logprobs)
         sampling = [s for s in sched.scheduled if s.samples]
+        if layout.spec:
+            drafting = [s for s in sampling if s.spec_token_ids]
+            sampling = [s for s in sampling if not s.spec_token_ids]
+            out.spec_tokens = self._verify(logits, layout, drafting)
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
             batch.grammar_lookup = lambda rows: _grammar_matchers(sampling, rows, None)
@@ -529,6 +549,16 @@ class ModelRunner:
         last = logits if len(layout.sample) == logits.shape[0] else \
             logits.index_select(0, host_to_device(layout.sample, torch.long, self.device))
         return last, batch
+
+    def _verify(self, logits: torch.Tensor, layout: LogitsLayout,
+                drafting: list) -> dict[str, list[int]]:
+        """Speculative decoding: each drafting request's accepted drafts and the token after them."""
+        rows = [row for first, count in layout.spec for row in range(first, first + count)]
+        mine = logits.index_select(0, host_to_device(rows, torch.long, self.device))
+        reqs = [s.request for s in drafting]
+        tokens = verify_drafts(mine, [s.spec_token_ids for s in drafting],
+                               [r.params for r in reqs], [r.generator for r in reqs])
+        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _add_pending_history(self, batch: SamplingBatch, sampling: list,
                              prev: PendingStep | None) -> None:

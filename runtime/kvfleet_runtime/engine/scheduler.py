@@ -22,15 +22,19 @@ from kvfleet_runtime.request import Request, RequestStatus
 class ScheduledRequest:
     """One request's share of a step. `samples`: whether the step reaches the request's last
     token, so a new token is sampled; fixed when scheduled (the engine reads it several times
-    a step, for every row, and the request's counters move once the step is launched)."""
+    a step, for every row, and the request's counters move once the step is launched).
+    `spec_token_ids`: speculative decoding's drafts computed after the last token (counted in
+    num_new_tokens)."""
 
-    __slots__ = ("request", "num_new_tokens", "samples")
+    __slots__ = ("request", "num_new_tokens", "samples", "spec_token_ids")
 
-    def __init__(self, request: Request, num_new_tokens: int) -> None:
+    def __init__(self, request: Request, num_new_tokens: int,
+                 spec_token_ids: list[int] | tuple = ()) -> None:
         self.request = request
         self.num_new_tokens = num_new_tokens
+        self.spec_token_ids = spec_token_ids
         self.samples = (request.num_computed_tokens + num_new_tokens
-                        == len(request.all_token_ids) + request.num_pending)
+                        == len(request.all_token_ids) + request.num_pending + len(spec_token_ids))
 
     def __repr__(self) -> str:
         return f"ScheduledRequest({self.request!r}, num_new_tokens={self.num_new_tokens})"
@@ -63,6 +67,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # speculative decoding: running requests may carry drafts (Request.spec_token_ids)
+        self.speculative = False
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -76,6 +82,7 @@ class Scheduler:
         running = self.running
         scheduled = out.scheduled
         allocate = self.kv.allocate_slots
+        speculative = self.speculative
         i = 0
         # this loop runs for every running request every step: attributes read directly
         while i < len(running) and budget > 0:
@@ -89,6 +96,13 @@ class Scheduler:
             if num_new <= 0 or (pending and len(request.output_token_ids) + pending
                                 >= request.params.max_tokens):
                 continue        # its last token is on its way: nothing left to compute
+            if speculative and request.spec_token_ids and num_new == 1 and budget > 1:
+                drafts = request.spec_token_ids[:budget - 1]
+                # the drafts only where blocks are free for them: nobody is preempted for them
+                if allocate(request, 1 + len(drafts)) is not None:
+                    scheduled.append(ScheduledRequest(request, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    continue
             if allocate(request, num_new) is None and not self._allocate_or_preempt(
                     request, num_new, out):   # (a failed allocation changes nothing)
                 break   # the request preempted itself: nothing below it runs either
@@ -110,6 +124,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1

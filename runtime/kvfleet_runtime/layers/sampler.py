@@ -162,22 +162,97 @@ class Sampler:
     def _sample(x: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
         """Temperature, top_k, top_p, min_p, then one draw per row -> token ids [R]."""
-        # x: [R, V]
-        vocab = x.shape[1]
-        temperatures = [p.temperature for p in params]
-        if any(t != 1.0 for t in temperatures):      # 1.0 everywhere: nothing to divide
-            x = x / _rows_tensor(temperatures, x.device, torch.float32).unsqueeze(1)
-        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            x = _top_k_top_p(x, top_k, top_p)
-        probs = x.softmax(dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0.0 for m in min_p):
-            floor = _rows_tensor(min_p, x.device, torch.float32).unsqueeze(1) \
-                * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
-        return _exponential_race(probs, generators)
+        return _exponential_race(probabilities(x, params), generators)
+
+
+def probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution after temperature, top_k, top_p and min_p (unnormalised where
+    min_p cut it: draws and ratios do not need the sum) -> [R, V] fp32."""
+    # x: [R, V] fp32
+    vocab = x.shape[1]
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):      # 1.0 everywhere: nothing to divide
+        x = x / _rows_tensor(temperatures, x.device, torch.float32).unsqueeze(1)
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        x = _top_k_top_p(x, top_k, top_p)
+    probs = x.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        floor = _rows_tensor(min_p, x.device, torch.float32).unsqueeze(1) \
+            * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[list[int]]:
+    """Speculative decoding's check of drafted tokens -> for each request, the drafts it
+    keeps and the token that follows them (1 to len(drafts) + 1 tokens).
+
+    logits: [sum(len(d) + 1), V], each request's rows in order: the row of its last token
+    (which predicts drafts[0]), then one row per draft (the last predicts the token after
+    every draft). Greedy requests keep the drafts equal to the argmax of their rows, then
+    the argmax of the first row that disagrees (or of the last row). Random requests keep
+    draft j with probability p_j(draft j), p_j being the row's distribution after temperature,
+    top_k, top_p and min_p; at the first rejection they draw from p_j without the rejected
+    token (renormalised), and after the last draft from its row's p: a drafted proposal is
+    one-hot, so this is rejection sampling and every kept or drawn token is distributed as
+    p_j exactly, as without drafts. The processing before (allowed_token_ids, logit_bias) is
+    apply_penalties'; requests with penalties, min_tokens or a grammar are not drafted
+    (engine/speculative.py). Seeded requests draw from their own generator."""
+    counts = [len(d) + 1 for d in drafts]
+    num_rows = sum(counts)
+    if logits.shape[0] != num_rows:
+        raise ValueError(f"logits has {logits.shape[0]} rows but the drafts need {num_rows}")
+    device = logits.device
+    row_params = [p for p, c in zip(params, counts, strict=True) for _ in range(c)]
+    empty: list[list[int]] = [[] for _ in range(num_rows)]
+    x = apply_penalties(logits, SamplingBatch(params=row_params, prompt_token_ids=empty,
+                                              output_token_ids=empty, generators=[None] * num_rows))
+    # each row's draft (-1 on a request's last row: there is nothing to check)
+    draft = _rows_tensor([t for d in drafts for t in [*d, -1]], device, torch.long)
+    greedy = [i for i, p in enumerate(row_params) if p.greedy]
+    randoms = [i for i, p in enumerate(row_params) if not p.greedy]
+    tokens = torch.empty(num_rows, dtype=torch.long, device=device)
+    accept = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    if greedy:
+        idx = _rows_tensor(greedy, device, torch.long)
+        target = greedy_argmax(x[idx] if len(greedy) < num_rows else x)
+        tokens[idx] = target
+        accept[idx] = target == draft[idx]
+    if randoms:
+        idx = _rows_tensor(randoms, device, torch.long)
+        probs = probabilities(x[idx].float(), [row_params[i] for i in randoms])
+        row_draft = draft[idx]
+        has_draft = row_draft >= 0
+        at = row_draft.clamp(min=0).unsqueeze(1)
+        total = probs.sum(dim=-1)                   # (min_p leaves rows unnormalised)
+        p_draft = probs.gather(1, at).squeeze(1) / total
+        row_generators = [g for g, c in zip(generators, counts, strict=True) for _ in range(c)]
+        uniform = torch.empty(len(randoms), device=device)
+        for j, g in enumerate(row_generators[i] for i in randoms):
+            if g is not None:
+                uniform[j : j + 1].uniform_(generator=g)
+        unseeded = [j for j, i in enumerate(randoms) if row_generators[i] is None]
+        if unseeded:
+            uniform[_rows_tensor(unseeded, device, torch.long)] = torch.rand(len(unseeded),
+                                                                           device=device)
+        accept[idx] = has_draft & (uniform < p_draft)
+        # the draw at a rejection: p without the rejected draft (the last row: p itself)
+        residual = probs.scatter(1, at, torch.where(has_draft, 0.0, probs.gather(1, at).squeeze(1))
+                                 .unsqueeze(1))
+        tokens[idx] = _exponential_race(residual, [row_generators[i] for i in randoms])
+    tokens_host, accept_host = tokens.tolist(), accept.tolist()
+    out, row = [], 0
+    for d, c in zip(drafts, counts, strict=True):
+        kept = 0
+        while kept < len(d) and accept_host[row + kept]:
+            kept += 1
+        out.append([*d[:kept], tokens_host[row + kept]])
+        row += c
+    return out
 
 
 def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -75,6 +75,14 @@ class EngineMetrics:
             "kvfleet_engine_device_wait_seconds",
             "Time inside engine steps spent waiting on the device (model and sampling).")
         self.generation_tokens = counter("kvfleet_generation_tokens", "Generated tokens.")
+        # speculative decoding (--speculative-config; vLLM's spec_decode counters): steps a
+        # request's drafts were checked in, the drafts checked, and the drafts kept
+        self.spec_decode_num_drafts = counter("kvfleet_spec_decode_num_drafts",
+                                              "Draft runs checked (a request in a step).")
+        self.spec_decode_num_draft_tokens = counter("kvfleet_spec_decode_num_draft_tokens",
+                                                    "Draft tokens checked.")
+        self.spec_decode_num_accepted_tokens = counter("kvfleet_spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
         success = Counter("kvfleet_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=registry)
         self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
@@ -109,7 +117,10 @@ class EngineMetrics:
                                        - last.prefix_cache_hits_total))
         self.num_preemptions.inc(max(0, stats.num_preemptions_total - last.num_preemptions_total))
         for metric, key in ((self.engine_steps, "steps"), (self.engine_step_seconds, "step_s"),
-                            (self.engine_device_wait_seconds, "forward_s")):
+                            (self.engine_device_wait_seconds, "forward_s"),
+                            (self.spec_decode_num_drafts, "spec_drafts"),
+                            (self.spec_decode_num_draft_tokens, "spec_draft_tokens"),
+                            (self.spec_decode_num_accepted_tokens, "spec_accepted_tokens")):
             metric.inc(max(0.0, stats.extra.get(key, 0.0) - last.extra.get(key, 0.0)))
         self._last_totals = stats
         for out in outputs:

@@ -1,0 +1,301 @@
+"""Speculative decoding by n-gram prompt lookup: the config, the proposer, the verification
+(greedy exact, random by rejection sampling), and the engine: greedy output token-identical to
+HF transformers and to the engine without drafts, stops inside drafts, preemption, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.engine.speculative import SpeculativeConfig, propose_ngram, speculates
+from kvfleet_runtime.layers.sampler import verify_drafts
+from support.engine_ops import all_blocks_free, run_random_ops
+from support.hf_reference import hf_greedy
+from support.tiny_models import ARCHS
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+# ---- config ------------------------------------------------------------------------------
+
+def test_config_parses_vllms_json_and_fills_lookup_bounds_as_vllm():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 5, 5)
+    c = SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 2,
+                                 "prompt_lookup_max": 4})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4)
+    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+
+
+@pytest.mark.parametrize("value, words", [
+    ("{not json", "JSON object"),
+    ("[1, 2]", "JSON object"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+    ({"num_speculative_tokens": 2, "model": "x"}, "unknown keys ['model']"),
+])
+def test_bad_config_names_what_is_wrong(value, words):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.parse(value)
+    assert words in str(e.value)
+
+
+def test_engine_config_turns_async_scheduling_off_and_refuses_it_explicitly():
+    c = EngineConfig(model="x", device="cuda", speculative_config=NGRAM)
+    assert c.speculative.num_speculative_tokens == 4 and c.async_scheduling is False
+    assert EngineConfig(model="x", device="cuda").speculative is None
+    with pytest.raises(ValueError, match="async_scheduling cannot be combined"):
+        EngineConfig(model="x", device="cuda", speculative_config=NGRAM, async_scheduling=True)
+
+
+def test_which_requests_are_drafted():
+    assert speculates(SamplingParams(temperature=0.8, top_p=0.9, logit_bias={5: 3.0}, seed=1))
+    for kwargs in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 3},
+                   {"logprobs": 2}, {"prompt_logprobs": 1},
+                   {"structured_outputs": {"choice": ["a", "b"]}}):
+        assert not speculates(SamplingParams(**kwargs)), kwargs
+
+
+# ---- proposer ----------------------------------------------------------------------------
+
+def test_ngram_proposer_takes_the_longest_suffix_then_its_latest_occurrence():
+    # suffix [1, 2, 3] occurred at 0 (followed by 4, 5); its 1-gram [3] later at 6 (then 9)
+    tokens = [1, 2, 3, 4, 5, 0, 3, 9, 1, 2, 3]
+    assert propose_ngram(tokens, 1, 3, 2) == [4, 5]
+    assert propose_ngram(tokens, 1, 1, 3) == [9, 1, 2]      # the latest 1-gram match
+    assert propose_ngram(tokens, 1, 3, 10) == [4, 5, 0, 3, 9, 1, 2, 3]   # up to the end
+    assert propose_ngram([1, 2, 3, 9, 2, 3], 2, 2, 5) == [9, 2, 3]
+    assert propose_ngram([1, 2, 3], 1, 2, 2) == []           # nothing recurs
+    assert propose_ngram([7], 1, 2, 2) == [] and propose_ngram([7, 7], 1, 1, 0) == []
+    assert propose_ngram([7, 7], 1, 1, 3) == [7]
+
+
+def test_ngram_proposer_ignores_byte_matches_across_token_boundaries():
+    # [256, 1] is bytes 00 01 00 00 | 01 00 00 00: 65536 (00 00 01 00) sits at byte 2
+    assert propose_ngram([256, 1, 9, 65536], 1, 1, 3) == []
+    assert propose_ngram([65536, 5, 256, 1, 9, 65536], 1, 1, 2) == [5, 256]
+
+
+# ---- verification ------------------------------------------------------------------------
+
+def _rows(*argmaxes: int, vocab: int = 8) -> torch.Tensor:
+    x = torch.zeros(len(argmaxes), vocab)
+    x[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return x
+
+
+def test_greedy_keeps_the_drafts_equal_to_the_argmax_then_the_argmax():
+    greedy = SamplingParams(temperature=0.0)
+    # request 1: drafts 3, 4, 6 against argmaxes 3, 4, 5, 1 -> 3, 4, then 5
+    # request 2: drafts 2, 2 all kept -> 2, 2 and the bonus 7; request 3: first draft wrong
+    logits = torch.cat([_rows(3, 4, 5, 1), _rows(2, 2, 7), _rows(0, 6)])
+    out = verify_drafts(logits, [[3, 4, 6], [2, 2], [5]], [greedy] * 3, [None] * 3)
+    assert out == [[3, 4, 5], [2, 2, 7], [0]]
+    with pytest.raises(ValueError, match="drafts need 9"):
+        verify_drafts(logits[:8], [[3, 4, 6], [2, 2], [5]], [greedy] * 3, [None] * 3)
+
+
+def test_greedy_verification_sees_logit_bias_and_allowed_ids():
+    p = SamplingParams(temperature=0.0, logit_bias={6: 100.0})
+    assert verify_drafts(_rows(3, 3), [[3]], [p], [None]) == [[6]]
+    p = SamplingParams(temperature=0.0, allowed_token_ids=[3, 5])
+    # row 2's argmax (1) is not allowed: of the allowed ids (tied at 0) the first, 3
+    assert verify_drafts(_rows(3, 1), [[3]], [p], [None]) == [[3, 3]]
+    # a draft the request may not emit is never kept, even where it is the raw argmax
+    assert verify_drafts(_rows(1, 1), [[1]], [p], [None]) == [[3]]
+
+
+@pytest.mark.parametrize("draft", [0, 2, 4])
+def test_random_verification_keeps_the_models_distribution(draft):
+    # a proposal that is always `draft`: the first token must still follow p exactly, and the
+    # second (after a kept draft) p2; 40,000 requests at once, frequencies within 4.5 sigma
+    torch.manual_seed(0)
+    p1 = torch.tensor([0.05, 0.1, 0.45, 0.25, 0.15])
+    p2 = torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1])
+    n = 40_000
+    logits = torch.stack([p1.log(), p2.log()]).repeat(n, 1)
+    params = SamplingParams(temperature=1.0)
+    out = verify_drafts(logits, [[draft]] * n, [params] * n, [None] * n)
+    first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=5) / n
+    sigma = (p1 * (1 - p1) / n).sqrt()
+    assert ((first - p1).abs() <= 4.5 * sigma).all(), (first, p1)
+    kept = [o[1] for o in out if len(o) == 2]
+    assert abs(len(kept) / n - p1[draft].item()) <= 4.5 * sigma[draft].item()
+    second = torch.bincount(torch.tensor(kept), minlength=5) / len(kept)
+    assert ((second - p2).abs() <= 4.5 * (p2 * (1 - p2) / len(kept)).sqrt()).all(), (second, p2)
+
+
+def test_random_verification_follows_top_k_and_temperature():
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(2, 1)
+    n = 20_000
+    params = SamplingParams(temperature=0.5, top_k=2)
+    # draft 3 is outside the top 2: never kept; the draws follow softmax(x / 0.5) over ids 0-1
+    out = verify_drafts(logits.repeat(n, 1), [[3]] * n, [params] * n, [None] * n)
+    assert all(len(o) == 1 and o[0] in (0, 1) for o in out)
+    share = sum(o[0] == 0 for o in out) / n
+    expected = torch.softmax(torch.tensor([2.0, 1.0]) / 0.5, 0)[0].item()
+    assert abs(share - expected) < 0.015
+
+
+def test_seeded_verification_is_reproducible():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=1.0, seed=7)]
+
+    def run():
+        g = torch.Generator().manual_seed(7)
+        return [verify_drafts(logits, [[1, 2]], params, [g])[0] for _ in range(5)]
+    assert run() == run()
+
+
+# ---- engine ------------------------------------------------------------------------------
+
+def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase: n-gram lookup finds drafts in them (the tiny random models
+    also fall into loops of their own, which the lookup then drafts)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(3, 49152) for _ in range(rng.randrange(3, 9))]
+        out.append(phrase * rng.randrange(2, 5) + phrase[: i % len(phrase)])
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_with_drafts_equals_hf_and_the_engine_without(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    prompts = _repetitive_prompts(12, seed=len(arch))
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    ref = hf_greedy(path, prompts, 24)
+    llm = LLM(model=path, max_num_seqs=8, speculative_config=NGRAM)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == ref
+    stats = llm.engine.spec_stats
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
+    plain = LLM(model=path, max_num_seqs=8, async_scheduling=False)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == ref
+    assert all_blocks_free(llm.engine)
+
+
+def test_a_looping_request_takes_fewer_steps_with_drafts(spec_llm, plain_llm):
+    # the tiny model falls into a loop on this prompt: the drafts are then kept, several
+    # tokens a step; each kept draft saves one step (drafts never run past max_tokens)
+    prompt = [[5, 6, 7, 8] * 6]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    steps, outs = [], []
+    accepted = spec_llm.engine.spec_stats["spec_accepted_tokens"]
+    for llm in (spec_llm, plain_llm):
+        before = llm.engine.step_totals["steps"]
+        outs.append(llm.generate(prompt, params)[0].outputs[0].token_ids)
+        steps.append(llm.engine.step_totals["steps"] - before)
+    accepted = spec_llm.engine.spec_stats["spec_accepted_tokens"] - accepted
+    assert outs[0] == outs[1] and len(outs[0]) == 48
+    assert steps[1] == 48 and accepted >= 8 and steps[0] == 48 - accepted, (steps, accepted)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, speculative_config=NGRAM,
+               dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain_llm(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, dtype="float32",
+               async_scheduling=False)
+
+
+def test_stops_and_max_tokens_inside_drafts_cut_the_output_as_without(spec_llm, plain_llm):
+    prompts = _repetitive_prompts(8, seed=11)
+    free = [o.outputs[0].token_ids for o in plain_llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=30))]
+    before = dict(spec_llm.engine.spec_stats)
+    # a stop token from the middle of each output, max_tokens of every length, a stop string
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[f[len(f) // 2]])
+              for f in free]
+    params += [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 2, 3, 5, 7)]
+    all_prompts = prompts + prompts[:5]
+    got = spec_llm.generate(all_prompts, params)
+    want = plain_llm.generate(all_prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        assert g.outputs[0].stop_reason == w.outputs[0].stop_reason
+    text = plain_llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=30))[0]
+    stop = text.outputs[0].text[len(text.outputs[0].text) // 2:][:3]
+    p = SamplingParams(temperature=0.0, max_tokens=30, stop=[stop])
+    assert (spec_llm.generate(prompts[:1], p)[0].outputs[0].text
+            == plain_llm.generate(prompts[:1], p)[0].outputs[0].text)
+    assert spec_llm.engine.spec_stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert all_blocks_free(spec_llm.engine)
+
+
+def test_undrafted_requests_share_the_steps(spec_llm, plain_llm):
+    # penalties and logprobs are not drafted; they run beside drafted requests unchanged
+    prompts = _repetitive_prompts(6, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5)] * 2
+    params[3:] = [SamplingParams(temperature=0.0, max_tokens=20)] * 3
+    got = spec_llm.generate(prompts, params)
+    want = plain_llm.generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    lp_got, lp_want = got[1].outputs[0].logprobs, want[1].outputs[0].logprobs
+    assert [sorted(p) for p in lp_got] == [sorted(p) for p in lp_want]
+
+
+def test_seeded_sampling_with_drafts_depends_on_the_seed_only(spec_llm):
+    prompts = _repetitive_prompts(4, seed=9)
+    p = SamplingParams(temperature=0.7, top_p=0.9, seed=42, max_tokens=30)
+    alone = spec_llm.generate(prompts[:1], p)[0].outputs[0].token_ids
+    crowd = spec_llm.generate(prompts, [p] + [SamplingParams(temperature=1.0, max_tokens=30)] * 3)
+    assert crowd[0].outputs[0].token_ids == alone and len(alone) == 30
+
+
+@pytest.fixture(scope="module")
+def small_spec_llm(tiny_model_dir):
+    # 12 blocks of 16 tokens: a few requests fill the cache and preempt each other
+    return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, num_gpu_blocks=12, block_size=16,
+               max_model_len=192, device="cpu", dtype="float32", speculative_config=NGRAM)
+
+
+def test_preempted_requests_with_drafts_recompute_the_same_tokens(small_spec_llm, plain_llm):
+    engine = small_spec_llm.engine
+    before = engine.scheduler.num_preemptions, engine.spec_stats["spec_accepted_tokens"]
+    prompts = [[3 + (i + j) % 5 for j in range(20)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = small_spec_llm.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > before[0], "the cache was meant to run out"
+    assert engine.spec_stats["spec_accepted_tokens"] > before[1]
+    want = plain_llm.generate(prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert all_blocks_free(engine)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
+                              st.integers(1, 40), st.integers(1, 24)), min_size=5, max_size=40))
+def test_random_adds_aborts_and_steps_with_drafts_leak_nothing(small_spec_llm, plain_llm, ops):
+    def params_for(i: int, max_tokens: int) -> SamplingParams:   # every third add: greedy
+        if i % 3 == 0:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, n=1 + i % 2)
+    finished = run_random_ops(small_spec_llm.engine, ops, params_for)
+    for rid, out in finished.items():
+        i = int(rid.split("-")[1])                         # prop-{i}-{steps}
+        if i % 3 == 0:     # greedy: as the engine without drafts gives it
+            ref = plain_llm.generate([out.prompt_token_ids], params_for(i, ops[i][2]))[0]
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids, rid
