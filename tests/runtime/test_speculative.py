@@ -205,6 +205,26 @@ def test_a_looping_request_takes_fewer_steps_with_drafts(spec_llm, plain_llm):
     assert steps[1] == 48 and accepted >= 8 and steps[0] == 48 - accepted, (steps, accepted)
 
 
+def test_triton_path_in_the_interpreter_with_drafts_matches_hf(tiny_model_dir, monkeypatch):
+    # the GPU code path (fused rotary + cache write, the decode kernel over the drafted rows,
+    # prefill chunks beside them) on a CPU through Triton's interpreter
+    path = tiny_model_dir("qwen3")
+    prompts = _repetitive_prompts(4, seed=2)
+    ref = hf_greedy(path, prompts, 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model=path, attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
+              speculative_config=NGRAM)
+    try:
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+        assert [o.outputs[0].token_ids for o in out] == ref
+        assert llm.engine.spec_stats["spec_accepted_tokens"] > 0
+        assert all_blocks_free(llm.engine)
+    finally:
+        llm.engine.shutdown()
+        from kvfleet_runtime.layers.backend import set_backend
+        set_backend("auto")
+
+
 @pytest.fixture(scope="module")
 def spec_llm(tiny_model_dir):
     return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, speculative_config=NGRAM,
@@ -299,3 +319,38 @@ def test_random_adds_aborts_and_steps_with_drafts_leak_nothing(small_spec_llm, p
         if i % 3 == 0:     # greedy: as the engine without drafts gives it
             ref = plain_llm.generate([out.prompt_token_ids], params_for(i, ops[i][2]))[0]
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids, rid
+
+
+# ---- GPU (scripts/gpu-check) ---------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_fp32_greedy_with_drafts_matches_hf_through_the_decode_graphs(tiny_model_dir):
+    path = tiny_model_dir("llama3")
+    prompts = _repetitive_prompts(12, seed=4)
+    ref = hf_greedy(path, prompts, 24)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=8, speculative_config=NGRAM)
+    graphs = llm.engine.runner.graph_runner
+    replays = []
+    real_run = graphs.run
+    graphs.run = lambda ids, *a: replays.append(ids.shape[0]) or real_run(ids, *a)
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert llm.engine.spec_stats["spec_accepted_tokens"] > 0
+    # steps of drafted rows (more rows than requests) replayed a graph
+    assert max(replays) > 8, replays
+    assert all_blocks_free(llm.engine)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_drafts_give_the_same_tokens_graphed_and_eager(tiny_model_dir):
+    path = tiny_model_dir("qwen2")
+    prompts = _repetitive_prompts(16, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    runs = [[o.outputs[0].token_ids for o in LLM(
+        model=path, dtype="bfloat16", max_num_seqs=16, enforce_eager=eager,
+        speculative_config=NGRAM).generate(prompts, params)] for eager in (True, False)]
+    assert runs[0] == runs[1]
+    seeded = SamplingParams(temperature=0.8, top_k=50, seed=3, max_tokens=32)
+    llm = LLM(model=path, dtype="bfloat16", max_num_seqs=16, speculative_config=NGRAM)
+    assert (llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids
+            == llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids)

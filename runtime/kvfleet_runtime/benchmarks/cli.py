@@ -213,6 +213,10 @@ def run_latency(args: argparse.Namespace) -> int:
           f"TTFT {res['ttft_ms']:.1f} ms, TPOT {res['tpot_ms']:.2f} ms "
           f"({res['decode_tokens_per_s_per_seq']:.1f} tok/s per sequence), "
           f"end to end {res['latency_s']:.3f} s")
+    if "spec_acceptance" in res:
+        print(f"speculative decoding: {res['spec_acceptance']:.1%} of drafts kept, "
+              f"{res['spec_tokens_per_step']:.2f} tokens a drafted step, "
+              f"{res['steps_per_iter']:.0f} steps an iteration")
     if args.profile:
         for p in _profile_latency(engine, prompts, params):
             print(p.render())
@@ -230,7 +234,10 @@ def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     sync = torch.cuda.synchronize if engine.config.device.startswith("cuda") else (lambda: None)
     ttfts, tpots, totals = [], [], []
+    spec, steps = {}, 0
     for it in range(num_warmup + num_iters):
+        if it == num_warmup:
+            spec, steps = dict(engine.spec_stats), engine.step_totals["steps"]
         for i, p in enumerate(prompts):
             engine.add_request(f"lat-{it}-{i}", p, params)
         # prefix caching would turn later iterations' prefill into a cache hit
@@ -252,7 +259,12 @@ def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters
     n = len(totals)
     res = {"batch_size": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
            "ttft_ms": 1e3 * sum(ttfts) / n, "tpot_ms": 1e3 * sum(tpots) / n,
-           "latency_s": sum(totals) / n, "decode_tokens_per_s_per_seq": 1.0 / (sum(tpots) / n)}
+           "latency_s": sum(totals) / n, "decode_tokens_per_s_per_seq": 1.0 / (sum(tpots) / n),
+           "steps_per_iter": (engine.step_totals["steps"] - steps) / n}
+    if engine.config.speculative is not None:   # what the drafts did in the measured iterations
+        done = {k: v - spec[k] for k, v in engine.spec_stats.items()}
+        res["spec_acceptance"] = done["spec_accepted_tokens"] / max(done["spec_draft_tokens"], 1)
+        res["spec_tokens_per_step"] = 1 + done["spec_accepted_tokens"] / max(done["spec_drafts"], 1)
     return res, params
 
 

@@ -124,6 +124,32 @@ def _grammar_matchers(sampling: list, rows: list[int], prev: PendingStep | None)
     return out
 
 
+def _expand_drafts(scheduled: list, tables: list[list[int]]):
+    """Speculative decoding's step layout (ModelRunner._prepare): each request with d drafts
+    becomes d + 1 one-token sequences (its last token, then each draft, at consecutive
+    positions, all over its blocks); the others stay as they are. -> the per-sequence
+    (requests, starts, token counts, block-id lists), the step's input ids, and each scheduled
+    request's first sequence."""
+    reqs, starts, nums, out_tables, ids, first = [], [], [], [], [], []
+    for s, table in zip(scheduled, tables, strict=True):
+        r, start = s.request, s.request.num_computed_tokens
+        first.append(len(nums))
+        if s.spec_token_ids:
+            for j, token in enumerate((r.all_token_ids[start], *s.spec_token_ids)):
+                reqs.append(r)
+                starts.append(start + j)
+                nums.append(1)
+                out_tables.append(table)
+                ids.append(token)
+        else:
+            reqs.append(r)
+            starts.append(start)
+            nums.append(s.num_new_tokens)
+            out_tables.append(table)
+            ids.extend(r.all_token_ids[start:start + s.num_new_tokens])
+    return reqs, starts, nums, out_tables, ids, first
+
+
 def _padded_table(rows: list[list[int]]) -> np.ndarray:
     """Block-id lists -> [len(rows), longest] int32, zero-padded, without a Python loop per id
     (1000-token contexts make this ~250 rows x 60+ ids every step)."""
@@ -418,26 +444,30 @@ class ModelRunner:
         # ids), numpy for everything per token (positions, slots): at 1024 rows this runs
         # in the shadow of the device's step, and must stay well inside it
         scheduled = sched.scheduled
-        n = len(scheduled)
         reqs = [s.request for s in scheduled]
         nums = [s.num_new_tokens for s in scheduled]
         starts = [r.num_computed_tokens for r in reqs]
         tables = [block_ids[r.request_id] for r in reqs]
-        # speculative decoding: each row's drafts, computed after its last token
-        drafts = ([s.spec_token_ids for s in scheduled] if self.config.speculative is not None
-                  and any(s.spec_token_ids for s in scheduled) else None)
         input_ids: list[int] = []
         from_prev: list[int] = []            # rows of input_ids still being sampled ...
         prev_rows: list[int] = []            # ... and their rows in prev.token_ids
-        if prev is not None and all(num == 1 for num in nums) and all(
+        # speculative decoding: a request with drafts runs as one sequence of one token per
+        # position (its last token, then each draft), each over the same blocks up to its own
+        # position: a decode batch, which the decode kernels and graphs run (each layer writes
+        # every row's K/V before any row attends, so a draft's row sees the drafts before it)
+        first_seq = None
+        if self.config.speculative is not None and any(s.spec_token_ids for s in scheduled):
+            reqs, starts, nums, tables, input_ids, first_seq = _expand_drafts(scheduled, tables)
+        n = len(nums)
+        if first_seq is None and prev is not None and all(num == 1 for num in nums) and all(
                 start == len(r.all_token_ids) for r, start in zip(reqs, starts, strict=True)):
             # async decode: every row's input is the token the previous step is sampling
             input_ids = [0] * n
             from_prev = list(range(n))
             prev_rows = [prev.rows[r.request_id] for r in reqs]
-        else:
+        elif first_seq is None:
             append, extend = input_ids.append, input_ids.extend
-            for i, (r, start, num) in enumerate(zip(reqs, starts, nums, strict=True)):
+            for r, start, num in zip(reqs, starts, nums, strict=True):
                 tokens = r.all_token_ids
                 end = start + num
                 if end <= len(tokens):
@@ -445,9 +475,6 @@ class ModelRunner:
                         append(tokens[start])
                     else:
                         extend(tokens[start:end])
-                elif drafts is not None and drafts[i]:
-                    extend(tokens[start:])
-                    extend(drafts[i])
                 else:       # async scheduling: the previous step is sampling this token
                     extend(tokens[start:])
                     from_prev.append(len(input_ids))
@@ -470,22 +497,24 @@ class ModelRunner:
         query_start_cpu = query_start.tolist()
         logits_rows: list[int]               # flat-batch rows whose logits we need
         layout = LogitsLayout()              # which of those rows serve what
-        if drafts is None and all(r.prompt_logprobs is None for r in reqs):
+        if first_seq is None and all(r.prompt_logprobs is None for r in reqs):
             logits_rows = [query_start_cpu[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
             layout.sample = list(range(len(logits_rows)))
         else:
             logits_rows = []
-            for i, (s, r, start) in enumerate(zip(scheduled, reqs, starts, strict=True)):
-                base, end = query_start_cpu[i], seq_lens_cpu[i]
+            for i, s in enumerate(scheduled):
+                e = i if first_seq is None else first_seq[i]     # its (first) sequence
+                r, start = s.request, starts[e]
+                base, end = query_start_cpu[e], seq_lens_cpu[e]
+                if s.spec_token_ids:    # a row a position: its last token's, then the drafts'
+                    layout.spec.append((len(logits_rows), s.num_new_tokens))
+                    logits_rows.extend(range(base, base + s.num_new_tokens))
+                    continue
                 if r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
                     count = min(end, r.num_prompt_tokens - 1) - start
                     layout.prompt.append((r, len(logits_rows), count))
                     logits_rows.extend(range(base, base + count))
-                if s.samples and s.spec_token_ids:   # the last token's row and the drafts'
-                    count = len(s.spec_token_ids) + 1
-                    layout.spec.append((len(logits_rows), count))
-                    logits_rows.extend(range(base + s.num_new_tokens - count, base + s.num_new_tokens))
-                elif s.samples:
+                if s.samples:
                     layout.sample.append(len(logits_rows))
                     logits_rows.append(base + s.num_new_tokens - 1)
         dev = self.device

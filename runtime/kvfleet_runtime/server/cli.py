@@ -55,7 +55,10 @@ _ENGINE_HELP = {
     "attention_backend": "auto, triton or torch",
     "load_format": "auto (read the checkpoint) or dummy (random weights of the model's shapes)",
     "async_scheduling": "schedule and launch the next step while the device runs this one "
-                        "(default: on for CUDA)",
+                        "(default: on for CUDA; off with --speculative-config)",
+    "speculative_config": "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (n-gram "
+                          "prompt lookup; default: off)",
 }
 _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
                                   "kv_cache_dtype": list(KV_CACHE_DTYPES),
