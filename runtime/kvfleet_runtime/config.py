@@ -77,8 +77,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"         # auto | triton | torch
     load_format: str = "auto"               # auto | dummy (random weights, no checkpoint read)
-    # schedule and launch step N+1 while step N runs on the device; None: on for CUDA (off
-    # with speculative decoding, whose drafts are proposed from the tokens on the host)
+    # schedule and launch step N+1 while step N runs on the device; None: on for CUDA (steps
+    # with speculative decoding's drafts run synchronously even so)
     async_scheduling: bool | None = None
     # speculative decoding, as vLLM's JSON: {"method": "ngram", "num_speculative_tokens": K,
     # "prompt_lookup_max": N, "prompt_lookup_min": M} (engine/speculative.py); None: off
@@ -116,11 +116,6 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
         from kvfleet_runtime.engine.speculative import SpeculativeConfig
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative is not None:
-            if self.async_scheduling:
-                raise ValueError("async_scheduling cannot be combined with speculative_config "
-                                 "(drafts are proposed from the tokens on the host)")
-            self.async_scheduling = False
         if self.device == "auto":
             import torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -59,6 +59,7 @@ class Request:
         self.detokenizer = None              # set by the engine
         self.grammar = None                  # structured outputs: its SequenceGrammar
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step
+        self.token_bytes = bytearray()       # ... and all_token_ids as int32 bytes (the lookup)
         # sampling reads this request's generated tokens (penalties, min_tokens)
         self.needs_history = params.needs_penalties or bool(params.min_tokens)
 

@@ -4,6 +4,13 @@ repeat, and an open question (where prompt lookup finds little). Prints tokens/s
 acceptance and whether the output is the same as without drafts.
 
     python tests/runtime/bench_speculative.py [--model DIR_OR_GGUF] [--k 2 4 8] [--max-tokens 256]
+
+--step-cost (for a random-weight checkpoint, whose outputs prompt lookup cannot predict): the
+time of one engine step at each --batches size, async and synchronous without drafts, then with
+K random drafts a request (all but never kept): what a step of drafts costs, and so the tokens a
+step that drafts must keep to pay off.
+
+    python tests/runtime/bench_speculative.py --step-cost --model /tmp/llama-3.1-8b --batches 1 16
 """
 
 from __future__ import annotations
@@ -38,9 +45,62 @@ TASKS = {
 }
 
 
+def step_cost(args: argparse.Namespace) -> list[dict]:
+    import random
+
+    import torch
+    from kvfleet_runtime import SamplingParams
+    from kvfleet_runtime.config import EngineConfig
+    from kvfleet_runtime.engine.engine import LLMEngine
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine = LLMEngine(EngineConfig(
+        model=args.model, max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
+        speculative_config={"method": "ngram", "num_speculative_tokens": max(args.k)}))
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    rows = []
+    for bs in args.batches:
+        base = None
+        for mode in ["async", "sync", *(f"k{k}" for k in args.k)]:
+            k = int(mode[1:]) if mode.startswith("k") else 0
+
+            def propose(dry_run: bool = False, mode=mode, k=k) -> bool:
+                for r in engine.scheduler.running:
+                    r.spec_token_ids = [rng.randrange(vocab) for _ in range(k)] \
+                        if r.num_computed_tokens >= len(r.all_token_ids) - 1 else []
+                return mode != "async"
+            engine._propose = propose
+            ids = [f"{bs}-{mode}-{i}" for i in range(bs)]
+            for rid in ids:
+                engine.add_request(rid, [rng.randrange(vocab) for _ in range(128)], SamplingParams(
+                    temperature=0.0, max_tokens=engine.config.max_model_len - 128, ignore_eos=True))
+            for _ in range(10):
+                engine.step()
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+            ms = 1e3 * (time.perf_counter() - start) / args.steps
+            engine.abort_request(ids)
+            base = base or ms
+            row = {"batch": bs, "mode": mode, "step_ms": ms,
+                   "break_even_tokens_per_step": ms / base}
+            rows.append(row)
+            print(f"batch {bs} {mode:5s}: {ms:.2f} ms a step; a drafted step must give "
+                  f"{ms / base:.2f} tokens a request to match async steps", flush=True)
+    engine.shutdown()
+    return rows
+
+
 def main() -> None:
     from kvfleet_runtime import LLM, SamplingParams
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-cost", action="store_true")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--model", default="")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8],
                         help="num_speculative_tokens values to run")
@@ -50,6 +110,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    if args.step_cost:
+        rows = step_cost(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows, reference = [], {}
     for k in [0, *args.k]:

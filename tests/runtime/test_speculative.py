@@ -4,6 +4,7 @@ HF transformers and to the engine without drafts, stops inside drafts, preemptio
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -52,12 +53,12 @@ def test_bad_config_names_what_is_wrong(value, words):
     assert words in str(e.value)
 
 
-def test_engine_config_turns_async_scheduling_off_and_refuses_it_explicitly():
-    c = EngineConfig(model="x", device="cuda", speculative_config=NGRAM)
-    assert c.speculative.num_speculative_tokens == 4 and c.async_scheduling is False
+def test_engine_config_parses_the_flag_and_keeps_async_scheduling():
+    c = EngineConfig(model="x", device="cuda", speculative_config=json.dumps(NGRAM))
+    assert c.speculative.num_speculative_tokens == 4 and c.async_scheduling is True
     assert EngineConfig(model="x", device="cuda").speculative is None
-    with pytest.raises(ValueError, match="async_scheduling cannot be combined"):
-        EngineConfig(model="x", device="cuda", speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        EngineConfig(model="x", speculative_config={**NGRAM, "disable_by_batch_size": 0})
 
 
 def test_which_requests_are_drafted():
@@ -173,15 +174,25 @@ def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_output_with_drafts_equals_hf_and_the_engine_without(tiny_model_dir, arch):
+def test_greedy_output_with_drafts_equals_hf_and_the_engine_without(tiny_model_dir, arch,
+                                                                    async_scheduling):
     path = tiny_model_dir(arch)
     prompts = _repetitive_prompts(12, seed=len(arch))
     params = SamplingParams(temperature=0.0, max_tokens=24)
     ref = hf_greedy(path, prompts, 24)
-    llm = LLM(model=path, max_num_seqs=8, speculative_config=NGRAM)
+    llm = LLM(model=path, max_num_seqs=8, speculative_config=NGRAM,
+              async_scheduling=async_scheduling)
+    engine = llm.engine
+    async_steps = []
+    real_step_async = engine._step_async
+    engine._step_async = lambda t0: async_steps.append(1) or real_step_async(t0)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == ref
+    # with async scheduling, steps go asynchronous while no drafts are found, and synchronous
+    # (drafted) where they are
+    assert bool(async_steps) == async_scheduling
     stats = llm.engine.spec_stats
     assert stats["spec_accepted_tokens"] > 0 and stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
     plain = LLM(model=path, max_num_seqs=8, async_scheduling=False)
@@ -285,11 +296,29 @@ def test_seeded_sampling_with_drafts_depends_on_the_seed_only(spec_llm):
     assert crowd[0].outputs[0].token_ids == alone and len(alone) == 30
 
 
-@pytest.fixture(scope="module")
-def small_spec_llm(tiny_model_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def small_spec_llm(tiny_model_dir, request):
     # 12 blocks of 16 tokens: a few requests fill the cache and preempt each other
     return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, num_gpu_blocks=12, block_size=16,
-               max_model_len=192, device="cpu", dtype="float32", speculative_config=NGRAM)
+               max_model_len=192, device="cpu", dtype="float32", speculative_config=NGRAM,
+               async_scheduling=request.param)
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny_model_dir, plain_llm):
+    llm = LLM(model=tiny_model_dir("llama"), max_num_seqs=8, dtype="float32",
+              speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    engine = llm.engine
+    prompts = _repetitive_prompts(6, seed=3)
+    # staggered lengths: the batch shrinks as they finish, drafts start at 2 running
+    params = [SamplingParams(temperature=0.0, max_tokens=6 * (i + 1), ignore_eos=True)
+              for i in range(6)]
+    drafted_at = []
+    real = engine._append_verified
+    engine._append_verified = lambda *a: drafted_at.append(len(engine.scheduler.running)) or real(*a)
+    got = llm.generate(prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [
+        w.outputs[0].token_ids for w in plain_llm.generate(prompts, params)]
+    assert drafted_at and max(drafted_at) <= 2, drafted_at
 
 
 def test_preempted_requests_with_drafts_recompute_the_same_tokens(small_spec_llm, plain_llm):

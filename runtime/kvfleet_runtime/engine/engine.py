@@ -71,6 +71,7 @@ class LLMEngine:
         self.scheduler.speculative = config.speculative is not None
         # speculative decoding: steps that checked drafts, drafts checked, drafts kept
         self.spec_stats = {"spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self._drafting = False     # the last look found drafts: step synchronously
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
         # async scheduling: the step launched by the last step() call, not yet read back;
@@ -231,11 +232,18 @@ class LLMEngine:
             self.workers.step_ended()
 
     def _step(self, t0: float) -> list[RequestOutput]:
-        if self.config.async_scheduling and not self.sync_groups:
-            return self._step_async(t0)
+        speculative = self.config.speculative is not None
+        if self.config.async_scheduling and not self.sync_groups and not self._drafting:
+            outputs = self._step_async(t0)
+            if speculative:
+                # a running request's known tokens (the step in flight's aside) end in an
+                # n-gram that recurs: from the next step on, steps are synchronous, with drafts
+                self._drafting = self._propose(dry_run=True)
+            return outputs
         outputs = self._drain()
-        if self.config.speculative is not None:
-            self._propose()
+        if speculative:
+            # no drafts for any request: the next step may be asynchronous again
+            self._drafting = self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -277,17 +285,31 @@ class LLMEngine:
         self._account(result, t0)
         return outputs
 
-    def _propose(self) -> None:
-        """Speculative decoding: drafts for every running request that decodes its next token
-        and may be drafted (engine/speculative.py); never past its max_tokens."""
+    def _propose(self, dry_run: bool = False) -> bool:
+        """Speculative decoding: drafts for every running request that decodes and may be
+        drafted (engine/speculative.py), never past its max_tokens; none while more requests
+        run than the config's disable_by_batch_size. True if any request got drafts.
+        dry_run: only say whether any would, from the tokens on the host (async steps)."""
         spec = self.config.speculative
-        for r in self.scheduler.running:
-            tokens = r.all_token_ids
-            if r.num_computed_tokens == len(tokens) - 1 and speculates(r.params):
-                r.spec_token_ids = spec.propose(
-                    tokens, r.params.max_tokens - len(r.output_token_ids) - 1)
-            else:
-                r.spec_token_ids = []
+        running = self.scheduler.running
+        limit = spec.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            if not dry_run:
+                for r in running:
+                    r.spec_token_ids = []
+            return False
+        found = False
+        for r in running:
+            drafts = []
+            if r.num_computed_tokens >= len(r.all_token_ids) - 1 and speculates(r.params):
+                drafts = spec.propose(r, r.params.max_tokens - len(r.output_token_ids)
+                                      - r.num_pending - 1)
+                if drafts and dry_run:
+                    return True
+            if not dry_run:
+                r.spec_token_ids = drafts
+            found = found or bool(drafts)
+        return found
 
     def _drain(self) -> list[RequestOutput]:
         """Finish the launched step, if any (before a step that needs every token on the host)."""

@@ -170,6 +170,10 @@ class ModelRunner:
         self.device = config.torch_device
         self.block_size = config.block_size
         self.sampler = Sampler()
+        # most sampled rows (and decode sequences) a step has: a request with speculative drafts
+        # runs as 1 + num_speculative_tokens of them
+        spec = config.speculative
+        self.max_rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads     # on this rank
         self._check_kv_cache_dtype()
         # every rank holds the same block ids, so the pool is the smallest rank's
@@ -178,7 +182,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         # the decode graphs' sizes, also when there are none: eager decode steps plan split-KV
         # attention for them (cuda_graphs.decode_plan)
-        self.decode_batch_sizes = graph_batch_sizes(config.max_num_seqs)
+        self.decode_batch_sizes = graph_batch_sizes(self.max_rows)
         self.decode_buckets = context_buckets(config.max_model_len)
         self.graph_runner = None
         if self.device.type == "cuda":
@@ -237,7 +241,7 @@ class ModelRunner:
         only). Warming every count (not only multiples of 8) also removed the one stall left
         (510 rows) but gained no throughput: the host waited while the GPU had queued work.
         Under tensor parallelism every rank runs the same calls (lm_head gathers)."""
-        top = self.config.max_num_seqs
+        top = self.max_rows
         hidden = torch.zeros(top, self.model_config.hidden_size, dtype=self.dtype,
                              device=self.device)
         for rows in sorted({1, 2, 4, *range(8, top + 1, 8), top}):
@@ -290,7 +294,7 @@ class ModelRunner:
         # a mixed step's sequences (its decode rows and the prompt's): every count while the
         # decode kernel may split contexts, then the graphs' sizes + 1 (the tiles change with
         # the count only at thresholds that sit on them) and the largest
-        most = min(cfg.max_num_seqs, cfg.max_num_batched_tokens - chunk + 1)
+        most = min(self.max_rows, cfg.max_num_batched_tokens - chunk + 1)
         counts = {most, *(b + 1 for b in self.decode_batch_sizes if b + 1 <= most)}
         split_counts = set()
         for seqs in range(2, most + 1):
@@ -394,7 +398,7 @@ class ModelRunner:
         meta.query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device)
         meta.max_query_len = 1
         hidden = self.model(ids, ids, meta)
-        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        self.model.compute_logits(hidden[: self.max_rows])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         total = torch.cuda.get_device_properties(self.device).total_memory

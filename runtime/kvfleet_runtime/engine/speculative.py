@@ -14,8 +14,12 @@ length, which the next steps overwrite. Each step gives a request 1 to K + 1 tok
 
 Requests whose sampling reads their own history or a per-position state (penalties,
 min_tokens, structured outputs) or reports logprobs run without drafts in the same steps.
-Steps run synchronously (the drafts are proposed from tokens on the host), and a step with
-drafts runs eagerly (the decode CUDA graphs take one query token a sequence).
+A drafted request runs as one one-token sequence a position, so a step with drafts is a decode
+step of more rows (the decode kernels, the CUDA graphs). Steps with drafts run synchronously
+(drafts are proposed from the tokens on the host, and the next step needs to know how many
+were kept); with async scheduling on, the engine steps asynchronously while no running
+request's known tokens end in a recurring n-gram, and synchronously from the step after one
+does until a step finds no drafts (LLMEngine._step).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # (config.py imports this module: no torch here)
+    from kvfleet_runtime.request import Request
     from kvfleet_runtime.sampling_params import SamplingParams
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -37,6 +42,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # no drafts in a step while more requests than this run (vLLM's key; None: always draft)
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -79,16 +86,22 @@ class SpeculativeConfig:
                              f"models, EAGLE and Medusa are not supported)")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             _check_positive(name, getattr(self, name))
+        if self.disable_by_batch_size is not None:
+            _check_positive("disable_by_batch_size", self.disable_by_batch_size)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(num_speculative_tokens, limit) drafts for a sequence of `tokens`."""
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """Up to min(num_speculative_tokens, limit) drafts for `request`'s tokens (those on
+        the host). Its tokens as bytes are kept on the request and extended as it grows."""
         k = min(self.num_speculative_tokens, limit)
         if k <= 0:
             return []
-        return propose_ngram(tokens, self.prompt_lookup_min, self.prompt_lookup_max, k)
+        tokens, buf = request.all_token_ids, request.token_bytes
+        if len(buf) < 4 * len(tokens):
+            buf += array("i", tokens[len(buf) // 4:]).tobytes()
+        return propose_ngram(tokens, self.prompt_lookup_min, self.prompt_lookup_max, k, buf)
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -105,16 +118,18 @@ def speculates(params: SamplingParams) -> bool:
             and params.prompt_logprobs is None)
 
 
-def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int,
+                  buf: bytes | bytearray | None = None) -> list[int]:
     """The (up to) k tokens that followed the latest earlier occurrence of the longest suffix
     of `tokens` of min_n..max_n tokens that occurred before; [] if none did (prompt lookup).
 
-    The search is bytes.rfind over the ids as 4-byte words (C speed on long contexts); a
-    match must start on a word boundary."""
+    The search is bytes.rfind over the ids as 4-byte words (C speed on long contexts; `buf`:
+    those bytes, if the caller keeps them); a match must start on a word boundary."""
     num = len(tokens)
     if num <= min_n or k <= 0:
         return []
-    buf = array("i", tokens).tobytes()
+    if buf is None:
+        buf = array("i", tokens).tobytes()
     for n in range(min(max_n, num - 1), min_n - 1, -1):
         pattern = buf[-4 * n:]
         end = 4 * (num - 1)         # the occurrence must end before the sequence's last token

@@ -55,7 +55,7 @@ _ENGINE_HELP = {
     "attention_backend": "auto, triton or torch",
     "load_format": "auto (read the checkpoint) or dummy (random weights of the model's shapes)",
     "async_scheduling": "schedule and launch the next step while the device runs this one "
-                        "(default: on for CUDA; off with --speculative-config)",
+                        "(default: on for CUDA; steps with speculative drafts run synchronously)",
     "speculative_config": "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (n-gram "
                           "prompt lookup; default: off)",
