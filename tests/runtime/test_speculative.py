@@ -371,12 +371,14 @@ def test_gpu_fp32_greedy_with_drafts_matches_hf_through_the_decode_graphs(tiny_m
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_drafts_give_the_same_tokens_graphed_and_eager(tiny_model_dir):
+def test_gpu_drafts_give_the_same_tokens_graphed_and_eager(tiny_model_dir):
+    # fp32: in bf16 (thirty-first session, H100) one of 16 outputs flipped at a near-tie of the
+    # tiny random model, the padded graph's GEMMs rounding otherwise than the eager step's
     path = tiny_model_dir("qwen2")
     prompts = _repetitive_prompts(16, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=32)
     runs = [[o.outputs[0].token_ids for o in LLM(
-        model=path, dtype="bfloat16", max_num_seqs=16, enforce_eager=eager,
+        model=path, dtype="float32", max_num_seqs=16, enforce_eager=eager,
         speculative_config=NGRAM).generate(prompts, params)] for eager in (True, False)]
     assert runs[0] == runs[1]
     seeded = SamplingParams(temperature=0.8, top_k=50, seed=3, max_tokens=32)
