@@ -62,11 +62,12 @@ def test_engine_config_parses_the_flag_and_keeps_async_scheduling():
 
 
 def test_which_requests_are_drafted():
-    assert speculates(SamplingParams(temperature=0.8, top_p=0.9, logit_bias={5: 3.0}, seed=1))
-    for kwargs in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 3},
-                   {"logprobs": 2}, {"prompt_logprobs": 1},
-                   {"structured_outputs": {"choice": ["a", "b"]}}):
-        assert not speculates(SamplingParams(**kwargs)), kwargs
+    for kwargs in ({"temperature": 0.8, "top_p": 0.9, "logit_bias": {5: 3.0}, "seed": 1},
+                   {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 3},
+                   {"logprobs": 2}, {"prompt_logprobs": 1}):
+        assert speculates(SamplingParams(**kwargs)), kwargs
+    # a grammar's matcher advances token by token: not drafted
+    assert not speculates(SamplingParams(structured_outputs={"choice": ["a", "b"]}))
 
 
 # ---- proposer ----------------------------------------------------------------------------
@@ -97,12 +98,17 @@ def _rows(*argmaxes: int, vocab: int = 8) -> torch.Tensor:
     return x
 
 
+def _verify(*args, **kwargs) -> list[list[int]]:
+    """verify_drafts' token ids (each request's kept drafts and the token after them)."""
+    return [[t.token_id for t in kept] for kept in verify_drafts(*args, **kwargs)]
+
+
 def test_greedy_keeps_the_drafts_equal_to_the_argmax_then_the_argmax():
     greedy = SamplingParams(temperature=0.0)
     # request 1: drafts 3, 4, 6 against argmaxes 3, 4, 5, 1 -> 3, 4, then 5
     # request 2: drafts 2, 2 all kept -> 2, 2 and the bonus 7; request 3: first draft wrong
     logits = torch.cat([_rows(3, 4, 5, 1), _rows(2, 2, 7), _rows(0, 6)])
-    out = verify_drafts(logits, [[3, 4, 6], [2, 2], [5]], [greedy] * 3, [None] * 3)
+    out = _verify(logits, [[3, 4, 6], [2, 2], [5]], [greedy] * 3, [None] * 3)
     assert out == [[3, 4, 5], [2, 2, 7], [0]]
     with pytest.raises(ValueError, match="drafts need 9"):
         verify_drafts(logits[:8], [[3, 4, 6], [2, 2], [5]], [greedy] * 3, [None] * 3)
@@ -110,32 +116,90 @@ def test_greedy_keeps_the_drafts_equal_to_the_argmax_then_the_argmax():
 
 def test_greedy_verification_sees_logit_bias_and_allowed_ids():
     p = SamplingParams(temperature=0.0, logit_bias={6: 100.0})
-    assert verify_drafts(_rows(3, 3), [[3]], [p], [None]) == [[6]]
+    assert _verify(_rows(3, 3), [[3]], [p], [None]) == [[6]]
     p = SamplingParams(temperature=0.0, allowed_token_ids=[3, 5])
     # row 2's argmax (1) is not allowed: of the allowed ids (tied at 0) the first, 3
-    assert verify_drafts(_rows(3, 1), [[3]], [p], [None]) == [[3, 3]]
+    assert _verify(_rows(3, 1), [[3]], [p], [None]) == [[3, 3]]
     # a draft the request may not emit is never kept, even where it is the raw argmax
-    assert verify_drafts(_rows(1, 1), [[1]], [p], [None]) == [[3]]
+    assert _verify(_rows(1, 1), [[1]], [p], [None]) == [[3]]
 
 
+@pytest.mark.parametrize("penalty", [0.0, 1.0], ids=["plain", "frequency-penalty"])
 @pytest.mark.parametrize("draft", [0, 2, 4])
-def test_random_verification_keeps_the_models_distribution(draft):
+def test_random_verification_keeps_the_models_distribution(draft, penalty):
     # a proposal that is always `draft`: the first token must still follow p exactly, and the
-    # second (after a kept draft) p2; 40,000 requests at once, frequencies within 4.5 sigma
+    # second (after a kept draft) p2, with the draft counted by the frequency penalty as if it
+    # had been generated; 40,000 requests at once, frequencies within 4.5 sigma
     torch.manual_seed(0)
     p1 = torch.tensor([0.05, 0.1, 0.45, 0.25, 0.15])
     p2 = torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1])
     n = 40_000
     logits = torch.stack([p1.log(), p2.log()]).repeat(n, 1)
-    params = SamplingParams(temperature=1.0)
-    out = verify_drafts(logits, [[draft]] * n, [params] * n, [None] * n)
+    params = SamplingParams(temperature=1.0, frequency_penalty=penalty)
+    out = _verify(logits, [[draft]] * n, [params] * n, [None] * n, [[]] * n, [[]] * n)
     first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=5) / n
     sigma = (p1 * (1 - p1) / n).sqrt()
     assert ((first - p1).abs() <= 4.5 * sigma).all(), (first, p1)
     kept = [o[1] for o in out if len(o) == 2]
     assert abs(len(kept) / n - p1[draft].item()) <= 4.5 * sigma[draft].item()
     second = torch.bincount(torch.tensor(kept), minlength=5) / len(kept)
+    p2 = torch.softmax(p2.log() - penalty * torch.nn.functional.one_hot(torch.tensor(draft), 5), 0)
     assert ((second - p2).abs() <= 4.5 * (p2 * (1 - p2) / len(kept)).sqrt()).all(), (second, p2)
+
+
+def test_penalties_and_min_tokens_count_the_drafts_before_each_row():
+    # every row: 3 scores 5.0, 4 scores 4.0; a frequency penalty of 0.6 a 3 already generated
+    x = _rows(3, 3, 3)
+    x[:, 4] = 4.0
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.6)
+    # row 0 (no 3 yet): 3; row 1 (one 3, the kept draft): 4.4 > 4, 3; row 2 (two): 3.8, 4
+    assert _verify(x, [[3, 3]], [p], [None], [[]], [[]]) == [[3, 3, 4]]
+    # a 3 in the output already: the second draft is rejected
+    assert _verify(x, [[3, 3]], [p], [None], [[]], [[3]]) == [[3, 4]]
+    # repetition penalty counts the prompt: a 3 in it (5 / 1.3 = 3.85 < 4) -> 4 at once
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    assert _verify(x, [[3, 3]], [p], [None], [[3]], [[]]) == [[4]]
+    # min_tokens masks the stop id until the output (kept drafts included) is long enough
+    x = _rows(2, 2, 2)
+    x[:, 7] = 4.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    assert _verify(x, [[7, 7]], [p], [None], [[]], [[]]) == [[7, 7, 2]]
+    assert _verify(x, [[7, 7]], [p], [None], [[]], [[5]]) == [[7, 2]]
+    assert _verify(x, [[7, 7]], [SamplingParams(temperature=0.0, stop_token_ids=[2])],
+                   [None], [[]], [[]]) == [[2]]
+    with pytest.raises(ValueError, match="need prompt_token_ids and output_token_ids"):
+        verify_drafts(x, [[7, 7]], [p], [None])
+
+
+def test_verification_reports_each_kept_tokens_raw_logprobs():
+    torch.manual_seed(5)
+    raw = torch.randn(4, 50)
+    drafts = [int(raw[0].argmax()), int(raw[1].argmax()), (int(raw[2].argmax()) + 1) % 50]
+    # a logit bias that moves no argmax: logprobs stay those of the raw logits
+    p = SamplingParams(temperature=0.0, logprobs=3, logit_bias={drafts[0]: 0.5})
+    (kept,) = verify_drafts(raw, [drafts], [p], [None])
+    assert [t.token_id for t in kept] == [*drafts[:2], int(raw[2].argmax())]
+    want = raw.log_softmax(-1)
+    for row, tok in enumerate(kept):
+        assert tok.logprob == pytest.approx(want[row, tok.token_id].item(), abs=1e-5)
+        assert tok.rank == 1
+        top = want[row].topk(3)
+        assert tok.top_ids == top.indices.tolist()
+        assert tok.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
+    # sampled: a kept draft's logprob is the draft's (not that of the draw the row also made)
+    peaked = torch.randn(3, 50) * 0.1
+    peaked[0, 7], peaked[1, 9] = 20.0, 20.0
+    p = SamplingParams(temperature=1.0, logprobs=0)
+    (kept,) = verify_drafts(peaked, [[7, 9]], [p], [None])
+    assert [t.token_id for t in kept[:2]] == [7, 9]
+    want = peaked.log_softmax(-1)
+    for row, tok in enumerate(kept):
+        assert tok.logprob == pytest.approx(want[row, tok.token_id].item(), abs=1e-5)
+        assert tok.top_ids == []
+    assert kept[0].rank == kept[1].rank == 1
+    # a request without logprobs: its tokens carry none
+    (kept,) = verify_drafts(raw, [drafts], [SamplingParams(temperature=0.0)], [None])
+    assert all(t.top_ids is None for t in kept)
 
 
 def test_random_verification_follows_top_k_and_temperature():
@@ -144,7 +208,7 @@ def test_random_verification_follows_top_k_and_temperature():
     n = 20_000
     params = SamplingParams(temperature=0.5, top_k=2)
     # draft 3 is outside the top 2: never kept; the draws follow softmax(x / 0.5) over ids 0-1
-    out = verify_drafts(logits.repeat(n, 1), [[3]] * n, [params] * n, [None] * n)
+    out = _verify(logits.repeat(n, 1), [[3]] * n, [params] * n, [None] * n)
     assert all(len(o) == 1 and o[0] in (0, 1) for o in out)
     share = sum(o[0] == 0 for o in out) / n
     expected = torch.softmax(torch.tensor([2.0, 1.0]) / 0.5, 0)[0].item()
@@ -157,7 +221,7 @@ def test_seeded_verification_is_reproducible():
 
     def run():
         g = torch.Generator().manual_seed(7)
-        return [verify_drafts(logits, [[1, 2]], params, [g])[0] for _ in range(5)]
+        return [_verify(logits, [[1, 2]], params, [g])[0] for _ in range(5)]
     assert run() == run()
 
 
@@ -273,19 +337,52 @@ def test_stops_and_max_tokens_inside_drafts_cut_the_output_as_without(spec_llm, 
     assert all_blocks_free(spec_llm.engine)
 
 
-def test_undrafted_requests_share_the_steps(spec_llm, plain_llm):
-    # penalties and logprobs are not drafted; they run beside drafted requests unchanged
-    prompts = _repetitive_prompts(6, seed=5)
-    params = [SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, max_tokens=20, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5)] * 2
-    params[3:] = [SamplingParams(temperature=0.0, max_tokens=20)] * 3
-    got = spec_llm.generate(prompts, params)
+def test_penalties_min_tokens_and_logprobs_with_drafts_equal_the_engine_without(
+        spec_llm, plain_llm, monkeypatch):
+    # drafted like any request: each row sampled as if the drafts before it had been
+    # generated, logprobs reported for every kept token. Penalties keep the tiny model out of
+    # the loops n-gram lookup finds, so the drafts here come from an oracle: the engine
+    # without drafts' own next tokens, every third proposal with its last token wrong
+    prompts = _repetitive_prompts(8, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=24, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.4,
+                             presence_penalty=0.2, logprobs=0)] * 2
     want = plain_llm.generate(prompts, params)
+    ahead = {tuple(w.prompt_token_ids): w.outputs[0].token_ids for w in want}
+
+    def oracle(self, request, limit):
+        done = len(request.output_token_ids)
+        drafts = list(ahead[tuple(request.prompt_token_ids)][done:done + min(limit, 3)])
+        if drafts and done % 3 == 1:
+            drafts[-1] = (drafts[-1] + 1) % 1000
+        return drafts
+    monkeypatch.setattr(SpeculativeConfig, "propose", oracle)
+    engine = spec_llm.engine
+    kept: dict[tuple, int] = {}       # each kind of params -> its drafts kept
+    real = engine._append_verified
+
+    def spy(r, s, tokens, *rest):
+        p = r.params
+        kind = (p.repetition_penalty, p.logprobs, p.min_tokens, p.frequency_penalty)
+        kept[kind] = kept.get(kind, 0) + len(tokens) - 1
+        return real(r, s, tokens, *rest)
+    monkeypatch.setattr(engine, "_append_verified", spy)
+    got = spec_llm.generate(prompts, params)
+    assert len(kept) == 4 and min(kept.values()) >= 16, kept
     for g, w in zip(got, want, strict=True):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    lp_got, lp_want = got[1].outputs[0].logprobs, want[1].outputs[0].logprobs
-    assert [sorted(p) for p in lp_got] == [sorted(p) for p in lp_want]
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for got_pos, want_pos in zip(g.logprobs or [], w.logprobs or [], strict=True):
+            assert sorted(got_pos) == sorted(want_pos)
+            for tid, lp in want_pos.items():
+                assert got_pos[tid].rank == lp.rank
+                assert got_pos[tid].logprob == pytest.approx(lp.logprob, abs=1e-4)
+        if w.logprobs is not None:
+            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+    assert all_blocks_free(engine)
 
 
 def test_seeded_sampling_with_drafts_depends_on_the_seed_only(spec_llm):

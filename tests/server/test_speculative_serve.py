@@ -27,11 +27,16 @@ def server(tiny_llama: Path, request) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> list[str]:
-    """The texts the engine gives these prompts without drafts (same process settings)."""
-    llm = LLM(model=str(tiny_llama), max_model_len=512, async_scheduling=False)
+def plain_llm(tiny_llama: Path) -> LLM:
+    """The engine without drafts (same process settings)."""
+    return LLM(model=str(tiny_llama), max_model_len=512, async_scheduling=False)
+
+
+@pytest.fixture(scope="module")
+def reference(plain_llm: LLM) -> list[str]:
+    """The texts the engine gives these prompts without drafts."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    return [o.outputs[0].text for o in plain_llm.generate(PROMPTS, params)]
 
 
 def test_greedy_completions_equal_the_engine_without_drafts(server, reference) -> None:
@@ -50,6 +55,31 @@ def test_greedy_completions_equal_the_engine_without_drafts(server, reference) -
     drafted = server.metric("kvfleet_spec_decode_num_draft_tokens_total")
     assert 0 < accepted <= drafted
     assert server.metric("kvfleet_spec_decode_num_drafts_total") > 0
+
+
+def test_logprobs_with_drafts_equal_the_engine_without(server, plain_llm) -> None:
+    # requests with logprobs are drafted too: the same tokens and logprobs, streamed and not
+    client = OpenAI(base_url=server.openai_base_url, api_key="unused")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    before = server.metric("kvfleet_spec_decode_num_accepted_tokens_total")
+    for prompt, want in zip(PROMPTS, plain_llm.generate(PROMPTS, params), strict=True):
+        want = want.outputs[0]
+        kwargs = dict(model=NAME, prompt=prompt, max_tokens=30, temperature=0, logprobs=2,
+                      extra_body={"ignore_eos": True})
+        r = client.completions.create(**kwargs)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == want.text
+        assert lp.token_logprobs == pytest.approx(
+            [pos[t].logprob for pos, t in zip(want.logprobs, want.token_ids, strict=True)], abs=1e-4)
+        assert [v for top in lp.top_logprobs for v in sorted(top.values())] == pytest.approx(
+            [v for pos in want.logprobs
+             for v in sorted(x.logprob for x in pos.values() if x.rank <= 2)], abs=1e-4)
+        chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)
+                  if c.choices]
+        assert "".join(c.text for c in chunks) == want.text
+        streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+        assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert server.metric("kvfleet_spec_decode_num_accepted_tokens_total") > before
 
 
 def test_sampled_chat_with_several_choices_and_a_seed(server) -> None:

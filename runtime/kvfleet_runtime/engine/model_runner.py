@@ -68,8 +68,9 @@ class PendingStep:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)       # request id -> its new token
-    # speculative decoding: request id -> its accepted drafts and the token after them
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # speculative decoding: request id -> its accepted drafts and the token after them (with
+    # their logprobs where the request asks for them)
+    spec_tokens: dict[str, list[SampledToken]] = field(default_factory=dict)
     # the requests that asked for logprobs: their new token's (SampledToken: logprob, rank,
     # top-k); no object a row for the others (~1000 rows a step)
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
@@ -584,13 +585,15 @@ class ModelRunner:
         return last, batch
 
     def _verify(self, logits: torch.Tensor, layout: LogitsLayout,
-                drafting: list) -> dict[str, list[int]]:
+                drafting: list) -> dict[str, list[SampledToken]]:
         """Speculative decoding: each drafting request's accepted drafts and the token after them."""
         rows = [row for first, count in layout.spec for row in range(first, first + count)]
         mine = logits.index_select(0, host_to_device(rows, torch.long, self.device))
         reqs = [s.request for s in drafting]
         tokens = verify_drafts(mine, [s.spec_token_ids for s in drafting],
-                               [r.params for r in reqs], [r.generator for r in reqs])
+                               [r.params for r in reqs], [r.generator for r in reqs],
+                               [r.prompt_token_ids for r in reqs],
+                               [r.output_token_ids for r in reqs])
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _add_pending_history(self, batch: SamplingBatch, sampling: list,

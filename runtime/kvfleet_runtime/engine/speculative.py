@@ -12,8 +12,10 @@ without it (rejection sampling with a one-hot draft), so every token is distribu
 speculation. Drafts that are rejected leave their KV behind in slots the request owns past its
 length, which the next steps overwrite. Each step gives a request 1 to K + 1 tokens.
 
-Requests whose sampling reads their own history or a per-position state (penalties,
-min_tokens, structured outputs) or reports logprobs run without drafts in the same steps.
+Each drafted row is sampled as the step without drafts would sample it had the drafts before
+it been generated: penalties and min_tokens count those drafts, and logprobs are reported for
+every kept token. Requests under a grammar (structured outputs) run without drafts in the
+same steps.
 A drafted request runs as one one-token sequence a position, so a step with drafts is a decode
 step of more rows (the decode kernels, the CUDA graphs). Steps with drafts run synchronously
 (drafts are proposed from the tokens on the host, and the next step needs to know how many
@@ -110,12 +112,9 @@ def _check_positive(name: str, value: object) -> None:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: its sampling depends only on the logits of
-    each position (no penalties or min_tokens, which count earlier tokens; no grammar; no
-    logprobs to report)."""
-    return (not params.needs_penalties and not params.min_tokens
-            and params.structured_outputs is None and params.logprobs is None
-            and params.prompt_logprobs is None)
+    """Whether a request's tokens may be drafted: any request but one under a grammar (whose
+    matcher state advances token by token)."""
+    return params.structured_outputs is None
 
 
 def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int,

@@ -187,20 +187,26 @@ def probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> list[list[int]]:
+                  generators: list[torch.Generator | None],
+                  prompt_token_ids: list[list[int]] | None = None,
+                  output_token_ids: list[list[int]] | None = None) -> list[list[SampledToken]]:
     """Speculative decoding's check of drafted tokens -> for each request, the drafts it
-    keeps and the token that follows them (1 to len(drafts) + 1 tokens).
+    keeps and the token that follows them (1 to len(drafts) + 1 tokens), with their logprobs
+    where the request asks for them (under the raw logits of each token's row, as `Sampler`).
 
     logits: [sum(len(d) + 1), V], each request's rows in order: the row of its last token
     (which predicts drafts[0]), then one row per draft (the last predicts the token after
-    every draft). Greedy requests keep the drafts equal to the argmax of their rows, then
-    the argmax of the first row that disagrees (or of the last row). Random requests keep
-    draft j with probability p_j(draft j), p_j being the row's distribution after temperature,
-    top_k, top_p and min_p; at the first rejection they draw from p_j without the rejected
-    token (renormalised), and after the last draft from its row's p: a drafted proposal is
-    one-hot, so this is rejection sampling and every kept or drawn token is distributed as
-    p_j exactly, as without drafts. The processing before (allowed_token_ids, logit_bias) is
-    apply_penalties'; requests with penalties, min_tokens or a grammar are not drafted
+    every draft). Each row is processed as the step without drafts would process it had the
+    drafts before it been generated: min_tokens, allowed_token_ids, logit_bias and penalties
+    (apply_penalties) count the request's prompt and output (prompt_token_ids /
+    output_token_ids, needed for penalties and min_tokens) plus the drafts before the row.
+    Greedy requests keep the drafts equal to the argmax of their rows, then the argmax of
+    the first row that disagrees (or of the last row). Random requests keep draft j with
+    probability p_j(draft j), p_j being the row's distribution after that processing,
+    temperature, top_k, top_p and min_p; at the first rejection they draw from p_j without
+    the rejected token (renormalised), and after the last draft from its row's p: a drafted
+    proposal is one-hot, so this is rejection sampling and every kept or drawn token is
+    distributed as p_j exactly, as without drafts. Requests with a grammar are not drafted
     (engine/speculative.py). Seeded requests draw from their own generator."""
     counts = [len(d) + 1 for d in drafts]
     num_rows = sum(counts)
@@ -208,9 +214,19 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[Sa
         raise ValueError(f"logits has {logits.shape[0]} rows but the drafts need {num_rows}")
     device = logits.device
     row_params = [p for p, c in zip(params, counts, strict=True) for _ in range(c)]
-    empty: list[list[int]] = [[] for _ in range(num_rows)]
-    x = apply_penalties(logits, SamplingBatch(params=row_params, prompt_token_ids=empty,
-                                              output_token_ids=empty, generators=[None] * num_rows))
+    if any(p.needs_penalties or p.min_tokens for p in params):
+        if prompt_token_ids is None or output_token_ids is None:
+            raise ValueError("penalties and min_tokens need prompt_token_ids and output_token_ids")
+        row_prompts = [ids for ids, c in zip(prompt_token_ids, counts, strict=True)
+                       for _ in range(c)]
+        # row j of a request: its output as if drafts 0..j-1 had been generated
+        row_outputs = [[*out, *d[:j]] for out, d in zip(output_token_ids, drafts, strict=True)
+                       for j in range(len(d) + 1)]
+    else:
+        row_prompts = row_outputs = [[] for _ in range(num_rows)]
+    x = apply_penalties(logits, SamplingBatch(params=row_params, prompt_token_ids=row_prompts,
+                                              output_token_ids=row_outputs,
+                                              generators=[None] * num_rows))
     # each row's draft (-1 on a request's last row: there is nothing to check)
     draft = _rows_tensor([t for d in drafts for t in [*d, -1]], device, torch.long)
     greedy = [i for i, p in enumerate(row_params) if p.greedy]
@@ -244,13 +260,20 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[Sa
         residual = probs.scatter(1, at, torch.where(has_draft, 0.0, probs.gather(1, at).squeeze(1))
                                  .unsqueeze(1))
         tokens[idx] = _exponential_race(residual, [row_generators[i] for i in randoms])
-    tokens_host, accept_host = tokens.tolist(), accept.tolist()
+    # each row's token if the request's output reaches it: its draft where kept, else the draw
+    row_tokens = torch.where(accept, draft, tokens)
+    num_top = [p.logprobs for p in row_params]
+    lp = logprob_tensors(logits.float(), row_tokens, num_top)
+    results = lp.tensors() if lp is not None else []
+    host = [t.tolist() for t in (row_tokens, accept, *results)]   # one sync for all of them
+    sampled = sampled_tokens(host[0], lp, num_top, host[2:])
+    accept_host = host[1]
     out, row = [], 0
     for d, c in zip(drafts, counts, strict=True):
         kept = 0
         while kept < len(d) and accept_host[row + kept]:
             kept += 1
-        out.append([*d[:kept], tokens_host[row + kept]])
+        out.append(sampled[row:row + kept + 1])
         row += c
     return out
 
