@@ -33,6 +33,14 @@ def _text_decoder(tokenizer: PreTrainedTokenizerBase,
                                         clean_up_tokenization_spaces=False)
 
 
+def stop_token_unshown(params: SamplingParams, token_id: int, num_output: int) -> bool:
+    """Whether `token_id`, the num_output-th generated token, ends the sequence as an EOS or
+    stop token id without text of its own in the output: unless include_stop_str_in_output
+    (vLLM's rule; with skip_special_tokens off an EOS would otherwise show as `</s>`)."""
+    return (not params.include_stop_str_in_output and num_output >= params.min_tokens
+            and (token_id in params._eos_token_ids or token_id in params.stop_token_ids))
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:

@@ -57,8 +57,8 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
      "--chat-template: not a valid Jinja template (line 1:"),
     (["--allowed-origins", "https://ui.example"], "must be a JSON list of strings"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser "
-                                    "(hermes or llama3_json)"),
-    (["--tool-call-parser", "pythonic"], "invalid choice: 'pythonic'"),
+                                    "(hermes or llama3_json or mistral or pythonic)"),
+    (["--tool-call-parser", "granite"], "invalid choice: 'granite'"),
     (["--generation-config", "no/such/folder"],
      "--generation-config: no generation_config.json in 'no/such/folder'"),
 ])

@@ -85,7 +85,7 @@ class AsyncLLMEngine:
         self._merger: OutputMerger | None = None
         if engine_process:
             self.engine = EngineProcess(config)
-            self._merger = OutputMerger(self.engine.tokenizer)
+            self._merger = OutputMerger(self.engine.tokenizer, self.engine.eos_token_ids)
         else:
             from kvfleet_runtime.engine.engine import LLMEngine  # torch-heavy; imported on use
             self.engine = LLMEngine(config)

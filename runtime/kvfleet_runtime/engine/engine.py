@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from kvfleet_runtime.config import EngineConfig
-from kvfleet_runtime.detokenizer import IncrementalDetokenizer
+from kvfleet_runtime.detokenizer import IncrementalDetokenizer, stop_token_unshown
 from kvfleet_runtime.distributed.workers import WorkerDiedError, WorkerGroup
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
@@ -376,8 +376,8 @@ class LLMEngine:
                 touched[r.group_id] = None
         return list(touched)
 
-    def _append_verified(self, r: Request, s, tokens: list[int], result: ModelRunnerOutput,
-                         now: float) -> bool:
+    def _append_verified(self, r: Request, s, tokens: list[SampledToken],
+                         result: ModelRunnerOutput, now: float) -> bool:
         """Speculative decoding: append a step's kept drafts and the token after them, one by
         one (a stop among them drops the rest); True when that finished `r`. The KV of the
         rejected drafts stays in slots past the request's length: it counts as not computed."""
@@ -386,20 +386,22 @@ class LLMEngine:
         stats["spec_draft_tokens"] += len(s.spec_token_ids)
         stats["spec_accepted_tokens"] += len(tokens) - 1
         r.spec_token_ids = []
-        for token_id in tokens:
-            if self._append(r, token_id, result, now):
+        for tok in tokens:
+            if self._append(r, tok.token_id, result, now, tok):
                 return True
         r.num_computed_tokens = len(r.all_token_ids) - 1
         return False
 
-    def _append(self, r: Request, token_id: int, result: ModelRunnerOutput, now: float) -> bool:
-        """Appends a sampled token (detokenize, stop checks; its logprobs from `result` where
-        asked for); True when it finished `r`. Runs for every running request every step: the
-        common case reads few attributes."""
+    def _append(self, r: Request, token_id: int, result: ModelRunnerOutput, now: float,
+                tok: SampledToken | None = None) -> bool:
+        """Appends a sampled token (detokenize, stop checks; its logprobs from `tok`, else
+        from `result`, where asked for); True when it finished `r`. Runs for every running
+        request every step: the common case reads few attributes."""
         r.output_token_ids.append(token_id)
         r.all_token_ids.append(token_id)
         if r.logprobs is not None:    # decoding the top-k costs: only when asked for
-            tok = result.logprobs[r.request_id]
+            if tok is None:
+                tok = result.logprobs[r.request_id]
             r.add_logprobs(self._position_logprobs(r, tok), tok.logprob)
         metrics = r.metrics
         if metrics.first_token_time is None:
@@ -407,10 +409,13 @@ class LLMEngine:
         metrics.last_token_time = now
         metrics.num_generation_tokens += 1
         detokenizer = r.detokenizer
-        stop_str = detokenizer.update_one(token_id) if detokenizer is not None else None
         p = r.params
-        if (stop_str is None and r.grammar is None and token_id not in p._eos_token_ids
-                and token_id not in p.stop_token_ids
+        stop_id = token_id in p._eos_token_ids or token_id in p.stop_token_ids
+        stop_str = None
+        if detokenizer is not None and not (
+                stop_id and stop_token_unshown(p, token_id, len(r.output_token_ids))):
+            stop_str = detokenizer.update_one(token_id)
+        if (stop_str is None and r.grammar is None and not stop_id
                 and len(r.output_token_ids) < p.max_tokens
                 and len(r.all_token_ids) < self.config.max_model_len):
             return False          # nothing _check_stop could stop it for

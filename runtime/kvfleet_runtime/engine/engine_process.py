@@ -25,12 +25,13 @@ import os
 import queue
 import signal
 import threading
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from kvfleet_runtime.config import EngineConfig
-from kvfleet_runtime.detokenizer import IncrementalDetokenizer
+from kvfleet_runtime.detokenizer import IncrementalDetokenizer, stop_token_unshown
 from kvfleet_runtime.engine.delta_engine import SHORT_DELTA_LEN, server_detokenizes
 from kvfleet_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
@@ -70,7 +71,8 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     except BaseException as e:      # noqa: BLE001 - the parent reports it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.config, engine.served_model_name, engine.tokenizer))
+    conn.send(("ready", engine.config, engine.served_model_name, engine.tokenizer,
+               engine.eos_token_ids))
     # messages go up from a thread of their own, so a step never waits on a parent busy with
     # the last one (a full pipe): the next step launches while this one's outputs are sent, and
     # a parent that lags reads several steps at once (_run_reader coalesces them)
@@ -175,14 +177,17 @@ class OutputMerger:
     `server_detokenizes` are detokenized here, from their token ids (their deltas carry no
     text), with the tokenizer given."""
 
-    def __init__(self, tokenizer=None) -> None:
+    def __init__(self, tokenizer=None, eos_token_ids: Iterable[int] = ()) -> None:
         self._tokenizer = tokenizer
+        self._eos_token_ids = set(eos_token_ids)     # the model's (LLMEngine.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
         self._expected: dict[str, SamplingParams] = {}
 
     def expect(self, request_id: str, params: SamplingParams) -> None:
         """A request about to be sent to the engine process (before any delta of it)."""
         if server_detokenizes(params):
+            # as LLMEngine.add_request sets them: an EOS that ends the text shows none of it
+            params._eos_token_ids = set() if params.ignore_eos else set(self._eos_token_ids)
             self._expected[request_id] = params
 
     def merge(self, steps: list[list[tuple]]) -> list[RequestOutput]:
@@ -244,6 +249,9 @@ class OutputMerger:
         if detokenizer is None:
             detokenizer = tracked.detokenizers[index] = IncrementalDetokenizer(
                 self._tokenizer, tracked.prompt_token_ids, tracked.params)
+        if finish_reason == "stop" and new_ids and stop_token_unshown(
+                tracked.params, new_ids[-1], len(tracked.token_ids.get(index, ())) + len(new_ids)):
+            new_ids = new_ids[:-1]
         update = detokenizer.update_one
         for token_id in new_ids:
             update(token_id)
@@ -299,7 +307,7 @@ class EngineProcess:
         if message[0] != "ready":
             self.process.join(10)
             raise EngineProcessError(f"the engine process failed to start: {message[1]}")
-        _, self.config, self.served_model_name, self.tokenizer = message
+        _, self.config, self.served_model_name, self.tokenizer, self.eos_token_ids = message
         self._sender.start()
 
     def _recv_ready(self) -> tuple:

@@ -23,7 +23,7 @@ from typing import Any
 from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 
 # server/tools.py's PARSERS (named here: `kvfleet --help` imports no pydantic)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")       # server/reasoning.py's
 
 logger = logging.getLogger("kvfleet.serve")
@@ -177,7 +177,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "the model decide to call them; needs --tool-call-parser")
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how the model writes tool calls: hermes (<tool_call> tags: "
-                             "Qwen2.5, Qwen3, Hermes) or llama3_json (a JSON object: Llama 3.1+)")
+                             "Qwen2.5, Qwen3, Hermes), llama3_json (a JSON object: Llama 3.1+), "
+                             "mistral ([TOOL_CALLS] then the calls: Mistral, Mixtral) or pythonic "
+                             "(a Python list of calls: Llama 3.2, Llama 4)")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="split a thinking model's <think>...</think> from its answer into "
                              "the message's reasoning field: deepseek_r1 (DeepSeek-R1, QwQ) or "

@@ -137,7 +137,8 @@ class _SamplingRequest(_Strict):
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                          defaults: dict[str, Any],
-                         tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
+                         tool_grammar: StructuredOutputsParams | None = None,
+                         keep_special_tokens: bool = False) -> SamplingParams:
         self._check_unsupported()
         structured = self._structured_outputs
         if tool_grammar is not None:
@@ -158,7 +159,8 @@ class _SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias,
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
+            logit_bias=self._logit_bias,
             allowed_token_ids=self.allowed_token_ids, structured_outputs=structured)
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
@@ -341,7 +343,8 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(
             max_tokens=max_tokens, logprobs=logprobs, defaults=defaults or {},
-            tool_grammar=tools.structured_outputs() if tools is not None else None)
+            tool_grammar=tools.structured_outputs() if tools is not None else None,
+            keep_special_tokens=tools is not None and tools.keeps_special_tokens)
 
 
 class TokenizeRequest(_Strict):

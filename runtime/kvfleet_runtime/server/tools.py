@@ -8,20 +8,29 @@
 - `tool_choice: "auto"` (the default when tools are given): the model decides; its text is
   parsed for calls in its own format by the server's `--tool-call-parser` (hermes:
   `<tool_call>{"name", "arguments"}</tool_call>`, Qwen2.5/Qwen3/Hermes; llama3_json: a JSON
-  object `{"name", "parameters"}` as the whole answer, Llama 3.1+). Needs
-  `--enable-auto-tool-choice`, as vLLM.
+  object `{"name", "parameters"}` as the whole answer, Llama 3.1+; mistral: `[TOOL_CALLS]`
+  then a JSON array of `{"name", "arguments"}` or, v11+ tokenizers, `name{arguments}` per
+  `[TOOL_CALLS]`, Mistral/Mixtral, with Mistral's 9-character call ids; pythonic: a Python list
+  of calls `[f(a=1), g(b="x")]` as the whole answer, read with `ast`, literals only, Llama
+  3.2/Llama 4). Needs `--enable-auto-tool-choice`, as vLLM. Text that does not parse as calls
+  stays content.
 - `tool_choice: "none"`: the tools reach the chat template and nothing is parsed.
 
 Streamed, a named call's arguments and a hermes call's go out as they are generated (its
-header once its name is read); a required or llama3_json call goes out whole when the choice
-ends (text before a hermes call streams as content as it comes).
+header once its name is read); a required, llama3_json, mistral or pythonic call goes out whole
+when the choice ends (text before a hermes or mistral call streams as content as it comes).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
+import random
 import re
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -81,6 +90,14 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_mistral_call_id() -> str:
+    """Mistral's chat templates refuse call ids other than 9 letters and digits (vLLM's)."""
+    return "".join(random.choices(_ALNUM, k=9))
+
+
 class ToolCall(BaseModel):
     id: str = Field(default_factory=lambda: new_call_id())
     type: Literal["function"] = "function"
@@ -116,6 +133,12 @@ class ToolPlan:
     def active(self) -> bool:
         """Whether the answer is read for tool calls."""
         return self.mode != "none"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer's text keeps special tokens: mistral's `[TOOL_CALLS]` is one (as
+        vLLM, which turns skip_special_tokens off for that parser)."""
+        return self.mode == "auto" and self.parser == "mistral"
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
@@ -208,18 +231,24 @@ def template_message_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
 
 # ---- parsers ----
 
-def _call(obj: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+# what reading a model's text as JSON (or Python) may raise: deep nesting exceeds the recursion
+# limit, which is no ValueError
+_UNREADABLE = (ValueError, RecursionError)
+
+
+def _call(obj: Any, arguments_keys: tuple[str, ...],
+          new_id: Callable[[], str] = new_call_id) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = next((obj[k] for k in arguments_keys if k in obj), {})
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(function=FunctionCall(name=obj["name"], arguments=text))
+    return ToolCall(id=new_id(), function=FunctionCall(name=obj["name"], arguments=text))
 
 
 def _required_calls(text: str) -> list[ToolCall] | None:
     try:
         items = json.loads(text)
-    except ValueError:
+    except _UNREADABLE:
         return None
     if not isinstance(items, list):
         return None
@@ -245,7 +274,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     for body in _HERMES_CALL.findall(text[start:]):
         try:
             call = _call(json.loads(body), ("arguments", "parameters"))
-        except ValueError:
+        except _UNREADABLE:
             call = None
         if call is None:
             return text, []       # not calls after all: the text as it is
@@ -268,7 +297,7 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     while pos < len(body):
         try:
             obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
+        except _UNREADABLE:
             return text, []
         call = _call(obj, ("parameters", "arguments"))
         if call is None:
@@ -280,7 +309,110 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, calls
 
 
-PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Mistral / Mixtral: content, then `[TOOL_CALLS]` and a JSON array of
+    `{"name": ..., "arguments": {...}}` (tokenizers before v11), or `[TOOL_CALLS]name{...}`
+    per call, `[ARGS]` optionally between the name and its arguments (v11+). Call ids are 9
+    letters and digits, as Mistral's chat templates require."""
+    start = text.find(_MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in text[start + len(_MISTRAL_CALLS):].split(_MISTRAL_CALLS):
+        found = _mistral_calls(block.strip())
+        if found is None:
+            return text, []       # not calls after all: the text as it is
+        calls += found
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def _mistral_calls(block: str) -> list[ToolCall] | None:
+    """The calls after one `[TOOL_CALLS]`; None unless the whole block is calls."""
+    try:
+        if block.startswith(("[", "{")):                  # [{"name", "arguments"}, ...]
+            items = json.loads(block)
+            items = [items] if isinstance(items, dict) else items
+            if not isinstance(items, list) or not items:
+                return None
+            calls = [_call(item, ("arguments",), new_mistral_call_id) for item in items]
+            return None if any(c is None for c in calls) else calls
+        name, brace, arguments = block.partition("{")     # name[ARGS]{...}
+        name = name.replace(_MISTRAL_ARGS, "").strip()
+        arguments = json.loads(brace + arguments)
+    except _UNREADABLE:
+        return None
+    if not _NAME.fullmatch(name) or not isinstance(arguments, dict):
+        return None
+    return [_call({"name": name, "arguments": arguments}, ("arguments",), new_mistral_call_id)]
+
+
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3.2 / Llama 4: the whole answer is a Python list of calls by keyword,
+    `[get_weather(city="Paris"), search(q='x')]`, optionally inside `<|python_start|>` and
+    `<|python_end|>` (Llama 4). Read with `ast`, nothing evaluated: arguments are literals only
+    (strings, numbers, True/False/None, lists, dicts with string keys)."""
+    body = text.strip().removeprefix(_PYTHON_START).strip().removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = [_python_call(node) for node in tree.elts]
+    except (SyntaxError, MemoryError, *_UNREADABLE):
+        return text, []
+    return None, calls
+
+
+def _python_call(node: ast.expr) -> ToolCall:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        raise ValueError("not a call with keyword arguments")
+    arguments: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None or keyword.arg in arguments:      # **spread, or repeated
+            raise ValueError("not a call with keyword arguments")
+        arguments[keyword.arg] = _python_literal(keyword.value)
+    return ToolCall(function=FunctionCall(name=node.func.id,
+                                          arguments=json.dumps(arguments, ensure_ascii=False)))
+
+
+def _python_literal(node: ast.expr | None) -> Any:
+    """The value of a literal JSON can hold; ValueError for anything else."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        # -1, -2.5: in Python's syntax, an operator on a number
+        number = node.operand.value if isinstance(node.operand, ast.Constant) else None
+        if type(number) not in (int, float):
+            raise ValueError("a sign on something else than a number")
+        return _python_literal(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if value is None or isinstance(value, str | bool | int) or (
+                isinstance(value, float) and math.isfinite(value)):
+            return value
+    if isinstance(node, ast.List):
+        return [_python_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [_python_literal(k) for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("a dict key that is not a string")
+        return dict(zip(keys, (_python_literal(v) for v in node.values), strict=True))
+    raise ValueError("not a literal")
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral,
+           "pythonic": parse_pythonic}
+# streaming: parsers whose calls follow content after a tag (held back from the tag on), and
+# those whose whole answer is the calls (held back from its first character, when it is one
+# of these starts)
+_CALL_TAGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS}
+_ANSWER_STARTS = {"llama3_json": ("{", _PYTHON_TAG), "pythonic": ("[", _PYTHON_START)}
 
 
 # ---- streaming ----
@@ -307,22 +439,25 @@ class ToolStreamer:
             return [_call_delta(0, delta)] if delta else []
         if mode == "required":
             return []
+        parser = self.plan.parser
         if self.holding:
-            return self._hermes_calls(final=False) if self.plan.parser == "hermes" else []
+            return self._hermes_calls(final=False) if parser == "hermes" else []
         # auto: content until the text may be a call; the rest is held
-        if self.plan.parser == "llama3_json":
+        if parser in _ANSWER_STARTS:
             stripped = self.text.lstrip()
             if not stripped:
                 return []
-            if stripped.startswith(("{", _PYTHON_TAG[:len(stripped)])):
+            if stripped.startswith(tuple(s[:len(stripped)] for s in _ANSWER_STARTS[parser])):
                 self.holding = True
                 return []
             return self._content(len(self.text))
-        found = self.text.find(_HERMES_OPEN)
+        tag = _CALL_TAGS[parser]
+        found = self.text.find(tag)
         if found >= 0:
             self.holding = True
-            return self._content(found) + self._hermes_calls(final=False)
-        return self._content(len(self.text) - partial_suffix(self.text, _HERMES_OPEN))
+            calls = self._hermes_calls(final=False) if parser == "hermes" else []
+            return self._content(found) + calls
+        return self._content(len(self.text) - partial_suffix(self.text, tag))
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
         """The choice's last deltas, and whether it made tool calls."""
@@ -337,8 +472,9 @@ class ToolStreamer:
             if rest:
                 out.append({"content": rest})
             return out, False
-        if self.plan.mode == "auto" and self.plan.parser == "hermes":
-            tail = self.text[self.sent:self.text.find(_HERMES_OPEN)]    # held back before the tag
+        if self.plan.mode == "auto" and self.plan.parser in _CALL_TAGS:
+            tag = _CALL_TAGS[self.plan.parser]
+            tail = self.text[self.sent:self.text.find(tag)]     # held back before the tag
             if tail.strip():
                 out.append({"content": tail})
         out += [_call_delta(i, c.function.arguments, c.id, c.function.name)
@@ -360,8 +496,12 @@ class ToolStreamer:
             if head is None:
                 break
             if i == len(self.streamed):
+                try:
+                    name = json.loads(f'"{head[1]}"')
+                except ValueError:       # a bad escape: not a call; finish sends the text
+                    break
                 self.streamed.append(0)
-                out.append(_call_delta(i, "", new_call_id(), json.loads(f'"{head[1]}"')))
+                out.append(_call_delta(i, "", new_call_id(), name))
             raw = body[head.end():]
             if closed:
                 args = raw.rstrip()
