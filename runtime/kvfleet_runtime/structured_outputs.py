@@ -217,6 +217,60 @@ def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
     logits.index_copy_(0, index, sub)
 
 
+def grammar_prefix(grammar: SequenceGrammar, drafts: list[int]) -> int:
+    """How many of `drafts` (speculative decoding) the grammar allows in turn after the
+    sequence's tokens: up to the first it refuses, or through one that ends it (a stop token).
+    The matcher is left as it was (rolled back)."""
+    m = grammar.matcher
+    if grammar.done:
+        return 0
+    n = 0
+    for t in drafts:
+        if t >= grammar.vocab_size or not m.accept_token(t):
+            break
+        n += 1
+        if m.is_terminated():
+            break
+    if n:
+        m.rollback(n)
+    return n
+
+
+def mask_draft_rows(logits: torch.Tensor, requests: list[tuple[SequenceGrammar, int, list[int]]]
+                    ) -> None:
+    """mask_logits for speculative decoding's rows, in place: each (grammar, first row, drafts)
+    owns rows first .. first + len(drafts), row j masked as the grammar stands after drafts
+    0..j-1 (which grammar_prefix allowed when they were proposed). A row past a draft that ends
+    the grammar is left unmasked: the sequence stops at that draft if it is kept."""
+    import torch
+    import xgrammar as xgr
+    vocab = requests[0][0].vocab_size
+    rows = [first + j for _, first, drafts in requests for j in range(len(drafts) + 1)]
+    cuda = logits.is_cuda
+    bitmask = torch.full(xgr.get_bitmask_shape(len(rows), vocab), -1, dtype=xgr.bitmask_dtype,
+                         pin_memory=cuda)
+    at = 0
+    for grammar, _, drafts in requests:
+        m, fed = grammar.matcher, 0
+        for j in range(len(drafts) + 1):
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(bitmask, at + j)
+            if j < len(drafts) and not m.is_terminated():
+                if not m.accept_token(drafts[j]):
+                    raise ValueError(f"draft {drafts[j]} is not allowed by the grammar")
+                fed += 1
+        if fed:
+            m.rollback(fed)
+        at += len(drafts) + 1
+    if cuda:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    index = torch.tensor(rows, dtype=torch.long, pin_memory=cuda).to(logits.device,
+                                                                       non_blocking=cuda)
+    sub = logits.index_select(0, index)
+    _apply(sub, bitmask, vocab)
+    logits.index_copy_(0, index, sub)
+
+
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor, vocab: int) -> None:
     import xgrammar as xgr
     width = logits.shape[1]

@@ -13,11 +13,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.config import EngineConfig
-from kvfleet_runtime.engine.speculative import SpeculativeConfig, propose_ngram, speculates
+from kvfleet_runtime.engine.speculative import SpeculativeConfig, propose_ngram
 from kvfleet_runtime.layers.sampler import verify_drafts
+from kvfleet_runtime.structured_outputs import (
+    GrammarBackend,
+    StructuredOutputsParams,
+    grammar_prefix,
+)
 from support.engine_ops import all_blocks_free, run_random_ops
 from support.hf_reference import hf_greedy
 from support.tiny_models import ARCHS
+from transformers import AutoTokenizer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -59,15 +65,6 @@ def test_engine_config_parses_the_flag_and_keeps_async_scheduling():
     assert EngineConfig(model="x", device="cuda").speculative is None
     with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
         EngineConfig(model="x", speculative_config={**NGRAM, "disable_by_batch_size": 0})
-
-
-def test_which_requests_are_drafted():
-    for kwargs in ({"temperature": 0.8, "top_p": 0.9, "logit_bias": {5: 3.0}, "seed": 1},
-                   {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 3},
-                   {"logprobs": 2}, {"prompt_logprobs": 1}):
-        assert speculates(SamplingParams(**kwargs)), kwargs
-    # a grammar's matcher advances token by token: not drafted
-    assert not speculates(SamplingParams(structured_outputs={"choice": ["a", "b"]}))
 
 
 # ---- proposer ----------------------------------------------------------------------------
@@ -223,6 +220,33 @@ def test_seeded_verification_is_reproducible():
         g = torch.Generator().manual_seed(7)
         return [_verify(logits, [[1, 2]], params, [g])[0] for _ in range(5)]
     assert run() == run()
+
+
+def test_a_grammar_cuts_the_drafts_and_masks_each_row_as_after_the_drafts_before(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
+    grammar = backend.sequence(StructuredOutputsParams(choice=["alpha beta", "gamma"]))
+    ids = tok("alpha beta", add_special_tokens=False)["input_ids"]
+    other = tok("gamma", add_special_tokens=False)["input_ids"][0]
+    # the prefix the grammar allows: all of "alpha beta", then its stop token; not past it
+    assert grammar_prefix(grammar, [*ids, tok.eos_token_id, other]) == len(ids) + 1
+    assert grammar_prefix(grammar, [*ids[:1], other]) == 1
+    assert grammar_prefix(grammar, [other, *ids]) == 1             # "gamma"'s first token
+    assert grammar_prefix(grammar, [ids[1]]) == 0                   # not a start
+    assert grammar.matcher.accept_token(ids[0]) and grammar.matcher.rollback(1) is None
+    # every row's raw argmax (5.0) is a token the grammar forbids there; the drafts score 3.0
+    # and the stop token 1.0: masked as after the drafts before it, each row keeps its draft,
+    # and the row after them the stop token (the only one left)
+    bad = tok(" zzz", add_special_tokens=False)["input_ids"][0]
+    x = torch.zeros(len(ids) + 1, len(tok))
+    x[:, bad] = 5.0
+    x[torch.arange(len(ids)), torch.tensor(ids)] = 3.0
+    x[:, tok.eos_token_id] = 1.0
+    p = SamplingParams(temperature=0.0, structured_outputs={"choice": ["alpha beta", "gamma"]})
+    assert _verify(x, [ids], [p], [None], grammars=[grammar]) == [[*ids, tok.eos_token_id]]
+    assert _verify(x, [ids], [p], [None]) == [[bad]]                # (no grammar given)
+    # the matcher is where it was: the same again
+    assert _verify(x, [ids], [p], [None], grammars=[grammar]) == [[*ids, tok.eos_token_id]]
 
 
 # ---- engine ------------------------------------------------------------------------------
@@ -382,6 +406,53 @@ def test_penalties_min_tokens_and_logprobs_with_drafts_equal_the_engine_without(
                 assert got_pos[tid].logprob == pytest.approx(lp.logprob, abs=1e-4)
         if w.logprobs is not None:
             assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+    assert all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_structured_outputs_with_drafts_equal_the_engine_without(tiny_model_dir, plain_llm,
+                                                                  monkeypatch, async_scheduling):
+    # a grammar's requests are drafted: drafts cut to the prefix the grammar allows, each row
+    # masked as the grammar stands after the drafts before it; the oracle's drafts (the output
+    # without drafts, every third proposal's last token wrong) must give that output again
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}},
+        "required": ["name", "tags"], "additionalProperties": False}
+    specs = [StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+             StructuredOutputsParams(regex=r"([0-9]{3}-[a-z]{2} ){3}"),
+             StructuredOutputsParams(choice=["alpha beta gamma delta", "epsilon"])]
+    prompts = _repetitive_prompts(6, seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=spec)
+              for spec in specs] * 2
+    want = plain_llm.generate(prompts, params)
+    ahead = {tuple(w.prompt_token_ids): w.outputs[0].token_ids for w in want}
+
+    def oracle(self, request, limit):
+        done = len(request.output_token_ids)
+        drafts = list(ahead[tuple(request.prompt_token_ids)][done:done + min(limit, 4)])
+        if drafts and done % 3 == 1:
+            drafts[-1] = (drafts[-1] + 7) % 1000
+        return drafts
+    monkeypatch.setattr(SpeculativeConfig, "propose", oracle)
+    spec_llm = LLM(model=tiny_model_dir("llama"), max_num_seqs=8, speculative_config=NGRAM,
+                   dtype="float32", async_scheduling=async_scheduling)
+    engine = spec_llm.engine
+    kept: dict[str, int] = {}
+    real = engine._append_verified
+
+    def spy(r, s, tokens, *rest):
+        kind = r.params.structured_outputs.kind
+        kept[kind] = kept.get(kind, 0) + len(tokens) - 1
+        return real(r, s, tokens, *rest)
+    monkeypatch.setattr(engine, "_append_verified", spy)
+    got = spec_llm.generate(prompts, params)
+    assert len(kept) == 3 and min(kept.values()) >= 8, kept
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason == "stop"
+    json.loads(got[0].outputs[0].text)
     assert all_blocks_free(engine)
 
 

@@ -82,6 +82,22 @@ def test_logprobs_with_drafts_equal_the_engine_without(server, plain_llm) -> Non
     assert server.metric("kvfleet_spec_decode_num_accepted_tokens_total") > before
 
 
+def test_a_json_schema_with_drafts_gives_the_engines_output_without(server, plain_llm) -> None:
+    # a grammar's requests are drafted too (drafts cut to what the grammar allows)
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 6}},
+        "required": ["tags"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.0, max_tokens=80,
+                            structured_outputs={"json": schema, "disable_any_whitespace": True})
+    client = OpenAI(base_url=server.openai_base_url, api_key="unused")
+    for prompt, want in zip(PROMPTS, plain_llm.generate(PROMPTS, params), strict=True):
+        r = client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=80, temperature=0,
+            extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+        assert r.choices[0].text == want.outputs[0].text
+        assert set(json.loads(r.choices[0].text)) == {"tags"}
+
+
 def test_sampled_chat_with_several_choices_and_a_seed(server) -> None:
     client = OpenAI(base_url=server.openai_base_url, api_key="unused")
     kwargs = dict(model=NAME, messages=[{"role": "user", "content": "abc abc abc abc"}],

@@ -15,7 +15,6 @@ from kvfleet_runtime.distributed.workers import WorkerDiedError, WorkerGroup
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
 from kvfleet_runtime.engine.scheduler import Scheduler, SchedulerOutput
-from kvfleet_runtime.engine.speculative import speculates
 from kvfleet_runtime.layers.backend import set_backend
 from kvfleet_runtime.layers.sampler import SampledToken
 from kvfleet_runtime.loader import load_model
@@ -23,6 +22,7 @@ from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, Requ
 from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.request import Request, RequestStatus
 from kvfleet_runtime.sampling_params import SamplingParams
+from kvfleet_runtime.structured_outputs import grammar_prefix
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +301,14 @@ class LLMEngine:
         found = False
         for r in running:
             drafts = []
-            if r.num_computed_tokens >= len(r.all_token_ids) - 1 and speculates(r.params):
+            if r.num_computed_tokens >= len(r.all_token_ids) - 1:
                 drafts = spec.propose(r, r.params.max_tokens - len(r.output_token_ids)
                                       - r.num_pending - 1)
                 if drafts and dry_run:
                     return True
+                if drafts and r.grammar is not None:    # only what the grammar allows
+                    r.grammar.catch_up(r.output_token_ids)
+                    drafts = drafts[:grammar_prefix(r.grammar, drafts)]
             if not dry_run:
                 r.spec_token_ids = drafts
             found = found or bool(drafts)

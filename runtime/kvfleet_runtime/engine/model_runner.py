@@ -590,10 +590,16 @@ class ModelRunner:
         rows = [row for first, count in layout.spec for row in range(first, first + count)]
         mine = logits.index_select(0, host_to_device(rows, torch.long, self.device))
         reqs = [s.request for s in drafting]
+        grammars = None
+        if any(r.grammar is not None for r in reqs):
+            for r in reqs:      # (drafted steps are synchronous: every token is on the host)
+                if r.grammar is not None:
+                    r.grammar.catch_up(r.output_token_ids)
+            grammars = [r.grammar for r in reqs]
         tokens = verify_drafts(mine, [s.spec_token_ids for s in drafting],
                                [r.params for r in reqs], [r.generator for r in reqs],
                                [r.prompt_token_ids for r in reqs],
-                               [r.output_token_ids for r in reqs])
+                               [r.output_token_ids for r in reqs], grammars)
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _add_pending_history(self, batch: SamplingBatch, sampling: list,

@@ -13,9 +13,9 @@ speculation. Drafts that are rejected leave their KV behind in slots the request
 length, which the next steps overwrite. Each step gives a request 1 to K + 1 tokens.
 
 Each drafted row is sampled as the step without drafts would sample it had the drafts before
-it been generated: penalties and min_tokens count those drafts, and logprobs are reported for
-every kept token. Requests under a grammar (structured outputs) run without drafts in the
-same steps.
+it been generated: penalties and min_tokens count those drafts, a grammar (structured outputs)
+masks it as it stands after them (drafts are cut to the prefix the grammar allows when they
+are proposed), and logprobs are reported for every kept token.
 A drafted request runs as one one-token sequence a position, so a step with drafts is a decode
 step of more rows (the decode kernels, the CUDA graphs). Steps with drafts run synchronously
 (drafts are proposed from the tokens on the host, and the next step needs to know how many
@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # (config.py imports this module: no torch here)
     from kvfleet_runtime.request import Request
-    from kvfleet_runtime.sampling_params import SamplingParams
 
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -109,12 +108,6 @@ class SpeculativeConfig:
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"speculative_config.{name} must be a positive integer; got {value!r}")
-
-
-def speculates(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: any request but one under a grammar (whose
-    matcher state advances token by token)."""
-    return params.structured_outputs is None
 
 
 def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int,

@@ -189,7 +189,8 @@ def probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
 def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
                   generators: list[torch.Generator | None],
                   prompt_token_ids: list[list[int]] | None = None,
-                  output_token_ids: list[list[int]] | None = None) -> list[list[SampledToken]]:
+                  output_token_ids: list[list[int]] | None = None,
+                  grammars: list | None = None) -> list[list[SampledToken]]:
     """Speculative decoding's check of drafted tokens -> for each request, the drafts it
     keeps and the token that follows them (1 to len(drafts) + 1 tokens), with their logprobs
     where the request asks for them (under the raw logits of each token's row, as `Sampler`).
@@ -199,15 +200,17 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[Sa
     every draft). Each row is processed as the step without drafts would process it had the
     drafts before it been generated: min_tokens, allowed_token_ids, logit_bias and penalties
     (apply_penalties) count the request's prompt and output (prompt_token_ids /
-    output_token_ids, needed for penalties and min_tokens) plus the drafts before the row.
+    output_token_ids, needed for penalties and min_tokens) plus the drafts before the row, and
+    a request's grammar (grammars: its SequenceGrammar, fed its output; structured outputs)
+    masks row j as it stands after drafts 0..j-1.
     Greedy requests keep the drafts equal to the argmax of their rows, then the argmax of
     the first row that disagrees (or of the last row). Random requests keep draft j with
     probability p_j(draft j), p_j being the row's distribution after that processing,
     temperature, top_k, top_p and min_p; at the first rejection they draw from p_j without
     the rejected token (renormalised), and after the last draft from its row's p: a drafted
     proposal is one-hot, so this is rejection sampling and every kept or drawn token is
-    distributed as p_j exactly, as without drafts. Requests with a grammar are not drafted
-    (engine/speculative.py). Seeded requests draw from their own generator."""
+    distributed as p_j exactly, as without drafts. Seeded requests draw from their own
+    generator."""
     counts = [len(d) + 1 for d in drafts]
     num_rows = sum(counts)
     if logits.shape[0] != num_rows:
@@ -227,6 +230,17 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[Sa
     x = apply_penalties(logits, SamplingBatch(params=row_params, prompt_token_ids=row_prompts,
                                               output_token_ids=row_outputs,
                                               generators=[None] * num_rows))
+    if grammars is not None:
+        entries, row = [], 0
+        for g, d, c in zip(grammars, drafts, counts, strict=True):
+            if g is not None and not g.done:
+                entries.append((g, row, d))
+            row += c
+        if entries:
+            from kvfleet_runtime.structured_outputs import mask_draft_rows
+            if x is logits:
+                x = logits.float().clone()
+            mask_draft_rows(x, entries)
     # each row's draft (-1 on a request's last row: there is nothing to check)
     draft = _rows_tensor([t for d in drafts for t in [*d, -1]], device, torch.long)
     greedy = [i for i, p in enumerate(row_params) if p.greedy]
