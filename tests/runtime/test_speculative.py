@@ -1,6 +1,8 @@
 """Speculative decoding by n-gram prompt lookup: the config, the proposer, the verification
-(greedy exact, random by rejection sampling), and the engine: greedy output token-identical to
-HF transformers and to the engine without drafts, stops inside drafts, preemption, no leaks."""
+(greedy exact, random by rejection sampling; penalties, min_tokens and grammars over each
+drafted row as if the drafts before it were generated; logprobs of every kept token), and the
+engine: greedy output token-identical to HF transformers and to the engine without drafts,
+stops inside drafts, preemption, no leaks."""
 
 from __future__ import annotations
 
@@ -324,6 +326,20 @@ def test_triton_path_in_the_interpreter_with_drafts_matches_hf(tiny_model_dir, m
         set_backend("auto")
 
 
+def _oracle(outputs, k: int, shift: int):
+    """A stand-in for SpeculativeConfig.propose: the next k tokens each request's output
+    (`outputs`, the engine's without drafts) has, every third proposal's last one wrong (+shift)."""
+    ahead = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outputs}
+
+    def propose(self, request, limit):
+        done = len(request.output_token_ids)
+        drafts = list(ahead[tuple(request.prompt_token_ids)][done:done + min(limit, k)])
+        if drafts and done % 3 == 1:
+            drafts[-1] = (drafts[-1] + shift) % 1000
+        return drafts
+    return propose
+
+
 @pytest.fixture(scope="module")
 def spec_llm(tiny_model_dir):
     return LLM(model=tiny_model_dir("llama"), max_num_seqs=8, speculative_config=NGRAM,
@@ -374,15 +390,7 @@ def test_penalties_min_tokens_and_logprobs_with_drafts_equal_the_engine_without(
               SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.4,
                              presence_penalty=0.2, logprobs=0)] * 2
     want = plain_llm.generate(prompts, params)
-    ahead = {tuple(w.prompt_token_ids): w.outputs[0].token_ids for w in want}
-
-    def oracle(self, request, limit):
-        done = len(request.output_token_ids)
-        drafts = list(ahead[tuple(request.prompt_token_ids)][done:done + min(limit, 3)])
-        if drafts and done % 3 == 1:
-            drafts[-1] = (drafts[-1] + 1) % 1000
-        return drafts
-    monkeypatch.setattr(SpeculativeConfig, "propose", oracle)
+    monkeypatch.setattr(SpeculativeConfig, "propose", _oracle(want, 3, 1))
     engine = spec_llm.engine
     kept: dict[tuple, int] = {}       # each kind of params -> its drafts kept
     real = engine._append_verified
@@ -426,15 +434,7 @@ def test_structured_outputs_with_drafts_equal_the_engine_without(tiny_model_dir,
     params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=spec)
               for spec in specs] * 2
     want = plain_llm.generate(prompts, params)
-    ahead = {tuple(w.prompt_token_ids): w.outputs[0].token_ids for w in want}
-
-    def oracle(self, request, limit):
-        done = len(request.output_token_ids)
-        drafts = list(ahead[tuple(request.prompt_token_ids)][done:done + min(limit, 4)])
-        if drafts and done % 3 == 1:
-            drafts[-1] = (drafts[-1] + 7) % 1000
-        return drafts
-    monkeypatch.setattr(SpeculativeConfig, "propose", oracle)
+    monkeypatch.setattr(SpeculativeConfig, "propose", _oracle(want, 4, 7))
     spec_llm = LLM(model=tiny_model_dir("llama"), max_num_seqs=8, speculative_config=NGRAM,
                    dtype="float32", async_scheduling=async_scheduling)
     engine = spec_llm.engine
@@ -553,3 +553,32 @@ def test_gpu_drafts_give_the_same_tokens_graphed_and_eager(tiny_model_dir):
     llm = LLM(model=path, dtype="bfloat16", max_num_seqs=16, speculative_config=NGRAM)
     assert (llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids
             == llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids)
+
+
+@pytest.mark.gpu
+def test_gpu_penalties_logprobs_and_grammars_with_drafts_equal_the_engine_without(
+        tiny_model_dir, monkeypatch):
+    # the drafted rows' processing on the GPU (penalties over each row's history, xgrammar's
+    # masks per drafted row through its CUDA path, logprobs), the drafts from the oracle
+    path = tiny_model_dir("llama")
+    prompts = _repetitive_prompts(8, seed=12)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=0.3, min_tokens=30),
+              SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs={"regex": r"([0-9]{3}-[a-z]{2} ){3}"}),
+              SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs={"choice": ["alpha beta gamma", "delta"]})] * 2
+    want = LLM(model=path, dtype="float32", max_num_seqs=8).generate(prompts, params)
+    monkeypatch.setattr(SpeculativeConfig, "propose", _oracle(want, 4, 5))
+    llm = LLM(model=path, dtype="float32", max_num_seqs=8, speculative_config=NGRAM)
+    got = llm.generate(prompts, params)
+    assert llm.engine.spec_stats["spec_accepted_tokens"] >= 40
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+    assert [lp[t].logprob for lp, t in zip(got[0].outputs[0].logprobs,
+                                           got[0].outputs[0].token_ids, strict=True)] == \
+        pytest.approx([lp[t].logprob for lp, t in zip(want[0].outputs[0].logprobs,
+                                                      want[0].outputs[0].token_ids,
+                                                      strict=True)], abs=1e-4)
+    assert all_blocks_free(llm.engine)
