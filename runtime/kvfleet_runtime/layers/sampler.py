@@ -238,8 +238,8 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[Sa
             row += c
         if entries:
             from kvfleet_runtime.structured_outputs import mask_draft_rows
-            if x is logits:
-                x = logits.float().clone()
+            if x is logits:     # (a grammar's row always has apply_penalties copy them)
+                x = logits.clone()
             mask_draft_rows(x, entries)
     # each row's draft (-1 on a request's last row: there is nothing to check)
     draft = _rows_tensor([t for d in drafts for t in [*d, -1]], device, torch.long)
