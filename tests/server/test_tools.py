@@ -275,6 +275,20 @@ def test_streamed_deltas_join_to_the_parsed_answer(parser, text):
             assert content == text and not calls
 
 
+@pytest.mark.parametrize("parser", ["mistral", "hermes", None])
+def test_named_and_required_calls_take_the_servers_call_ids(parser):
+    # Mistral's chat templates refuse any id but 9 letters and digits: a mistral server gives
+    # such ids to every call, named and required choices' too
+    (named,) = _plan("named", parser).parse('{"city": "Paris", "unit": "C"}')[1]
+    (required,) = _plan("required", parser).parse(
+        '[{"name": "get_time", "parameters": {"zone": "UTC"}}]')[1]
+    streamer = _plan("named", parser).streamer()
+    (delta,) = streamer.feed('{"city": ')
+    streamed = delta["tool_calls"][0]["id"]
+    for call_id in (named.id, required.id, streamed):
+        assert _is_call_id(parser, call_id), call_id
+
+
 def test_mistral_auto_tool_choice_keeps_special_tokens_in_the_text():
     # [TOOL_CALLS] is a special token of Mistral's tokenizers: as vLLM, that parser's auto
     # choice turns skip_special_tokens off; other parsers and choices leave it as asked

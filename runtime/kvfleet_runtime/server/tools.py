@@ -126,13 +126,18 @@ class ToolPlan:
     mode: Literal["none", "auto", "required", "named"]
     tools: list[ChatTool]
     name: str | None = None                # the named function
-    parser: str | None = None              # auto: the server's --tool-call-parser
+    parser: str | None = None              # the server's --tool-call-parser (auto reads with it)
     parallel: bool = True
 
     @property
     def active(self) -> bool:
         """Whether the answer is read for tool calls."""
         return self.mode != "none"
+
+    def new_id(self) -> str:
+        """A call id: Mistral's 9 letters and digits on a mistral server (its chat templates
+        refuse others, named and required choices' calls included), else OpenAI's `call_...`."""
+        return new_mistral_call_id() if self.parser == "mistral" else new_call_id()
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -164,9 +169,10 @@ class ToolPlan:
         """(content, tool calls) of a finished choice's text. Text that does not parse as
         calls stays content."""
         if self.mode == "named":
-            return None, [ToolCall(function=FunctionCall(name=self.name, arguments=text))]
+            return None, [ToolCall(id=self.new_id(),
+                                   function=FunctionCall(name=self.name, arguments=text))]
         if self.mode == "required":
-            calls = _required_calls(text)
+            calls = _required_calls(text, self.new_id)
             return (text, []) if calls is None else (None, calls[: None if self.parallel else 1])
         if self.mode == "auto":
             content, calls = PARSERS[self.parser](text)
@@ -195,7 +201,8 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None,
         if choice.function.name not in names:
             raise OpenAIToolError(f"tool_choice names function {choice.function.name!r}, which "
                                   "is not among the tools", "tool_choice")
-        return ToolPlan("named", tools, name=choice.function.name, parallel=parallel)
+        return ToolPlan("named", tools, name=choice.function.name, parser=auto_parser,
+                        parallel=parallel)
     if choice == "required" and not tools:
         raise OpenAIToolError('tool_choice "required" needs tools', "tool_choice")
     if choice == "auto" and tools:
@@ -206,8 +213,8 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None,
                                   "tool_choice")
         return ToolPlan("auto", tools, parser=auto_parser, parallel=parallel)
     if choice == "required":
-        return ToolPlan("required", tools, parallel=parallel)
-    return ToolPlan("none", tools, parallel=parallel)
+        return ToolPlan("required", tools, parser=auto_parser, parallel=parallel)
+    return ToolPlan("none", tools, parser=auto_parser, parallel=parallel)
 
 
 def template_message_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
@@ -245,14 +252,14 @@ def _call(obj: Any, arguments_keys: tuple[str, ...],
     return ToolCall(id=new_id(), function=FunctionCall(name=obj["name"], arguments=text))
 
 
-def _required_calls(text: str) -> list[ToolCall] | None:
+def _required_calls(text: str, new_id: Callable[[], str]) -> list[ToolCall] | None:
     try:
         items = json.loads(text)
     except _UNREADABLE:
         return None
     if not isinstance(items, list):
         return None
-    calls = [_call(item, ("parameters",)) for item in items]
+    calls = [_call(item, ("parameters",), new_id) for item in items]
     return None if any(c is None for c in calls) or not calls else calls
 
 
@@ -434,7 +441,7 @@ class ToolStreamer:
         mode = self.plan.mode
         if mode == "named":
             if self.named_id is None:
-                self.named_id = new_call_id()
+                self.named_id = self.plan.new_id()
                 return [_call_delta(0, delta, self.named_id, self.plan.name)]
             return [_call_delta(0, delta)] if delta else []
         if mode == "required":
