@@ -83,6 +83,13 @@ class EngineConfig:
     # speculative decoding, as vLLM's JSON: {"method": "ngram", "num_speculative_tokens": K,
     # "prompt_lookup_max": N, "prompt_lookup_min": M} (engine/speculative.py); None: off
     speculative_config: str | dict | None = None
+    # LoRA adapters (kvfleet_runtime/lora): requests may name a PEFT adapter (LoRARequest); up
+    # to max_loras distinct adapters run in one step, each of rank <= max_lora_rank; up to
+    # max_cpu_loras (default: max_loras) stay loaded in host memory
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -99,6 +106,12 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len)
         _positive("num_gpu_blocks", self.num_gpu_blocks)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError("gpu_memory_utilization must be in (0, 1]; "
                              f"got {self.gpu_memory_utilization!r}")
@@ -114,6 +127,11 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        if self.enable_lora and self.quantization == "fp8":
+            raise ValueError("enable_lora with fp8 weights is not supported yet "
+                             "(gptq and awq weights take adapters)")
         from kvfleet_runtime.engine.speculative import SpeculativeConfig
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.device == "auto":

@@ -59,6 +59,11 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (n-gram "
                           "prompt lookup; default: off)",
+    "enable_lora": "serve LoRA adapters (PEFT format) beside the base model: requests name one "
+                   "as their model (--lora-modules) or offline with lora_request=",
+    "max_loras": "most distinct LoRA adapters in one step (each a slot on the device)",
+    "max_lora_rank": "largest LoRA rank an adapter may have (slots are sized for it)",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory (default: max_loras)",
 }
 _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
                                   "kv_cache_dtype": list(KV_CACHE_DTYPES),
