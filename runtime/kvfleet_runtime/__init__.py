@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "kvfleet_runtime.outputs",
     "CompletionOutput": "kvfleet_runtime.outputs",
     "AsyncLLMEngine": "kvfleet_runtime.engine.async_engine",
+    "LoRARequest": "kvfleet_runtime.lora",
 }
 __all__ = list(_EXPORTS)
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.generation_config import load_sampling_defaults
+from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -49,8 +50,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
+        """Complete every prompt (vLLM's LLM.generate). lora_request: the LoRA adapter to run
+        them with (LLM(..., enable_lora=True)), one for all or one per prompt (None: the base
+        model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -62,10 +67,16 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts; give one or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        lora_request = list(lora_request)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompts)} "
+                             "prompts; give one or one per prompt")
         engine = self.engine
         # every prompt checked before any is queued: a bad one raises with nothing running
-        prompt_ids = [engine.check_request(p, sp) for p, sp in zip(prompts, sampling_params,
-                                                                   strict=True)]
+        prompt_ids = [engine.check_request(p, sp, lr) for p, sp, lr in zip(
+            prompts, sampling_params, lora_request, strict=True)]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         results: dict[str, RequestOutput] = {}
         # the first step is launched once the queue holds more than it can take, and the rest
@@ -78,9 +89,10 @@ class LLM:
         started = False
         added = []
         try:
-            for rid, prompt, params, ids_ in zip(ids, prompts, sampling_params, prompt_ids,
-                                                 strict=True):
-                engine.add_request(rid, prompt, params, final_only=True, prompt_ids=ids_)
+            for rid, prompt, params, ids_, lora in zip(ids, prompts, sampling_params, prompt_ids,
+                                                       lora_request, strict=True):
+                engine.add_request(rid, prompt, params, final_only=True, prompt_ids=ids_,
+                                   lora_request=lora)
                 added.append(rid)
                 tokens += len(ids_)  # n > 1: the samples after the first find the prompt cached
                 seqs += params.n
@@ -103,7 +115,8 @@ class LLM:
              sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, *, chat_template: str | None = None,
              tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Generate for one conversation or several, rendered by the model's chat template (or
         `chat_template`), with `tools` (OpenAI's function definitions) and
         `chat_template_kwargs` (e.g. {"enable_thinking": False}) passed to it, as vLLM's
@@ -117,4 +130,4 @@ class LLM:
                    for c in conversations]
         # the template already carries BOS where the model wants it
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate(prompt_ids, sampling_params)
+        return self.generate(prompt_ids, sampling_params, lora_request)

@@ -34,7 +34,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, group_id: str | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, lora_request=None) -> None:
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
@@ -49,6 +49,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []    # hash chain of this request's full blocks
+        self.lora_request = lora_request     # its LoRA adapter (kvfleet_runtime.lora), or None
+        # the hash chain starts from the adapter: its KV differs from the base model's
+        self.cache_salt = None if lora_request is None else ("lora", lora_request.lora_int_id)
         self.sibling: Request | None = None  # n > 1: wait until this one's prompt is cached
         self.generator: torch.Generator | None = None   # seeded per request by the engine
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.engine_process import EngineProcess, OutputMerger
+from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -138,15 +140,17 @@ class AsyncLLMEngine:
         return self._stats
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs until the request finishes.
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs until the request finishes (with the LoRA adapter
+        lora_request, where the engine has enable_lora).
 
         Outputs that pile up while the consumer is busy are coalesced (they are
         cumulative, so only the latest matters). Leaving the loop early, or
         being cancelled, aborts the request.
         """
         request_id = request_id or uuid.uuid4().hex
-        stream = self._add(request_id, prompt, params)
+        stream = self._add(request_id, prompt, params, lora_request)
         last: RequestOutput | None = None
         try:
             while True:
@@ -212,14 +216,15 @@ class AsyncLLMEngine:
                 f"the server is at capacity ({self.config.max_num_seqs} running + "
                 f"{self.max_queued_requests} queued requests); retry later")
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _Stream:
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+             lora_request: LoRARequest | None = None) -> _Stream:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self.check_admission()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._submit(_Add(request_id, prompt, params, time.monotonic()))
+        self._submit(_Add(request_id, prompt, params, time.monotonic(), lora_request))
         return stream
 
     def _submit(self, command: _Add | _Abort) -> None:
@@ -229,7 +234,8 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 self._merger.expect(command.request_id, command.params)
             self.engine.send(("add", command.request_id, command.prompt, command.params,
-                              command.arrival_time) if isinstance(command, _Add)
+                              command.arrival_time, command.lora_request)
+                             if isinstance(command, _Add)
                              else ("abort", command.request_ids))
             return
         self._commands.put(command)
@@ -313,7 +319,8 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time)
+                                    arrival_time=command.arrival_time,
+                                    lora_request=command.lora_request)
         except (ValueError, TypeError) as e:
             self._deliver([(self._pop_stream(command.request_id), e)])
 

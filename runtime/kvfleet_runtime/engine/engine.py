@@ -18,6 +18,7 @@ from kvfleet_runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kvfleet_runtime.layers.backend import set_backend
 from kvfleet_runtime.layers.sampler import SampledToken
 from kvfleet_runtime.loader import load_model
+from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.request import Request, RequestStatus
@@ -69,6 +70,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.admission_headroom)
         self.scheduler.speculative = config.speculative is not None
+        if config.enable_lora:
+            self.scheduler.max_loras = config.max_loras
         # speculative decoding: steps that checked drafts, drafts checked, drafts kept
         self.spec_stats = {"spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._drafting = False     # the last look found drafts: step synchronously
@@ -128,15 +131,29 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         return ids
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def check_request(self, prompt: str | list[int], params: SamplingParams,
+                      lora_request: LoRARequest | None = None) -> list[int]:
         """The prompt's token ids, after the checks add_request makes (a ValueError names what
         is wrong); nothing is queued and params is not changed."""
+        self._check_lora(lora_request)
         prompt_ids = self.tokenize(prompt)
         params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params.clone())
         if params.structured_outputs is not None:
             self._grammar_matcher(params)      # compiled (and cached) now: errors say so here
         return prompt_ids
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """The adapter is read (once; kept in host memory) and checked: a ValueError says why
+        it cannot serve."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest; got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not "
+                             "enabled: start the engine with enable_lora=True (--enable-lora)")
+        self.runner.lora.add(lora_request)
 
     def _grammar_matcher(self, params: SamplingParams):
         """A new sequence's SequenceGrammar for params.structured_outputs (ValueError if it
@@ -150,12 +167,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,
-                    prompt_ids: list[int] | None = None) -> None:
+                    prompt_ids: list[int] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. final_only: step() returns its output once, when it finishes
         (offline generate; as vLLM's FINAL_ONLY), not after every token. prompt_ids:
-        check_request's result for this prompt (not tokenized again)."""
+        check_request's result for this prompt (not tokenized again). lora_request: the LoRA
+        adapter it runs with (enable_lora engines)."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_lora(lora_request)
         if prompt_ids is None:
             prompt_ids = self.tokenize(prompt)
         params = params.clone()
@@ -167,7 +187,8 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            r = Request(child_id, prompt_ids, params, arrival_time, group_id=request_id, index=i)
+            r = Request(child_id, prompt_ids, params, arrival_time, group_id=request_id, index=i,
+                        lora_request=lora_request)
             if params.seed is not None:
                 r.generator = torch.Generator(device=self.config.torch_device).manual_seed(
                     params.seed + i)

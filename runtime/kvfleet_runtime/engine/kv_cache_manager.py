@@ -35,7 +35,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash_block(parent, tuple(tokens[start:start + bs])))
         return hashes
 

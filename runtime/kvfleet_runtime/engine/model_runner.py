@@ -176,6 +176,15 @@ class ModelRunner:
         spec = config.speculative
         self.max_rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads     # on this rank
+        self.lora = None      # LoRA adapters' slots, before the memory profile and the graphs
+        if config.enable_lora:
+            from kvfleet_runtime.lora.manager import LoRAManager
+            most_rows = max(graph_batch_sizes(self.max_rows), default=0)
+            self.lora = LoRAManager(
+                self.model, config.max_loras, config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                max(config.max_num_batched_tokens, self.max_rows, most_rows), self.dtype,
+                self.device)
         self._check_kv_cache_dtype()
         # every rank holds the same block ids, so the pool is the smallest rank's
         self.num_blocks = min_over_ranks(self._determine_num_blocks())
@@ -464,6 +473,8 @@ class ModelRunner:
         if self.config.speculative is not None and any(s.spec_token_ids for s in scheduled):
             reqs, starts, nums, tables, input_ids, first_seq = _expand_drafts(scheduled, tables)
         n = len(nums)
+        if self.lora is not None:
+            self.lora.set_step([r.lora_request for r in reqs], nums)
         if first_seq is None and prev is not None and all(num == 1 for num in nums) and all(
                 start == len(r.all_token_ids) for r, start in zip(reqs, starts, strict=True)):
             # async decode: every row's input is the token the previous step is sampling

@@ -69,6 +69,8 @@ class Scheduler:
         self.num_preemptions = 0
         # speculative decoding: running requests may carry drafts (Request.spec_token_ids)
         self.speculative = False
+        # LoRA: most distinct adapters among the running requests (None: LoRA is off)
+        self.max_loras: int | None = None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -144,10 +146,18 @@ class Scheduler:
             # the running requests' next admission_headroom tokens stay allocatable: admitting
             # into that room only leads to preempting (and recomputing) someone later
             reserve = sum(self._growth_blocks(r) for r in self.running)
+        adapters = (None if self.max_loras is None else
+                    {r.lora_request.lora_int_id for r in self.running if r.lora_request})
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break   # preempted while its last token was on the device: wait for it
+            if (adapters is not None and request.lora_request is not None
+                    and request.lora_request.lora_int_id not in adapters
+                    and len(adapters) >= self.max_loras):
+                # its adapter would be one too many this step: later requests may go first
+                skipped.append(self.waiting.popleft())
+                continue
             if request.sibling is not None and not self._sibling_prompt_cached(request):
                 # n > 1: let the first sample compute the prompt, the others then hit the cache
                 skipped.append(self.waiting.popleft())
@@ -168,6 +178,8 @@ class Scheduler:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()   # ends queue time
             request.status = RequestStatus.RUNNING
+            if adapters is not None and request.lora_request is not None:
+                adapters.add(request.lora_request.lora_int_id)
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new

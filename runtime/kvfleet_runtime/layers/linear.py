@@ -189,6 +189,9 @@ class Linear(nn.Module):
         self.full_input_size, self.full_output_sizes = input_size, full_sizes
         # [norm] for a row-parallel layer whose only reader is that RMSNorm (reduce_in_norm)
         self.reduced_by: list = []
+        # LoRA adapters' slots (kvfleet_runtime.lora.layers.LoRASlots), set by the engine's
+        # LoRAManager: their update is added to the output (tensor parallelism excluded)
+        self.lora = None
         input_size = self.input_size
         self.output_size = sum(self.output_sizes)
         dtype = dtype or torch.get_default_dtype()
@@ -204,6 +207,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         # x: [T, in] -> [T, out]. gated (only where takes_gated(x) said so): x is [T, 2 * in] =
         # [gate | up] of a gated MLP and the layer's input is SiLU(gate) * up
+        if self.lora is not None:
+            return self._apply(x, self.bias, False) + self.lora(x)
         if self.parallel != "row":
             return self._apply(x, self.bias, gated)
         if self.reduced_by and _PUSH_GEMV and self.bias is None:
@@ -223,14 +228,15 @@ class Linear(nn.Module):
         no activation launch), else None (the MLP then runs gate_up and its activation)."""
         apply_gated = getattr(self.linear_method, "apply_gated", None)
         if (apply_gated is None or not _GATED_GEMV or self.bias is not None
-                or not batch_one_gemv(x)):
+                or self.lora is not None or not batch_one_gemv(x)):
             return None
         return apply_gated(self, x)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) computes SiLU(gate) * up of x = [gate | up] inside
         this layer's batch-1 GEMV (the gated MLP asks; otherwise it runs its activation)."""
-        return _GATED_GEMV and fusing_gemv_config(self, x) is not None
+        return (_GATED_GEMV and self.lora is None      # (an adapter reads this layer's input)
+                and fusing_gemv_config(self, x) is not None)
 
     def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
         if gated:

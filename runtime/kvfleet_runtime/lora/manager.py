@@ -1,0 +1,100 @@
+"""The engine's adapters: read ones in host memory (LRU of max_cpu_loras), max_loras of them in
+device slots, and each step's per-token slot (ModelRunner._prepare calls set_step)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvfleet_runtime.lora import LoRARequest
+from kvfleet_runtime.lora.adapter import SLOT_MODULES, LoRAAdapter, load_adapter
+from kvfleet_runtime.lora.layers import LoRASlots
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        from kvfleet_runtime.layers.linear import Linear
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.device = device
+        # each token's slot this step (-1: the base model); rows past the step's are stale
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.layers: dict[str, LoRASlots] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name.rpartition(".")[2] in SLOT_MODULES:
+                if len(module.output_sizes) != SLOT_MODULES[name.rpartition(".")[2]]:
+                    continue
+                module.lora = LoRASlots(module.input_size, module.output_sizes, max_loras,
+                                        max_rank, dtype, device, self.token_slots)
+                self.layers[name] = module.lora
+        self.input_sizes = {n: s.a.shape[1] for n, s in self.layers.items()}
+        self.output_sizes = {n: s.output_sizes for n, s in self.layers.items()}
+        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()     # most recent last
+        self.slot_of: OrderedDict[int, int] = OrderedDict()         # adapter id -> slot
+        nbytes = sum(s.a.numel() + s.b.numel() for s in self.layers.values()) * \
+            torch.empty(0, dtype=dtype).element_size()
+        logger.info("LoRA: %d projections carry %d adapter slots of rank %d (%.1f MiB)",
+                    len(self.layers), max_loras, max_rank, nbytes / 2**20)
+
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, read (and checked) now unless it is in host memory already; a
+        ValueError says what is wrong with it."""
+        adapter = self.cpu.get(request.lora_int_id)
+        if adapter is not None:
+            if adapter.request.lora_path != request.lora_path:
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
+                                 f"{adapter.request.lora_name!r} ({adapter.request.lora_path}); "
+                                 f"got {request.lora_path!r}")
+            self.cpu.move_to_end(request.lora_int_id)
+            return adapter
+        adapter = load_adapter(request, set(self.layers), self.max_rank, self.input_sizes,
+                               self.output_sizes)
+        self.cpu[request.lora_int_id] = adapter
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        logger.info("LoRA adapter %r (id %d, rank %d) read from %s", request.lora_name,
+                    request.lora_int_id, adapter.rank, request.lora_path)
+        return adapter
+
+    def set_step(self, requests: list[LoRARequest | None], counts: list[int]) -> None:
+        """Each sequence's adapter (None: the base model) and its token count in this step:
+        their adapters into slots (the scheduler keeps them to max_loras), each token's slot
+        into token_slots. Writes are ordered on the stream after the step in flight."""
+        ids = {r.lora_int_id: r for r in requests if r is not None}
+        if len(ids) > self.max_loras:
+            raise RuntimeError(f"a step holds {len(ids)} adapters; max_loras is {self.max_loras}")
+        for lora_id, request in ids.items():
+            if lora_id in self.slot_of:
+                self.slot_of.move_to_end(lora_id)
+            else:
+                self._load(self.add(request), set(ids))
+        slots = np.fromiter((-1 if r is None else self.slot_of[r.lora_int_id] for r in requests),
+                            dtype=np.int32, count=len(requests))
+        per_token = np.repeat(slots, counts)
+        cuda = self.device.type == "cuda"
+        host = torch.from_numpy(per_token)
+        self.token_slots[: len(per_token)].copy_(host.pin_memory() if cuda else host,
+                                                 non_blocking=cuda)
+
+    def _load(self, adapter: LoRAAdapter, keep: set[int]) -> None:
+        """Put `adapter` in a free slot, else in the least recently used one whose adapter is
+        not in this step."""
+        used = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(i for i in self.slot_of if i not in keep)
+            slot = self.slot_of.pop(victim)
+        pieces: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (module, piece), (a, b) in adapter.weights.items():
+            pieces.setdefault(module, {})[piece] = (a, b)
+        for name, layer in self.layers.items():
+            layer.set_slot(slot, pieces.get(name, {}))
+        self.slot_of[adapter.id] = slot
