@@ -290,7 +290,8 @@ def reconcile(body: Mapping[str, Any], api: KubeApi | None = None) -> None:
     new = status.build_status(
         conditions=status.conditions_from_deployment(deployment, spec.min_replicas),
         previous=body.get("status"), generation=body["metadata"].get("generation"),
-        url=resources.service_url(spec), deployment=deployment, selector=selector)
+        url=resources.service_url(spec), deployment=deployment, selector=selector,
+        adapters=[a.name for a in spec.adapters])
     _write_status(api, body, new)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfleet_operator.spec import LLMServiceSpec
+from kvfleet_operator.spec import AdapterSpec, LLMServiceSpec
 
 Manifest = dict[str, Any]
 
@@ -20,6 +20,13 @@ OPERATOR_NAME = "kvfleet-operator"
 CONTAINER_PORT = 8000
 SERVICE_PORT = 80
 MODELS_DIR = "/models"
+# Pulled adapters live in a volume of their own: /models may be a read-only claim (pvc://).
+ADAPTERS_DIR = "/adapters"
+# A pvc:// adapter on a claim other than the model's is mounted read-only under here.
+ADAPTER_CLAIMS_DIR = "/adapter-claims"
+# --max-loras when the spec leaves it out: one GPU slot per adapter, up to this many
+# (every slot holds max_lora_rank-sized weights on the GPU whether used or not).
+DEFAULT_MAX_LORAS_CAP = 4
 TOKENS_PER_SECOND_METRIC = "kvfleet_generation_tokens_per_second"
 # Seconds the server gets to finish in-flight requests after SIGTERM.
 SHUTDOWN_TIMEOUT_SECONDS = 30
@@ -58,6 +65,16 @@ def _metadata(spec: LLMServiceSpec) -> dict[str, Any]:
 # ---------------------------------------------------------------- runtime command lines
 
 
+def _claim_of(uri: str) -> tuple[str, str]:
+    """pvc://CLAIM/SUB/PATH -> (CLAIM, SUB/PATH)."""
+    claim, _, sub_path = uri.removeprefix("pvc://").partition("/")
+    return claim, sub_path.strip("/")
+
+
+def _under(root: str, sub_path: str) -> str:
+    return f"{root}/{sub_path}" if sub_path else root
+
+
 def model_path(spec: LLMServiceSpec) -> str:
     """Where `kvfleet serve` finds the model inside the container."""
     model = spec.model
@@ -65,9 +82,53 @@ def model_path(spec: LLMServiceSpec) -> str:
         return model.uri
     if model.scheme == "pvc":
         # pvc://CLAIM/SUB/PATH: the claim is mounted at /models.
-        sub_path = model.uri.removeprefix("pvc://").partition("/")[2].strip("/")
-        return f"{MODELS_DIR}/{sub_path}" if sub_path else MODELS_DIR
+        return _under(MODELS_DIR, _claim_of(model.uri)[1])
     return MODELS_DIR
+
+
+def adapter_claims(spec: LLMServiceSpec) -> dict[str, str]:
+    """Claim -> mount path of every pvc:// adapter's claim (the model's claim is /models)."""
+    model_claim = _claim_of(spec.model.uri)[0] if spec.model.scheme == "pvc" else None
+    claims: dict[str, str] = {}
+    for adapter in spec.adapters:
+        if adapter.scheme == "pvc":
+            claim = _claim_of(adapter.uri)[0]
+            claims.setdefault(claim, MODELS_DIR if claim == model_claim
+                              else f"{ADAPTER_CLAIMS_DIR}/{claim}")
+    return claims
+
+
+def adapter_path(spec: LLMServiceSpec, adapter: AdapterSpec) -> str:
+    """Where `kvfleet serve` finds an adapter's PEFT folder inside the container."""
+    if adapter.scheme == "path":
+        return adapter.uri
+    if adapter.scheme == "pvc":
+        claim, sub_path = _claim_of(adapter.uri)
+        return _under(adapter_claims(spec)[claim], sub_path)
+    return f"{ADAPTERS_DIR}/{adapter.name}"
+
+
+def max_loras(spec: LLMServiceSpec) -> int:
+    """--max-loras: the spec's, else one slot per adapter up to the cap (and maxCpuLoras)."""
+    engine = spec.engine
+    if engine.max_loras is not None:
+        return engine.max_loras
+    return min(len(spec.adapters), DEFAULT_MAX_LORAS_CAP, engine.max_cpu_loras or len(spec.adapters))
+
+
+def lora_args(spec: LLMServiceSpec) -> list[str]:
+    """The `kvfleet serve` flags that serve spec.adapters; none without adapters."""
+    if not spec.adapters:
+        return []
+    engine = spec.engine
+    args = ["--enable-lora", "--lora-modules",
+            *(f"{a.name}={adapter_path(spec, a)}" for a in spec.adapters),
+            "--max-loras", str(max_loras(spec))]
+    if engine.max_lora_rank is not None:
+        args += ["--max-lora-rank", str(engine.max_lora_rank)]
+    if engine.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(engine.max_cpu_loras)]
+    return args
 
 
 def serve_command(spec: LLMServiceSpec) -> list[str]:
@@ -95,7 +156,7 @@ def serve_command(spec: LLMServiceSpec) -> list[str]:
         "--tensor-parallel-size", str(engine.tensor_parallel_size),
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_SECONDS),
     ]
-    return command + list(engine.extra_args)
+    return command + lora_args(spec) + list(engine.extra_args)
 
 
 def pull_source(spec: LLMServiceSpec) -> str | None:
@@ -108,11 +169,14 @@ def pull_source(spec: LLMServiceSpec) -> str | None:
     return None
 
 
-def pull_command(spec: LLMServiceSpec) -> list[str]:
-    source = pull_source(spec)
-    if source is None:
-        raise ValueError(f"model {spec.model.uri!r} is not pulled")
-    command = ["kvfleet", "pull", source, MODELS_DIR]
+def pulled_adapters(spec: LLMServiceSpec) -> list[AdapterSpec]:
+    """The adapters an init container pulls into ADAPTERS_DIR (s3:// and hf://)."""
+    return [a for a in spec.adapters if a.scheme in ("s3", "hf")]
+
+
+def pull_command(spec: LLMServiceSpec, source: str, dest: str) -> list[str]:
+    """`kvfleet pull SOURCE DEST` with the spec's S3 options (the model's and the adapters')."""
+    command = ["kvfleet", "pull", source, dest]
     if spec.s3 and spec.s3.region:
         command += ["--region", spec.s3.region]
     if spec.s3 and spec.s3.insecure:
@@ -185,27 +249,43 @@ def _health_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any
 
 def _volumes(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     if spec.model.scheme == "pvc":
-        claim = spec.model.uri.removeprefix("pvc://").partition("/")[0]
+        claim = _claim_of(spec.model.uri)[0]
         models = {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     elif spec.cache.persistent_volume_claim:
         models = {"persistentVolumeClaim": {"claimName": spec.cache.persistent_volume_claim}}
     else:
         models = {"emptyDir": {"sizeLimit": spec.cache.size}}
-    return [
+    volumes = [
         {"name": "models", **models},
         # NCCL (tensor parallelism) and torch dataloaders need a large /dev/shm.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         # The root filesystem is read-only; Triton and torch compile caches go here.
         {"name": "tmp", "emptyDir": {}},
     ]
+    if pulled_adapters(spec):
+        volumes.append({"name": "adapters", "emptyDir": {}})
+    volumes += [{"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+                for name, claim, _ in _adapter_claim_volumes(spec)]
+    return volumes
 
 
-def _volume_mounts(*, read_only_models: bool) -> list[dict[str, Any]]:
-    return [
+def _adapter_claim_volumes(spec: LLMServiceSpec) -> list[tuple[str, str, str]]:
+    """(volume name, claim, mount path) of each adapter claim other than the model's."""
+    claims = [(claim, path) for claim, path in adapter_claims(spec).items() if path != MODELS_DIR]
+    return [(f"adapter-claim-{i}", claim, path) for i, (claim, path) in enumerate(claims)]
+
+
+def _volume_mounts(spec: LLMServiceSpec, *, read_only_models: bool) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [
         {"name": "models", "mountPath": MODELS_DIR, "readOnly": read_only_models},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if pulled_adapters(spec):
+        mounts.append({"name": "adapters", "mountPath": ADAPTERS_DIR, "readOnly": read_only_models})
+    mounts += [{"name": name, "mountPath": path, "readOnly": True}
+               for name, _, path in _adapter_claim_volumes(spec)]
+    return mounts
 
 
 def _tolerations(spec: LLMServiceSpec) -> list[dict[str, Any]]:
@@ -236,7 +316,7 @@ def _runtime_container(spec: LLMServiceSpec) -> dict[str, Any]:
                                       failures=STARTUP_PROBE_FAILURES),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": _container_security_context(),
-        "volumeMounts": _volume_mounts(read_only_models=True),
+        "volumeMounts": _volume_mounts(spec, read_only_models=True),
     }
     resources = _resource_requirements(spec)
     if resources:
@@ -244,15 +324,26 @@ def _runtime_container(spec: LLMServiceSpec) -> dict[str, Any]:
     return container
 
 
-def _pull_container(spec: LLMServiceSpec) -> dict[str, Any]:
+def _pull_container(spec: LLMServiceSpec, name: str, source: str, dest: str) -> dict[str, Any]:
     return {
-        "name": "pull-model",
+        "name": name,
         "image": spec.image,
-        "command": pull_command(spec),
+        "command": pull_command(spec, source, dest),
         "env": pull_env(spec),
         "securityContext": _container_security_context(),
-        "volumeMounts": _volume_mounts(read_only_models=False),
+        "volumeMounts": _volume_mounts(spec, read_only_models=False),
     }
+
+
+def _pull_containers(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    """The model's pull, then one per pulled adapter (init containers run in order)."""
+    containers = []
+    source = pull_source(spec)
+    if source is not None:
+        containers.append(_pull_container(spec, "pull-model", source, MODELS_DIR))
+    containers += [_pull_container(spec, f"pull-adapter-{a.name}", a.uri, adapter_path(spec, a))
+                   for a in pulled_adapters(spec)]
+    return containers
 
 
 def pod_template(spec: LLMServiceSpec) -> dict[str, Any]:
@@ -269,8 +360,9 @@ def pod_template(spec: LLMServiceSpec) -> dict[str, Any]:
         "containers": [_runtime_container(spec)],
         "volumes": _volumes(spec),
     }
-    if pull_source(spec) is not None:
-        pod_spec["initContainers"] = [_pull_container(spec)]
+    init_containers = _pull_containers(spec)
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     node_selector = _node_selector(spec)
     if node_selector:
         pod_spec["nodeSelector"] = node_selector

@@ -25,6 +25,10 @@ QUANTIZATIONS = ("none", "gptq", "awq", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MODEL_SCHEMES = ("s3://", "hf://", "pvc://", "/")
+# An adapter's name is a DNS-1123 label short enough for its init container's name
+# ("pull-adapter-" + name, at most 63 characters).
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$")
+MAX_ADAPTERS = 64
 # The same pattern the Kubernetes OpenAPI uses for resource.Quantity strings.
 QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 # A Service name is a DNS-1035 label, and every child is named after the LLMService.
@@ -50,6 +54,18 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter (a PEFT folder) served beside the model under its own name."""
+
+    name: str
+    uri: str
+
+    @property
+    def scheme(self) -> str:
+        return "path" if self.uri.startswith("/") else self.uri.split("://", 1)[0]
+
+
+@dataclass(frozen=True)
 class S3Spec:
     endpoint: str | None = None
     region: str | None = None
@@ -68,6 +84,10 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     admission_headroom: int = 0
+    # LoRA knobs, used only with spec.adapters; None leaves the choice to serve_command
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
     extra_args: tuple[str, ...] = ()
 
 
@@ -102,6 +122,7 @@ class LLMServiceSpec:
     name: str
     namespace: str
     model: ModelSpec
+    adapters: tuple[AdapterSpec, ...] = ()
     s3: S3Spec | None = None
     quantization: str = "none"
     engine: EngineSpec = field(default_factory=EngineSpec)
@@ -183,28 +204,58 @@ def _choice(value: Any, allowed: tuple[Any, ...], path: str) -> Any:
 # ---------------------------------------------------------------- sections
 
 
+def _uri(raw: Mapping[str, Any], path: str) -> str:
+    """The `uri` of a model or an adapter: one of the MODEL_SCHEMES, naming something."""
+    uri = _get(raw, "uri", path, str)
+    if not uri:
+        raise SpecError(f"{path}.uri is required")
+    if not uri.startswith(MODEL_SCHEMES):
+        raise SpecError(f"{path}.uri must start with s3://, hf://, pvc:// or / "
+                        f"(a path in the image); got {uri!r}")
+    if uri.startswith(("s3://", "hf://", "pvc://")) and not uri.split("://", 1)[1].strip("/"):
+        raise SpecError(f"{path}.uri must name a bucket, repository or claim; got {uri!r}")
+    return uri
+
+
 def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     raw = _get(spec, "model", "spec", dict)
     if raw is None:
         raise SpecError("spec.model is required (with model.uri)")
-    uri = _get(raw, "uri", "spec.model", str)
-    if not uri:
-        raise SpecError("spec.model.uri is required")
-    if not uri.startswith(MODEL_SCHEMES):
-        raise SpecError("spec.model.uri must start with s3://, hf://, pvc:// or / "
-                        f"(a path in the image); got {uri!r}")
-    if uri.startswith(("s3://", "hf://", "pvc://")) and not uri.split("://", 1)[1].strip("/"):
-        raise SpecError(f"spec.model.uri must name a bucket, repository or claim; got {uri!r}")
+    uri = _uri(raw, "spec.model")
     name = _get(raw, "name", "spec.model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
     return ModelSpec(uri=uri, name=name, revision=_get(raw, "revision", "spec.model", str))
 
 
-def _parse_s3(spec: Mapping[str, Any], model: ModelSpec) -> S3Spec | None:
+def _parse_adapters(spec: Mapping[str, Any], model: ModelSpec) -> tuple[AdapterSpec, ...]:
+    raw = _get(spec, "adapters", "spec", list, [])
+    if len(raw) > MAX_ADAPTERS:
+        raise SpecError(f"spec.adapters holds at most {MAX_ADAPTERS} adapters; got {len(raw)}")
+    adapters: list[AdapterSpec] = []
+    for i, item in enumerate(raw):
+        path = f"spec.adapters[{i}]"
+        if not isinstance(item, dict):
+            raise SpecError(f"{path} must be an object with name and uri; got {item!r}")
+        name = _get(item, "name", path, str)
+        if not name or not ADAPTER_NAME_RE.match(name):
+            raise SpecError(f"{path}.name must be a DNS-1123 label (lowercase letters, digits, "
+                            f"'-', at most 50 characters); got {name!r}")
+        if name == model.name:
+            raise SpecError(f"{path}.name must differ from the served model name "
+                            f"{model.name!r} (requests pick the adapter by this name)")
+        if any(a.name == name for a in adapters):
+            raise SpecError(f"{path}.name {name!r} is used by another adapter; names must be unique")
+        adapters.append(AdapterSpec(name=name, uri=_uri(item, path)))
+    return tuple(adapters)
+
+
+def _parse_s3(spec: Mapping[str, Any], model: ModelSpec,
+              adapters: tuple[AdapterSpec, ...]) -> S3Spec | None:
     raw = _get(spec, "s3", "spec", dict)
     if raw is None:
         return None
-    if model.scheme != "s3":
-        raise SpecError(f"spec.s3 is allowed only with an s3:// model.uri; got {model.uri!r}")
+    if model.scheme != "s3" and not any(a.scheme == "s3" for a in adapters):
+        raise SpecError("spec.s3 is allowed only with an s3:// model.uri or spec.adapters[].uri; "
+                        f"got {model.uri!r}")
     return S3Spec(
         endpoint=_get(raw, "endpoint", "spec.s3", str),
         region=_get(raw, "region", "spec.s3", str),
@@ -239,6 +290,9 @@ def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
         kv_cache_dtype=_choice(_get(raw, "kvCacheDtype", path, str, defaults.kv_cache_dtype),
                                KV_CACHE_DTYPES, f"{path}.kvCacheDtype"),
         admission_headroom=_int(raw, "admissionHeadroom", path, defaults.admission_headroom, 0),
+        max_loras=_int(raw, "maxLoras", path, None, 1),
+        max_lora_rank=_int(raw, "maxLoraRank", path, None, 1),
+        max_cpu_loras=_int(raw, "maxCpuLoras", path, None, 1),
         extra_args=tuple(extra),
     )
 
@@ -305,6 +359,29 @@ def _parse_cache(spec: Mapping[str, Any]) -> CacheSpec:
     )
 
 
+def _check_lora(adapters: tuple[AdapterSpec, ...], engine: EngineSpec, quantization: str) -> None:
+    knobs = {"maxLoras": engine.max_loras, "maxLoraRank": engine.max_lora_rank,
+             "maxCpuLoras": engine.max_cpu_loras}
+    if not adapters:
+        given = [f"spec.engine.{key}" for key, value in knobs.items() if value is not None]
+        if given:
+            raise SpecError(f"{', '.join(given)}: allowed only with spec.adapters")
+        return
+    if (engine.max_cpu_loras is not None and engine.max_loras is not None
+            and engine.max_cpu_loras < engine.max_loras):
+        raise SpecError(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be >= "
+                        f"spec.engine.maxLoras ({engine.max_loras})")
+    # The runtime's current limits (kvfleet_runtime/config.py); checked here, not in the
+    # CRD, so lifting them needs a new operator only, not a new CRD in every cluster.
+    if engine.tensor_parallel_size > 1:
+        raise SpecError("spec.adapters cannot be served with spec.engine.tensorParallelSize > 1 "
+                        f"(got {engine.tensor_parallel_size}): the runtime's LoRA does not support "
+                        "tensor parallelism yet")
+    if quantization == "fp8":
+        raise SpecError("spec.adapters cannot be served with spec.quantization fp8 (the runtime "
+                        "applies adapters to unquantized, gptq and awq weights only)")
+
+
 def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:
     """An LLMService object (as the API serves it) -> its typed, checked spec."""
     meta = body.get("metadata") or {}
@@ -316,18 +393,21 @@ def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:
     if not isinstance(spec, dict):
         raise SpecError("spec is required (with spec.model.uri)")
     model = _parse_model(spec)
+    adapters = _parse_adapters(spec, model)
     quantization = _choice(spec.get("quantization", "none"), QUANTIZATIONS, "spec.quantization")
     engine = _parse_engine(spec)
     resources = _parse_resources(spec)
     if engine.tensor_parallel_size > max(resources.gpus, 1):
         raise SpecError(f"spec.engine.tensorParallelSize ({engine.tensor_parallel_size}) must be "
                         f"<= spec.resources.gpus ({resources.gpus})")
+    _check_lora(adapters, engine, quantization)
     image = _get(spec, "image", "spec", str, DEFAULT_IMAGE)
     return LLMServiceSpec(
         name=name,
         namespace=namespace,
         model=model,
-        s3=_parse_s3(spec, model),
+        adapters=adapters,
+        s3=_parse_s3(spec, model, adapters),
         quantization=quantization,
         engine=engine,
         resources=resources,

@@ -111,8 +111,14 @@ def invalid_conditions(reason: str, message: str) -> list[Condition]:
 
 def build_status(*, conditions: Sequence[Condition], previous: Mapping[str, Any] | None,
                  generation: int | None, url: str | None,
-                 deployment: Mapping[str, Any] | None, selector: str | None) -> dict[str, Any]:
-    """The whole .status of an LLMService."""
+                 deployment: Mapping[str, Any] | None, selector: str | None,
+                 adapters: Sequence[str] | None = None) -> dict[str, Any]:
+    """The whole .status of an LLMService (as a merge patch: a key left out keeps its value).
+
+    `adapters`: the adapter names the Deployment serves besides the model; an empty
+    list removes status.adapters, None leaves it as it was (a spec that could not be
+    reconciled leaves the children, and so what they serve, as they were).
+    """
     previous = previous or {}
     dep_status = (deployment or {}).get("status") or {}
     status: dict[str, Any] = {
@@ -125,6 +131,8 @@ def build_status(*, conditions: Sequence[Condition], previous: Mapping[str, Any]
         status["url"] = url
     if selector:
         status["selector"] = selector
+    if adapters is not None:
+        status["adapters"] = list(adapters) or None
     return status
 
 

@@ -21,6 +21,21 @@ from operator_harness import example_llmservices, minimal_llmservice
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 
 
+TWO_ADAPTERS = minimal_llmservice(
+    model={"uri": "s3://models/llama", "name": "llama"},
+    s3={"endpoint": "http://seaweedfs:8333", "region": "eu-1", "credentialsSecret": "store"},
+    adapters=[{"name": "sql", "uri": "s3://adapters/llama-sql"},
+              {"name": "chat-de", "uri": "s3://adapters/llama-chat-de/"}],
+    engine={"maxLoraRank": 64})
+ADAPTERS_ON_CLAIMS = minimal_llmservice(
+    model={"uri": "pvc://weights/llama"},
+    adapters=[{"name": "same-claim", "uri": "pvc://weights/adapters/sql"},
+              {"name": "other-claim", "uri": "pvc://lora-store/de"},
+              {"name": "other-claim-too", "uri": "pvc://lora-store/fr"},
+              {"name": "baked", "uri": "/opt/adapters/it"}],
+    engine={"maxCpuLoras": 3})
+
+
 def spec_of(**spec):
     return parse_spec(minimal_llmservice(**spec))
 
@@ -34,8 +49,9 @@ def flag(command: list[str], name: str) -> str:
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("body", example_llmservices() + [minimal_llmservice()],
-                         ids=lambda b: b["metadata"]["name"])
+@pytest.mark.parametrize("body", example_llmservices() + [minimal_llmservice(), TWO_ADAPTERS,
+                                                            ADAPTERS_ON_CLAIMS],
+                         ids=lambda b: f"{b['metadata']['name']}-{len(b['spec'].get('adapters', []))}")
 def test_every_child_validates_against_the_official_schema(body, version):
     children = [m for m in build_children(parse_spec(body)).values() if m is not None]
     assert {m["kind"] for m in children} >= {"Deployment", "Service"}
@@ -187,3 +203,69 @@ def test_children_share_labels_and_a_stable_selector():
     changed = spec_of(quantization="fp8", replicas=4)
     assert (build_deployment(changed)["spec"]["selector"]
             == build_deployment(spec)["spec"]["selector"])  # Deployment selectors are immutable
+
+
+def test_adapters_are_pulled_after_the_model_and_served_with_lora_flags():
+    spec = parse_spec(TWO_ADAPTERS)
+    pod = pod_spec(spec)
+    assert [c["name"] for c in pod["initContainers"]] == [
+        "pull-model", "pull-adapter-sql", "pull-adapter-chat-de"]
+    assert [c["command"] for c in pod["initContainers"]] == [
+        ["kvfleet", "pull", "s3://models/llama", "/models", "--region", "eu-1"],
+        ["kvfleet", "pull", "s3://adapters/llama-sql", "/adapters/sql", "--region", "eu-1"],
+        ["kvfleet", "pull", "s3://adapters/llama-chat-de/", "/adapters/chat-de", "--region", "eu-1"]]
+    for init in pod["initContainers"]:  # the same S3 endpoint and keys as the model's pull
+        env = {e["name"]: e for e in init["env"]}
+        assert env["AWS_ENDPOINT_URL"]["value"] == "http://seaweedfs:8333"
+        assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "store"
+        assert {"name": "adapters", "mountPath": "/adapters", "readOnly": False} in init["volumeMounts"]
+    assert {"name": "adapters", "emptyDir": {}} in pod["volumes"]
+    container = pod["containers"][0]
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in container["volumeMounts"]
+    command = container["command"]
+    assert command[command.index("--enable-lora"):] == [
+        "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat-de=/adapters/chat-de",
+        "--max-loras", "2", "--max-lora-rank", "64"]
+
+
+def test_no_adapters_leave_the_pod_as_it_was():
+    pod = pod_spec(spec_of())
+    assert [c["name"] for c in pod["initContainers"]] == ["pull-model"]
+    assert [v["name"] for v in pod["volumes"]] == ["models", "dshm", "tmp"]
+    assert not {"--enable-lora", "--lora-modules", "--max-loras"} & set(pod["containers"][0]["command"])
+
+
+def test_adapters_on_claims_or_in_the_image_are_mounted_not_pulled():
+    spec = parse_spec(ADAPTERS_ON_CLAIMS)
+    pod = pod_spec(spec)
+    assert "initContainers" not in pod
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--lora-modules") + 1:command.index("--max-loras")] == [
+        "same-claim=/models/adapters/sql", "other-claim=/adapter-claims/lora-store/de",
+        "other-claim-too=/adapter-claims/lora-store/fr", "baked=/opt/adapters/it"]
+    # four adapters, capped at maxCpuLoras (the runtime wants max_cpu_loras >= max_loras)
+    assert (flag(command, "--max-loras"), flag(command, "--max-cpu-loras")) == ("3", "3")
+    assert "--max-lora-rank" not in command
+    # one read-only volume for the other claim; the model's claim is not mounted twice
+    assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    assert pod["volumes"][3:] == [{"name": "adapter-claim-0", "persistentVolumeClaim": {
+        "claimName": "lora-store", "readOnly": True}}]
+    assert {"name": "adapter-claim-0", "mountPath": "/adapter-claims/lora-store", "readOnly": True} \
+        in pod["containers"][0]["volumeMounts"]
+
+
+@pytest.mark.parametrize("num_adapters, max_loras", [(1, "1"), (3, "3"), (4, "4"), (9, "4")])
+def test_max_loras_defaults_to_one_slot_per_adapter_up_to_four(num_adapters, max_loras):
+    spec = spec_of(adapters=[{"name": f"a{i}", "uri": f"s3://models/a{i}"} for i in range(num_adapters)])
+    assert flag(serve_command(spec), "--max-loras") == max_loras
+    assert flag(serve_command(spec_of(adapters=[{"name": "a", "uri": "/a"}],
+                                      engine={"maxLoras": 7})), "--max-loras") == "7"
+
+
+def test_changing_the_adapters_changes_the_pod_template():
+    before = build_deployment(parse_spec(TWO_ADAPTERS))["spec"]["template"]
+    body = {**TWO_ADAPTERS, "spec": {**TWO_ADAPTERS["spec"],
+                                     "adapters": [{"name": "sql", "uri": "s3://adapters/llama-sql-v2"}]}}
+    after = build_deployment(parse_spec(body))["spec"]["template"]
+    assert before != after  # a new template: the Deployment rolls
+    assert [c["name"] for c in after["spec"]["initContainers"]] == ["pull-model", "pull-adapter-sql"]

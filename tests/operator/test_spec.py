@@ -86,3 +86,37 @@ def test_bad_specs_raise_errors_naming_the_field(bad: BadSpec):
 def test_shapes_the_schema_would_stop_are_caught_too(body, message):
     with pytest.raises(SpecError, match=re.escape(message)):
         parse_spec(body)
+
+
+def test_adapters_are_read_in_order_with_their_lora_knobs():
+    spec = parse_spec(minimal_llmservice(
+        model={"uri": "hf://org/llama"}, s3={"endpoint": "http://s3:8333"},
+        adapters=[{"name": "sql", "uri": "s3://adapters/sql"},
+                  {"name": "chat-de", "uri": "/opt/adapters/de"}],
+        engine={"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8}))
+    assert [(a.name, a.uri, a.scheme) for a in spec.adapters] == [
+        ("sql", "s3://adapters/sql", "s3"), ("chat-de", "/opt/adapters/de", "path")]
+    assert (spec.engine.max_loras, spec.engine.max_lora_rank, spec.engine.max_cpu_loras) == (2, 64, 8)
+    # an s3 block serves an s3:// adapter even when the model comes from elsewhere
+    assert spec.s3.endpoint == "http://s3:8333"
+    assert parse_spec(minimal_llmservice()).adapters == ()
+
+
+@pytest.mark.parametrize("spec, message", [
+    # the served name derived from the URI ("llama") clashes too; the CRD sees only model.name
+    ({"adapters": [{"name": "llama", "uri": "s3://models/llama-sql"}]},
+     "spec.adapters[0].name must differ from the served model name 'llama'"),
+    ({"adapters": [{"name": "sql", "uri": "s3://models/sql"}], "quantization": "fp8"},
+     "spec.adapters cannot be served with spec.quantization fp8"),
+    ({"adapters": [{"name": "sql", "uri": "s3://models/sql"}],
+      "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
+     "spec.adapters cannot be served with spec.engine.tensorParallelSize > 1 (got 2)"),
+    ({"adapters": {"name": "sql"}}, "spec.adapters must be a list"),
+    ({"adapters": ["sql"]}, "spec.adapters[0] must be an object with name and uri"),
+    ({"adapters": [{"name": "a" * 51, "uri": "s3://m/a"}]}, "spec.adapters[0].name must be a DNS-1123"),
+    ({"model": {"uri": "hf://org/m"}, "s3": {}, "adapters": [{"name": "a", "uri": "/opt/a"}]},
+     "spec.s3 is allowed only with an s3:// model.uri or spec.adapters[].uri"),
+])
+def test_adapter_errors_only_the_operator_sees_name_the_field(spec, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec(minimal_llmservice(**spec))

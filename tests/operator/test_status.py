@@ -84,3 +84,19 @@ def test_every_outcome_reports_the_same_four_conditions():
     for conditions in (conditions_from_deployment(None, 1), conditions_from_deployment(
             deployment(1, 1), 1), invalid_conditions("InvalidSpec", "x")):
         assert tuple(c.type for c in conditions) == CONDITION_TYPES
+
+
+def test_status_lists_the_served_adapters_and_drops_them_with_the_adapters():
+    dep = deployment(ready=1, total=1)
+    args = dict(conditions=conditions_from_deployment(dep, 1), generation=2,
+                url="http://x.y.svc.cluster.local/v1", deployment=dep, selector="a=b")
+    served = build_status(previous=None, adapters=["sql", "chat-de"], **args)
+    assert served["adapters"] == ["sql", "chat-de"]
+    assert not status_changed(served, build_status(previous=served, adapters=["sql", "chat-de"], **args))
+    # none left: a null in the merge patch removes status.adapters
+    dropped = build_status(previous=served, adapters=[], **args)
+    assert dropped["adapters"] is None and status_changed(served, dropped)
+    # never had any: nothing to write
+    assert not status_changed({k: v for k, v in dropped.items() if k != "adapters"}, dropped)
+    # a spec that could not be reconciled leaves the field as it was
+    assert "adapters" not in build_status(previous=served, **args)
