@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +269,22 @@ def test_engine_config_refuses_what_lora_cannot_run_with():
         EngineConfig(model="x", max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
         EngineConfig(model="x", max_lora_rank=0)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_adapters_on_4bit_weights_equal_hf_with_peft_on_the_dequantized_weights(
+        method, tiny_model_dir, adapters, tmp_path):
+    # QLoRA-style serving: the base projections run from 4-bit weights, the adapter's update is
+    # added to their output; the reference is HF + PEFT over the same weights dequantized
+    from quantization.checkpoints import write_quantized
+    path = tiny_model_dir("llama")
+    quantized, dequantized = tmp_path / "q", tmp_path / "d"
+    write_quantized(Path(path), quantized, dequantized, method=method, group_size=32)
+    a = adapters(path, "all")       # trained on the full-precision base, as users do
+    prompts = _prompts(3, seed=13)
+    llm = LLM(model=str(quantized), dtype="float32", enable_lora=True, max_lora_rank=8)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert method in type(qkv.linear_method).__name__.lower(), qkv.linear_method
+    outs = llm.generate(prompts * 2, GREEDY, lora_request=[LoRARequest("a", 1, a)] * 3 + [None] * 3)
+    assert _ids(outs) == (hf_lora_greedy(dequantized, a, prompts, 12)
+                          + hf_lora_greedy(dequantized, None, prompts, 12))
