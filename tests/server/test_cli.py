@@ -61,6 +61,13 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
     (["--tool-call-parser", "granite"], "invalid choice: 'granite'"),
     (["--generation-config", "no/such/folder"],
      "--generation-config: no generation_config.json in 'no/such/folder'"),
+    (["--lora-modules", "sql=adapters/sql"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "adapters/sql"],
+     "argument --lora-modules: each item must be NAME=PATH or JSON"),
+    (["--enable-lora", "--lora-modules", '{"name": "sql"}'],       # no path
+     "argument --lora-modules: each item must be NAME=PATH or JSON"),
+    (["--enable-lora", "--lora-modules", "sql=no/such/adapter"],
+     "--lora-modules 'sql': LoRA adapter 'no/such/adapter': no adapter_config.json"),
 ])
 def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,8 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
 (behind --api-key when set), /health, /metrics, /version (always open: probes and
-Prometheus do not carry keys). Every error is answered in OpenAI's shape and
+Prometheus do not carry keys). A request's model is a served name (the base model) or a
+--lora-modules adapter's (the base model with that adapter). Every error is answered in OpenAI's shape and
 counted in kvfleet_http_requests_total; a client that disconnects aborts its requests.
 """
 
@@ -30,6 +31,7 @@ from kvfleet_runtime.engine.async_engine import (
     EngineDeadError,
     EngineQueueFullError,
 )
+from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server import protocol as p
@@ -43,12 +45,25 @@ RETRY_AFTER_S = 1
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A --lora-modules adapter: requests naming it as their model run with its LoRARequest;
+    parent: the served name of the base model it adapts (/v1/models)."""
+    request: LoRARequest
+    parent: str
+
+    @property
+    def name(self) -> str:
+        return self.request.lora_name
+
+
 @dataclass
 class ServerState:
     engine: AsyncLLMEngine
     served_model_names: list[str]
     api_key: str | None
     registry: CollectorRegistry
+    lora_adapters: dict[str, LoRAAdapter] = field(default_factory=dict)     # by name
     chat_template: str | None = None      # --chat-template: instead of the tokenizer's
     # what requests leave unset: the model's generation config's (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -72,7 +87,7 @@ class CORS:
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
-              api_key: str | None = None, registry: CollectorRegistry | None = None,
+              lora_adapters: list[LoRAAdapter] | None = None, api_key: str | None = None, registry: CollectorRegistry | None = None,
               chat_template: str | None = None, cors: CORS | None = None,
               sampling_defaults: dict[str, Any] | None = None,
               tool_call_parser: str | None = None,
@@ -80,6 +95,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     """The app; its lifespan shuts the engine down when the server stops."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
+                        lora_adapters={a.name: a for a in lora_adapters or []},
                         api_key=api_key or None,
                         registry=registry or CollectorRegistry(),
                         chat_template=chat_template,
@@ -226,11 +242,16 @@ def _add_open_routes(router: APIRouter) -> None:
 def _add_keyed_routes(router: APIRouter) -> None:
     @router.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
+        # vLLM's cards: the base model's root is its folder; an adapter's is its own folder,
+        # and its parent the served name it adapts
         state = _state(request)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvfleet",
-             "root": state.engine.config.model, "max_model_len": state.engine.config.max_model_len}
-            for name in state.served_model_names]}
+        config = state.engine.config
+        cards = [p.ModelCard(id=name, root=config.model, max_model_len=config.max_model_len)
+                 for name in state.served_model_names]
+        cards += [p.ModelCard(id=a.name, root=a.request.lora_path, parent=a.parent,
+                              max_model_len=config.max_model_len)
+                  for a in state.lora_adapters.values()]
+        return {"object": "list", "data": [c.model_dump() for c in cards]}
 
     @router.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
@@ -268,11 +289,19 @@ def _add_keyed_routes(router: APIRouter) -> None:
         return {"prompt": state.engine.tokenizer.decode(body.tokens)}
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.served_model_names:
+def _check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The adapter a request's model names: None for the base model (a served name, or no
+    model given); 404 for a name that is neither."""
+    if model is None or model in state.served_model_names:
+        return None
+    adapter = state.lora_adapters.get(model)
+    if adapter is None:
+        adapters = (f"; LoRA adapters: {', '.join(state.lora_adapters)}"
+                    if state.lora_adapters else "")
         raise p.OpenAIError(f"The model '{model}' does not exist; served: "
-                            f"{', '.join(state.served_model_names)}", status=404,
+                            f"{', '.join(state.served_model_names)}{adapters}", status=404,
                             param="model", code="model_not_found")
+    return adapter.request
 
 
 def _chat_prompt_ids(state: ServerState, body: p.ChatCompletionRequest,
@@ -343,7 +372,7 @@ class _GenerationCall:
         raise NotImplementedError
 
     async def run(self) -> Response:
-        _check_model(self.state, self.body.model)
+        lora_request = _check_model(self.state, self.body.model)
         engine = self.state.engine
         self.prompts = self.make_prompts()
         vocab = len(self.tokenizer)
@@ -357,7 +386,8 @@ class _GenerationCall:
             engine.check_admission(len(self.prompts))
         except (EngineDeadError, EngineQueueFullError) as e:
             raise _engine_error(e) from None
-        gens = [engine.generate(pr.token_ids, pr.params, request_id=f"{self.request_id}-{i}")
+        gens = [engine.generate(pr.token_ids, pr.params, request_id=f"{self.request_id}-{i}",
+                                lora_request=lora_request)
                 for i, pr in enumerate(self.prompts)]
         if self.body.stream:
             return StreamingResponse(self._sse(gens), media_type="text/event-stream",

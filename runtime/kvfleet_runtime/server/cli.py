@@ -9,6 +9,7 @@ so a new engine knob becomes a flag without touching this file;
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -21,6 +22,9 @@ import typing
 from typing import Any
 
 from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+
+if typing.TYPE_CHECKING:
+    from kvfleet_runtime.server.api import LoRAAdapter
 
 # server/tools.py's PARSERS (named here: `kvfleet --help` imports no pydantic)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -149,6 +153,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="names clients use in 'model'; the first labels the metrics "
                              "(default: the model's name)")
+    server.add_argument("--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH|JSON",
+                        help="LoRA adapters (PEFT folders) served beside the base model, each "
+                             "under its name: requests run with one by naming it as their "
+                             "model. Each item is name=path, or vLLM's JSON '{\"name\": ..., "
+                             "\"path\": ..., \"base_model_name\": ...}' (the served name it "
+                             "adapts, listed as its parent; default: the first). Needs "
+                             "--enable-lora")
     server.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
                              "/detokenize (default: $KVFLEET_API_KEY)")
@@ -216,6 +227,78 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAModulePath:
+    """One --lora-modules item (vLLM's): the adapter's served name, its PEFT folder and the
+    served base model it adapts (None: the first served name)."""
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+_LORA_MODULE_FORM = ('NAME=PATH or JSON \'{"name": ..., "path": ..., "base_model_name": ...}\' '
+                     "(base_model_name optional)")
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    """--lora-modules' item, as vLLM reads it: name=path, or a JSON object."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        fields = {f.name for f in dataclasses.fields(LoRAModulePath)}
+        if (isinstance(value, dict) and {"name", "path"} <= value.keys() <= fields
+                and all(isinstance(value[k], str) and value[k] for k in ("name", "path"))
+                and isinstance(value.get("base_model_name") or "", str)):
+            return LoRAModulePath(**value)
+    else:
+        name, _, path = text.partition("=")
+        if name and path:
+            return LoRAModulePath(name, path)
+    raise argparse.ArgumentTypeError(f"each item must be {_LORA_MODULE_FORM}; got {text!r}")
+
+
+def lora_adapters(modules: list[LoRAModulePath], served_names: list[str] | None,
+                  max_lora_rank: int) -> list[LoRAAdapter]:
+    """The --lora-modules adapters (server/api.py's LoRAAdapter), ids 1, 2, ... in order.
+
+    ValueError names the bad item: a duplicate name, a name that is a served model's, a
+    base_model_name that is not one, an adapter_config.json that is missing or asks for what
+    the engine cannot apply, a rank above max_lora_rank (the engine reads the weights at the
+    adapter's first request). served_names None: not known yet (the model names itself when
+    it loads); those two checks then wait.
+    """
+    from kvfleet_runtime.lora import LoRARequest
+    from kvfleet_runtime.lora.adapter import read_config
+    from kvfleet_runtime.server.api import LoRAAdapter
+    adapters = []
+    seen: set[str] = set()
+    for i, module in enumerate(modules, start=1):
+        item = f"--lora-modules {module.name!r}"
+        if module.name in seen:
+            raise ValueError(f"{item}: the name is given twice")
+        seen.add(module.name)
+        if served_names is not None:
+            served = ", ".join(served_names)
+            if module.name in served_names:
+                raise ValueError(f"{item}: the name is a served model's ({served}); name the "
+                                 "adapter otherwise")
+            if module.base_model_name not in (None, *served_names):
+                raise ValueError(f"{item}: base_model_name must be a served model name "
+                                 f"({served}); got {module.base_model_name!r}")
+        try:
+            rank = read_config(module.path)["r"]
+        except ValueError as e:
+            raise ValueError(f"{item}: {e}") from None
+        if rank > max_lora_rank:
+            raise ValueError(f"{item}: rank {rank} is larger than --max-lora-rank "
+                             f"({max_lora_rank})")
+        parent = module.base_model_name or (served_names or [""])[0]
+        adapters.append(LoRAAdapter(LoRARequest(module.name, i, module.path), parent))
+    return adapters
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template's value: a file's text, or the template itself (as vLLM reads it);
     ValueError when it is neither a file nor a template, or does not compile."""
@@ -267,6 +350,11 @@ def serve(args: argparse.Namespace) -> int:
         chat_template = (None if args.chat_template is None
                          else load_chat_template(args.chat_template))
         config = engine_config_from_args(args, **overrides)
+        lora_modules = args.lora_modules or []
+        if lora_modules and not config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        # refused before loading where it can
+        lora_adapters(lora_modules, names or None, config.max_lora_rank)
         sampling_defaults = load_sampling_defaults(args.generation_config, config.model)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
         check_kernel_environment()
@@ -280,6 +368,12 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(config, max_queued_requests=args.max_queued_requests,
                             engine_process=engine_process)
     names = names or [engine.served_model_name]
+    try:        # again, now that the model has named itself
+        adapters = lora_adapters(lora_modules, names, config.max_lora_rank)
+    except ValueError as e:
+        print(f"kvfleet serve: error: {e}", file=sys.stderr)
+        asyncio.run(engine.shutdown())
+        return 2
     # the *_created series would double every scrape, and nothing queries them
     disable_created_metrics()
     registry = CollectorRegistry()
@@ -291,8 +385,9 @@ def serve(args: argparse.Namespace) -> int:
                 time.monotonic() - start, engine.config.max_model_len)
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
-    app = build_app(engine, served_model_names=names, api_key=args.api_key, registry=registry,
-                    chat_template=chat_template, cors=cors, sampling_defaults=sampling_defaults,
+    app = build_app(engine, served_model_names=names, lora_adapters=adapters,
+                    api_key=args.api_key, registry=registry, chat_template=chat_template,
+                    cors=cors, sampling_defaults=sampling_defaults,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
                     else None, reasoning_parser=args.reasoning_parser)
     if sampling_defaults:

@@ -373,6 +373,18 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class ModelCard(BaseModel):
+    """A /v1/models entry, vLLM's shape: root is the model's (or the adapter's) folder; parent
+    is, for a LoRA adapter, the served name of the base model it adapts."""
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "kvfleet"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)

@@ -1,0 +1,197 @@
+"""`kvfleet serve --enable-lora --lora-modules`: a request naming an adapter gets HF + PEFT's
+greedy tokens for that adapter and one naming the base model the base model's, streamed or not,
+alone or batched together, with the engine in the server's thread and in its own process;
+/v1/models lists each adapter under the base model it adapts; bad --lora-modules items stop
+the start (exit 2) naming the item."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from kvfleet_runtime.cli import main
+from openai import OpenAI
+from support.lora import hf_lora_greedy, make_lora_adapter
+from support.server import ServerProcess, running_server, start_server
+from support.tiny_models import make_tiny_model
+from transformers import AutoTokenizer
+
+BASE, ALIAS = "tiny-base", "tiny-alias"
+SQL, CHAT = "sql-lora", "chat-lora"        # CHAT adapts ALIAS (--lora-modules' JSON form)
+MAX_NEW = 12
+PROMPTS = [[1, 422, 3201, 77, 9000, 15], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 31000, 2200, 48000]]
+MESSAGES = [{"role": "user", "content": "Write a query that counts the users."}]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # wide init (as conftest's tiny_llama): greedy picks do not flip on float noise when a
+    # batch mixes adapters
+    return make_tiny_model("llama3", tmp_path_factory.mktemp("lora-base"), initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def adapters(base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora-adapters")
+    return {SQL: make_lora_adapter(base_model, root / "sql", rank=8, seed=1),
+            CHAT: make_lora_adapter(base_model, root / "chat", rank=4, seed=2,
+                                    targets=("q_proj", "v_proj", "o_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def reference(base_model: Path, adapters: dict[str, Path]) -> dict[str, list[list[int]]]:
+    """HF + PEFT's greedy tokens of PROMPTS by served model name."""
+    refs = {name: hf_lora_greedy(base_model, path, PROMPTS, MAX_NEW)
+            for name, path in adapters.items()}
+    refs[BASE] = refs[ALIAS] = hf_lora_greedy(base_model, None, PROMPTS, MAX_NEW)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_model: Path):
+    return AutoTokenizer.from_pretrained(base_model)
+
+
+def _lora_flags(adapters: dict[str, Path]) -> list[str]:
+    return ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+            f"{SQL}={adapters[SQL]}",
+            json.dumps({"name": CHAT, "path": str(adapters[CHAT]), "base_model_name": ALIAS})]
+
+
+@pytest.fixture(scope="module", params=[(), ("--engine-process",)], ids=["thread", "engine-process"])
+def server(base_model: Path, adapters: dict[str, Path], request) -> Iterator[ServerProcess]:
+    with running_server(base_model, "--served-model-name", BASE, ALIAS, "--max-model-len", "256",
+                        *_lora_flags(adapters), *request.param) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=server.openai_base_url, api_key="unused")
+
+
+def test_the_adapters_change_the_reference(reference) -> None:
+    # else the serving tests below would pass with the adapters ignored
+    for base, sql, chat in zip(reference[BASE], reference[SQL], reference[CHAT], strict=True):
+        assert sql != base and chat != base and sql != chat
+
+
+def test_each_name_runs_its_adapter_as_hf_peft(client, reference, tokenizer) -> None:
+    for name in (BASE, ALIAS, SQL, CHAT):
+        for prompt, want in zip(PROMPTS, reference[name], strict=True):
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_NEW,
+                                          temperature=0)
+            assert r.model == name
+            assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), name
+            assert r.usage.completion_tokens == len(want)
+
+
+def test_streamed_with_an_adapter_equals_the_reference(client, reference, tokenizer) -> None:
+    for prompt, want in zip(PROMPTS, reference[CHAT], strict=True):
+        chunks = list(client.completions.create(model=CHAT, prompt=prompt, max_tokens=MAX_NEW,
+                                                temperature=0, stream=True))
+        assert {c.model for c in chunks} == {CHAT}
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+            tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_one_batch_mixes_the_adapters_and_the_base(client, reference, tokenizer) -> None:
+    # --max-loras 2: both adapters and the base model share steps
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in (BASE, SQL, CHAT)] * 2
+
+    def complete(job: tuple[str, int]) -> str:
+        name, i = job
+        return client.completions.create(model=name, prompt=PROMPTS[i], max_tokens=MAX_NEW,
+                                         temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(complete, jobs))
+    assert texts == [tokenizer.decode(reference[name][i], skip_special_tokens=True)
+                     for name, i in jobs]
+
+
+def test_chat_with_an_adapter_as_hf_peft(server, client, base_model, adapters,
+                                         tokenizer) -> None:
+    # /tokenize takes the adapter's name too: the chat prompt's ids, as the server builds them
+    r = httpx.post(f"{server.base_url}/tokenize",
+                   json={"model": SQL, "messages": MESSAGES, "add_generation_prompt": True})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    (want,) = hf_lora_greedy(base_model, adapters[SQL], [ids], MAX_NEW)
+    (base,) = hf_lora_greedy(base_model, None, [ids], MAX_NEW)
+    assert want != base
+    kwargs = dict(model=SQL, messages=MESSAGES, max_tokens=MAX_NEW, temperature=0)
+    answer = client.chat.completions.create(**kwargs)
+    assert answer.model == SQL
+    assert answer.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert {c.model for c in chunks} == {SQL}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        answer.choices[0].message.content
+
+
+def test_models_lists_the_adapters_under_their_base(server, base_model, adapters) -> None:
+    status, body = server.get("/v1/models")
+    assert status == 200, body
+    cards = {c["id"]: c for c in json.loads(body)["data"]}
+    assert list(cards) == [BASE, ALIAS, SQL, CHAT]
+    for name in (BASE, ALIAS):
+        assert cards[name]["root"] == str(base_model) and cards[name]["parent"] is None
+    assert (cards[SQL]["root"], cards[SQL]["parent"]) == (str(adapters[SQL]), BASE)
+    assert (cards[CHAT]["root"], cards[CHAT]["parent"]) == (str(adapters[CHAT]), ALIAS)
+    assert all(c["object"] == "model" and c["owned_by"] == "kvfleet" and c["max_model_len"] == 256
+               for c in cards.values())
+
+
+def test_an_unknown_model_is_404_naming_the_adapters(client) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="sql", prompt="x", max_tokens=1)
+    error = e.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert f"served: {BASE}, {ALIAS}; LoRA adapters: {SQL}, {CHAT}" in error["message"]
+
+
+# ---- start-up refusals ----
+
+def _config_only(tmp: Path) -> Path:
+    (tmp / "adapter_config.json").write_text("{}")       # no r
+    return tmp
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (lambda a, tmp: ["--enable-lora", "--lora-modules", f"{SQL}={a[SQL]}", f"{SQL}={a[CHAT]}"],
+     f"--lora-modules '{SQL}': the name is given twice"),
+    (lambda a, tmp: ["--enable-lora", "--served-model-name", BASE, "--lora-modules",
+                     f"{BASE}={a[SQL]}"],
+     f"--lora-modules '{BASE}': the name is a served model's ({BASE})"),
+    (lambda a, tmp: ["--enable-lora", "--served-model-name", BASE, "--lora-modules",
+                     json.dumps({"name": SQL, "path": str(a[SQL]), "base_model_name": "gpt"})],
+     f"--lora-modules '{SQL}': base_model_name must be a served model name ({BASE}); "
+     "got 'gpt'"),
+    (lambda a, tmp: ["--enable-lora", "--lora-modules", f"{SQL}={tmp}"],
+     f"--lora-modules '{SQL}': LoRA adapter '{{tmp}}': no adapter_config.json"),
+    (lambda a, tmp: ["--enable-lora", "--lora-modules", f"{SQL}={_config_only(tmp)}"],
+     f"--lora-modules '{SQL}': LoRA adapter '{{tmp}}': r must be a positive integer"),
+    (lambda a, tmp: ["--enable-lora", "--max-lora-rank", "4", "--lora-modules",
+                     f"{CHAT}={a[CHAT]}", f"{SQL}={a[SQL]}"],
+     f"--lora-modules '{SQL}': rank 8 is larger than --max-lora-rank (4)"),
+], ids=["duplicate", "served-name", "base-model-name", "no-config", "bad-config", "rank"])
+def test_bad_adapters_exit_2_before_loading(flags: Callable, message: str, adapters, tmp_path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # x.gguf does not exist: refused first, so the model is never looked at
+    assert main(["serve", "x.gguf", "--device", "cpu", *flags(adapters, tmp_path)]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_an_adapter_named_as_the_models_default_name_stops_the_start(base_model,
+                                                                     adapters) -> None:
+    # without --served-model-name the model's name is known once it has loaded
+    with pytest.raises(RuntimeError, match="exited with 2") as e:
+        start_server(base_model, "--enable-lora", "--lora-modules",
+                     f"{base_model.name}={adapters[SQL]}")
+    assert f"--lora-modules '{base_model.name}': the name is a served model's" in str(e.value)
