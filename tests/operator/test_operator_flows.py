@@ -339,3 +339,80 @@ def test_kubectl_scale_goes_through_the_scale_subresource_to_the_deployment(
     wait_for(lambda: get(cluster, DEPLOYMENTS)["spec"]["replicas"] == 3,
              what="the Deployment to follow the scale")
     wait_for(lambda: get(cluster, PDBS), what="a PDB now that there are 3 replicas")
+
+
+ADAPTERS = [{"name": "sql", "uri": "s3://models/adapters/llama-sql"},
+            {"name": "chat-de", "uri": "s3://models/adapters/llama-chat-de"}]
+
+
+def pod_template_spec(cluster: KubeCluster) -> dict:
+    return get(cluster, DEPLOYMENTS)["spec"]["template"]["spec"]
+
+
+def test_adapters_are_pulled_served_listed_and_rolled(cluster, operator):
+    secret, service = example()
+    service["spec"]["adapters"] = ADAPTERS
+    service["spec"]["engine"]["maxLoraRank"] = 32
+    cluster.create(secret, "secrets")
+    cluster.create(service, "llmservices")
+
+    wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment")
+    pod = pod_template_spec(cluster)
+    assert [(c["name"], c["command"][:4]) for c in pod["initContainers"]] == [
+        ("pull-model", ["kvfleet", "pull", "s3://models/meta-llama/Llama-3.1-8B-Instruct", "/models"]),
+        ("pull-adapter-sql", ["kvfleet", "pull", "s3://models/adapters/llama-sql", "/adapters/sql"]),
+        ("pull-adapter-chat-de",
+         ["kvfleet", "pull", "s3://models/adapters/llama-chat-de", "/adapters/chat-de"])]
+    command = serve_command(cluster)
+    assert command[command.index("--enable-lora"):command.index("--enable-lora") + 8] == [
+        "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat-de=/adapters/chat-de",
+        "--max-loras", "2", "--max-lora-rank", "32"]
+    listed = wait_for(lambda: (get(cluster, LLMS).get("status") or {}).get("adapters"),
+                      what="status.adapters")
+    assert listed == ["sql", "chat-de"]
+    assert get(cluster, LLMS)["status"]["url"] == "http://llama-8b.default.svc.cluster.local/v1"
+    generation = get(cluster, DEPLOYMENTS)["metadata"]["generation"]
+
+    # One adapter dropped and the LoRA rank left to the runtime: a new rollout without them.
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {"adapters": ADAPTERS[:1],
+                                                   "engine": {"maxLoraRank": None}}})
+    wait_for(lambda: (get(cluster, LLMS)["status"] or {}).get("adapters") == ["sql"],
+             what="status.adapters without chat-de")
+    assert get(cluster, DEPLOYMENTS)["metadata"]["generation"] > generation
+    assert [c["name"] for c in pod_template_spec(cluster)["initContainers"]] == [
+        "pull-model", "pull-adapter-sql"]
+    command = serve_command(cluster)
+    assert command[command.index("--enable-lora"):] == [
+        "--enable-lora", "--lora-modules", "sql=/adapters/sql", "--max-loras", "1"]
+
+    # No adapters: no LoRA flags, no adapters volume, no status.adapters.
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {"adapters": None}})
+    wait_for(lambda: "adapters" not in (get(cluster, LLMS)["status"] or {}),
+             what="status.adapters to go")
+    assert "--enable-lora" not in serve_command(cluster)
+    assert [c["name"] for c in pod_template_spec(cluster)["initContainers"]] == ["pull-model"]
+    assert "adapters" not in {v["name"] for v in pod_template_spec(cluster)["volumes"]}
+
+
+@pytest.mark.parametrize("adapters, message", [
+    ([ADAPTERS[0], {**ADAPTERS[1], "name": "sql"}],
+     "spec.adapters[1].name 'sql' is used by another adapter; names must be unique"),
+    ([{"name": "llama-8b", "uri": "s3://models/adapters/x"}],
+     "spec.adapters[0].name must differ from the served model name 'llama-8b'"),
+    ([{"name": "sql", "uri": "ftp://models/adapters/sql"}],
+     "spec.adapters[0].uri must start with s3://, hf://, pvc:// or /"),
+], ids=["duplicate-names", "model-name", "bad-uri"])
+def test_invalid_adapters_degrade_with_invalid_spec_and_create_nothing(cluster, operator, adapters,
+                                                                       message):
+    secret, service = example()
+    service["spec"]["model"]["name"] = "llama-8b"
+    service["spec"]["adapters"] = adapters
+    cluster.create(secret, "secrets")
+    cluster.create(service, "llmservices")
+    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
+                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    assert degraded["reason"] == "InvalidSpec"
+    assert message in degraded["message"]
+    assert condition(get(cluster, LLMS), "Ready")["status"] == "False"
+    assert "adapters" not in get(cluster, LLMS)["status"]
+    assert cluster.list(*DEPLOYMENTS, NS) == [] and cluster.list(*SERVICES, NS) == []

@@ -6,6 +6,8 @@ this pins that contract from both sides.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kvfleet_operator.resources import (
     adapter_path,
@@ -81,3 +83,57 @@ def test_every_pull_command_parses_to_the_spec(body):
         [("pull", source, dest) for source, dest in expected]
     assert {(args.region, args.verify_ssl) for args in parsed} == {("eu-1", False)}
     assert pull_command(spec, "s3://b/p", "/x")[:4] == ["kvfleet", "pull", "s3://b/p", "/x"]
+
+
+@pytest.mark.slow
+def test_init_containers_pull_peft_adapters_that_kvfleet_serve_then_lists(tmp_path):
+    """The pod on one machine: the Deployment's init commands pull the model and two PEFT
+    adapter folders (adapter_config.json + adapter_model.safetensors, no config.json) from
+    S3, then its serve command, paths moved under tmp_path, serves all three names."""
+    import subprocess
+    import sys
+
+    from support.lora import make_lora_adapter
+    from support.s3 import start_seaweedfs
+    from support.server import running_server
+    from support.tiny_models import make_tiny_model
+
+    checkpoint = make_tiny_model("llama", tmp_path / "ckpt")
+    for name, seed in (("sql", 0), ("chat-de", 1)):
+        make_lora_adapter(checkpoint, tmp_path / "peft" / name, rank=8, seed=seed)
+    s3 = start_seaweedfs(tmp_path / "s3")
+    try:
+        spec = parse_spec(minimal_llmservice(
+            model={"uri": "s3://models/llama", "name": "llama"}, s3={"endpoint": s3.endpoint},
+            adapters=[{"name": "sql", "uri": "s3://models/llama-adapters/sql"},
+                      {"name": "chat-de", "uri": "s3://models/llama-adapters/chat-de"}]))
+        s3.client().create_bucket(Bucket="models")
+        s3.upload_dir(checkpoint, "models", "llama")
+        for name in ("sql", "chat-de"):
+            s3.upload_dir(tmp_path / "peft" / name, "models", f"llama-adapters/{name}")
+
+        def local(path: str) -> str:  # the pod's volumes (/models, /adapters), here
+            return str(tmp_path) + path
+
+        pod = build_deployment(spec)["spec"]["template"]["spec"]
+        for init in pod["initContainers"]:
+            command = init["command"]
+            pulled = subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "pull", command[2],
+                                     local(command[3]), *command[4:]],
+                                    env=s3.env(), capture_output=True, text=True, timeout=300)
+            assert pulled.returncode == 0, f"{init['name']}: {pulled.stderr}"
+    finally:
+        s3.stop()
+    for name in ("sql", "chat-de"):
+        files = {p.name for p in (tmp_path / "adapters" / name).iterdir()}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+        assert "config.json" not in files
+    serve = pod["containers"][0]["command"]
+    assert serve[2] == "/models" and serve[3:7] == ["--host", "0.0.0.0", "--port", "8000"]
+    # running_server binds 127.0.0.1 on a free port itself
+    flags = [arg.replace("=/adapters/", f"={tmp_path}/adapters/") for arg in serve[7:]]
+    with running_server(tmp_path / "models", *flags, "--num-gpu-blocks", "64",
+                        "--max-model-len", "256") as server:
+        status, body = server.get("/v1/models")
+        assert status == 200, body + server.log()
+        assert [m["id"] for m in json.loads(body)["data"]] == ["llama", "sql", "chat-de"]
