@@ -1,4 +1,4 @@
-"""`kvfleet` command line: serve | generate | pull | bench | make-model.
+"""`kvfleet` command line: serve | generate | pull | bench | make-model | make-lora.
 
 Each subcommand lives in its own module exposing `register(subparsers)`, which
 adds its parser and sets `func(args) -> int` as the default; modules are imported
@@ -19,6 +19,7 @@ COMMAND_MODULES = {
     "pull": "kvfleet_runtime.pull",
     "bench": "kvfleet_runtime.benchmarks.cli",
     "make-model": "kvfleet_runtime.make_model",
+    "make-lora": "kvfleet_runtime.lora.make",
 }
 
 

@@ -288,3 +288,69 @@ def test_adapters_on_4bit_weights_equal_hf_with_peft_on_the_dequantized_weights(
     outs = llm.generate(prompts * 2, GREEDY, lora_request=[LoRARequest("a", 1, a)] * 3 + [None] * 3)
     assert _ids(outs) == (hf_lora_greedy(dequantized, a, prompts, 12)
                           + hf_lora_greedy(dequantized, None, prompts, 12))
+
+
+def test_make_lora_writes_an_adapter_peft_reads_and_we_serve_alike(tiny_model_dir, tmp_path,
+                                                                   capsys):
+    # `kvfleet make-lora` (the benchmarks' adapters): PEFT loads the folder as its own, with
+    # the same tensors, and HF + PEFT's greedy outputs are ours
+    from kvfleet_runtime.cli import main
+    from safetensors.torch import load_file
+    path = tiny_model_dir("qwen3")
+    out = tmp_path / "made"
+    assert main(["make-lora", "--model", path, "--out", str(out), "--rank", "4", "--targets",
+                 "q_proj,v_proj,down_proj", "--dtype", "float32", "--seed", "5"]) == 0
+    written = load_file(str(out / "adapter_model.safetensors"))
+    assert len(written) == 2 * 3 * 2            # A and B, 3 projections, 2 layers
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), out)
+    state = peft_model.state_dict()
+    for name, tensor in written.items():
+        peft_name = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight")
+        assert torch.equal(state[peft_name], tensor), name
+    prompts = _prompts(2, seed=21)
+    llm = LLM(model=path, dtype="float32", enable_lora=True, max_lora_rank=8)
+    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("made", 1, str(out)))
+    ref = hf_lora_greedy(path, out, prompts, 12)
+    assert _ids(outs) == ref and ref != hf_lora_greedy(path, None, prompts, 12)
+    capsys.readouterr()
+    assert main(["make-lora", "--model", path, "--out", str(out)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert main(["make-lora", "--model", path, "--out", str(tmp_path / "x"), "--targets",
+                 "lm_head"]) == 2
+    assert "targets must be some of q_proj" in capsys.readouterr().err
+
+
+def test_bench_throughput_and_latency_with_an_adapter(tiny_model_dir, tmp_path, capsys,
+                                                      monkeypatch):
+    from kvfleet_runtime.cli import main
+    from kvfleet_runtime.lora.make import make_lora
+    path = tiny_model_dir("llama")
+    adapter = make_lora(path, tmp_path / "adapter", rank=4)
+    seen = []
+    generate = LLM.generate
+
+    def recording(self, prompts, params=None, lora_request=None):
+        seen.append(lora_request)
+        return generate(self, prompts, params, lora_request)
+    monkeypatch.setattr(LLM, "generate", recording)
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", path, "--num-prompts", "8", "--input-len",
+                 "12", "--output-len", "4", "--lora-path", str(adapter), "--max-loras", "2",
+                 "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["lora_path"] == str(adapter) and result["max_loras"] == 2
+    timed = seen[-1]
+    assert {r.lora_int_id for r in timed} == {1, 2} and len(timed) == 8
+    assert "LoRA adapters (2 ids) on every prompt" in capsys.readouterr().out
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", path, "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "1", "--lora-path", str(adapter),
+                 "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())
+    assert res["lora_path"] == str(adapter) and res["tpot_ms"] > 0
+    assert main(["bench", "throughput", "--model", path, "--lora-path", str(adapter),
+                 "--backend", "hf"]) == 2
+    assert "--lora-path is for --backend kvfleet alone" in capsys.readouterr().err

@@ -35,6 +35,8 @@ def register(subparsers) -> None:
                     help="the share of prompts (at least one when > 0) whose output follows a "
                          "JSON schema: an array of integers that never completes within "
                          "--output-len (structured outputs' cost at a fixed length)")
+    _add_lora_arg(tp, "each prompt runs with one of --max-loras copies of it (ids 1..N, "
+                      "picked at random), as vLLM's bench")
     add_engine_args(tp)
     tp.set_defaults(func=run_throughput)
 
@@ -48,11 +50,34 @@ def register(subparsers) -> None:
     lat.add_argument("--profile", action="store_true",
                      help="one more iteration under torch.profiler: kernel vs host time of the "
                           "prefill step and of the decode steps")
+    _add_lora_arg(lat, "every prompt runs with it")
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
 
     from kvfleet_runtime.benchmarks.serve import add_serve_parser
     add_serve_parser(sub)
+
+
+def _add_lora_arg(parser: argparse.ArgumentParser, how: str) -> None:
+    parser.add_argument("--lora-path", metavar="DIR", default=None,
+                        help=f"a LoRA adapter folder (PEFT format; turns on --enable-lora): {how}")
+
+
+def _lora_config(args: argparse.Namespace):
+    """The engine config, with LoRA on where --lora-path is given."""
+    config = engine_config_from_args(args)
+    if args.lora_path:
+        config.enable_lora = True
+    return config
+
+
+def lora_requests(args: argparse.Namespace, config, num: int) -> list | None:
+    """--lora-path: each of `num` prompts' adapter, one of max_loras ids (seeded choice)."""
+    if not args.lora_path:
+        return None
+    from kvfleet_runtime.lora import LoRARequest
+    ids = random.Random(0).choices(range(1, config.max_loras + 1), k=num)
+    return [LoRARequest(f"bench-lora-{i}", i, args.lora_path) for i in ids]
 
 
 def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -67,11 +92,11 @@ _BENCH_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 1_00
 
 
 def _kvfleet_throughput(llm, prompts, output_len: int, on_start=None,
-                        structured_ratio: float = 0.0) -> float:
+                        structured_ratio: float = 0.0, loras: list | None = None) -> float:
     """Seconds to generate output_len tokens for each prompt, after a short warm-up;
     on_start() runs between the two (where a caller snapshots the engine's counters).
     structured_ratio: the share of prompts (at least one when > 0) whose output follows
-    _BENCH_SCHEMA."""
+    _BENCH_SCHEMA. loras: each prompt's LoRARequest (None: the base model)."""
     from kvfleet_runtime.sampling_params import SamplingParams
     from kvfleet_runtime.structured_outputs import StructuredOutputsParams
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
@@ -86,13 +111,15 @@ def _kvfleet_throughput(llm, prompts, output_len: int, on_start=None,
         marked = {int(i * every) for i in range(num)}
         params = [grammar if i in marked else params for i in range(len(prompts))]
         llm.generate(prompts[:1], grammar.clone())      # the vocabulary read, the schema compiled
-    llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(max_tokens=4, ignore_eos=True))
+    warm = min(len(prompts), 4)
+    llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True),
+                 lora_request=loras[:warm] if loras else None)
     # the timed run computes every prompt: none hits the blocks the warm-up left cached
     llm.engine.kv.block_pool.reset_prefix_cache()
     if on_start is not None:
         on_start()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, lora_request=loras)
     elapsed = time.perf_counter() - start
     made = sum(len(o.outputs[0].token_ids) for o in outs)
     if made != len(prompts) * output_len:
@@ -153,7 +180,11 @@ def run_throughput(args: argparse.Namespace) -> int:
               f"and for --backend kvfleet alone; got {args.structured_output_ratio}",
               file=sys.stderr)
         return 2
-    config = engine_config_from_args(args)
+    if args.lora_path and backends != ["kvfleet"]:
+        print("kvfleet bench throughput: error: --lora-path is for --backend kvfleet alone",
+              file=sys.stderr)
+        return 2
+    config = _lora_config(args)
     prompts = random_prompts(args.num_prompts, args.input_len)
     results = []
     # HF first: our engine takes most of the GPU memory for its KV cache once it starts
@@ -164,7 +195,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             llm = LLM.from_config(config)
             tune_gc()       # as kvfleet serve does after start-up
             elapsed = _kvfleet_throughput(llm, prompts, args.output_len,
-                                          structured_ratio=args.structured_output_ratio)
+                                          structured_ratio=args.structured_output_ratio,
+                                          loras=lora_requests(args, config, len(prompts)))
             totals = llm.engine.step_totals
             extra = {"dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
                      "steps": totals["steps"],
@@ -180,12 +212,15 @@ def run_throughput(args: argparse.Namespace) -> int:
             "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
             "output_tokens_per_s": out_tokens / elapsed,
             "structured_output_ratio": args.structured_output_ratio,
+            "lora_path": args.lora_path, "max_loras": config.max_loras if args.lora_path else 0,
             "total_tokens_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
             **extra})
         r = results[-1]
         host = f", host share of step time {r['host_share']:.1%}" if "host_share" in r else ""
         if args.structured_output_ratio:
             host += f", structured outputs on {args.structured_output_ratio:.1%} of prompts"
+        if args.lora_path:
+            host += f", LoRA adapters ({config.max_loras} ids) on every prompt"
         print(f"[{backend}] {r['dtype']}, {args.num_prompts} prompts {args.input_len} in / "
               f"{args.output_len} out: "
               f"{r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} req/s, "
@@ -204,21 +239,26 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 def run_latency(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.engine import LLMEngine
-    engine = LLMEngine(engine_config_from_args(args))
+    config = _lora_config(args)
+    engine = LLMEngine(config)
     tune_gc()       # as kvfleet serve does after start-up
     prompts = random_prompts(args.batch_size, args.input_len)
+    loras = lora_requests(args, config, 1)
     res, params = measure_latency(engine, prompts, args.output_len, args.num_iters_warmup,
-                                  args.num_iters)
+                                  args.num_iters, loras[0] if loras else None)
     print(f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
           f"TTFT {res['ttft_ms']:.1f} ms, TPOT {res['tpot_ms']:.2f} ms "
           f"({res['decode_tokens_per_s_per_seq']:.1f} tok/s per sequence), "
           f"end to end {res['latency_s']:.3f} s")
+    if loras:
+        res["lora_path"] = args.lora_path
+        print(f"every prompt with the LoRA adapter {args.lora_path}")
     if "spec_acceptance" in res:
         print(f"speculative decoding: {res['spec_acceptance']:.1%} of drafts kept, "
               f"{res['spec_tokens_per_step']:.2f} tokens a drafted step, "
               f"{res['steps_per_iter']:.0f} steps an iteration")
     if args.profile:
-        for p in _profile_latency(engine, prompts, params):
+        for p in _profile_latency(engine, prompts, params, loras[0] if loras else None):
             print(p.render())
             res[f"profile_{p.label}"] = {"wall_ms": p.wall_ms, "kernel_ms": p.kernel_ms,
                                          "top": p.top}
@@ -226,8 +266,10 @@ def run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters: int):
-    """TTFT, time per output token and end-to-end time of `prompts` as one batch -> (row, params)."""
+def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters: int,
+                    lora_request=None):
+    """TTFT, time per output token and end-to-end time of `prompts` as one batch (each with
+    lora_request's adapter, if given) -> (row, params)."""
     import torch
 
     from kvfleet_runtime.sampling_params import SamplingParams
@@ -239,7 +281,7 @@ def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters
         if it == num_warmup:
             spec, steps = dict(engine.spec_stats), engine.step_totals["steps"]
         for i, p in enumerate(prompts):
-            engine.add_request(f"lat-{it}-{i}", p, params)
+            engine.add_request(f"lat-{it}-{i}", p, params, lora_request=lora_request)
         # prefix caching would turn later iterations' prefill into a cache hit
         engine.kv.block_pool.reset_prefix_cache()
         sync()
@@ -268,10 +310,10 @@ def measure_latency(engine, prompts, output_len: int, num_warmup: int, num_iters
     return res, params
 
 
-def _profile_latency(engine, prompts, params):
+def _profile_latency(engine, prompts, params, lora_request=None):
     from kvfleet_runtime.benchmarks.profile import profile_steps
     for i, p in enumerate(prompts):
-        engine.add_request(f"profile-{i}", p, params)
+        engine.add_request(f"profile-{i}", p, params, lora_request=lora_request)
     engine.kv.block_pool.reset_prefix_cache()
     device = engine.config.torch_device
     sched = engine.scheduler
