@@ -279,3 +279,35 @@ def test_notes_point_at_a_watched_namespace(tmp_path: Path) -> None:
     assert "kubectl -n team-a apply -f examples/llmservice.yaml" in notes
     assert "kubectl -n team-a create secret generic model-store" in notes
     assert "rollout status deployment/kvfleet" in notes and "kubectl -n llm rollout" in notes
+
+
+def test_example_llmservice_with_adapters_renders_the_operators_lora_pulls_and_flags(tmp_path: Path) -> None:
+    import jsonschema
+    from kvfleet_operator import resources
+    from kvfleet_operator.spec import parse_spec
+
+    spec = {"model": {"uri": "s3://models/SmolLM2-135M-Instruct", "name": "smollm2-135m"},
+            "adapters": [{"name": "sql", "uri": "s3://models/adapters/smollm2-sql"},
+                         {"name": "chat-de", "uri": "s3://models/adapters/smollm2-chat-de"}],
+            "s3": {"endpoint": "http://seaweedfs-s3.storage.svc.cluster.local:8333", "credentialsSecret": "model-store"},
+            "engine": {"maxLoraRank": 32, "maxCpuLoras": 4}, "resources": {"gpus": 0}}
+    values = {"examples": {"enabled": True, "llmServices": [{"name": "smollm2-lora", "spec": spec}]}}
+    (service,) = by_kind(template(values, tmp_path), "LLMService")
+    validate(service)   # the CRD's schema and the operator's parser
+    assert service["spec"]["adapters"] == spec["adapters"]
+    parsed = parse_spec({**service, "metadata": {**service["metadata"], "uid": "u"}})
+    pod = resources.build_deployment(parsed)["spec"]["template"]["spec"]
+    assert [c["command"][2:4] for c in pod["initContainers"]] == [
+        ["s3://models/SmolLM2-135M-Instruct", "/models"],
+        ["s3://models/adapters/smollm2-sql", "/adapters/sql"],
+        ["s3://models/adapters/smollm2-chat-de", "/adapters/chat-de"]]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--enable-lora"):] == [
+        "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat-de=/adapters/chat-de",
+        "--max-loras", "2", "--max-lora-rank", "32", "--max-cpu-loras", "4"]
+    # a clash the chart must not hide: helm renders it, the CRD schema refuses it
+    bad = {"examples": {"enabled": True, "llmServices": [{"name": "bad", "spec": {
+        **spec, "adapters": [{"name": "SQL", "uri": "s3://models/adapters/smollm2-sql"}]}}]}}
+    (refused,) = by_kind(template(bad, tmp_path), "LLMService")
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        validate(refused)
