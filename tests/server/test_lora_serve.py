@@ -2,7 +2,8 @@
 greedy tokens for that adapter and one naming the base model the base model's, streamed or not,
 alone or batched together, with the engine in the server's thread and in its own process;
 /v1/models lists each adapter under the base model it adapts; bad --lora-modules items stop
-the start (exit 2) naming the item."""
+the start (exit 2) naming the item, and an adapter whose weights do not fit the model fails its
+requests with a 400."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from transformers import AutoTokenizer
 
 BASE, ALIAS = "tiny-base", "tiny-alias"
 SQL, CHAT = "sql-lora", "chat-lora"        # CHAT adapts ALIAS (--lora-modules' JSON form)
+OTHER = "other-model-lora"                  # an adapter of a wider model: its weights do not fit
 MAX_NEW = 12
 PROMPTS = [[1, 422, 3201, 77, 9000, 15], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 31000, 2200, 48000]]
 MESSAGES = [{"role": "user", "content": "Write a query that counts the users."}]
@@ -38,16 +40,18 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def adapters(base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora-adapters")
+    wider = make_tiny_model("llama3", root / "wider-model", hidden_size=96)
     return {SQL: make_lora_adapter(base_model, root / "sql", rank=8, seed=1),
             CHAT: make_lora_adapter(base_model, root / "chat", rank=4, seed=2,
-                                    targets=("q_proj", "v_proj", "o_proj", "down_proj"))}
+                                    targets=("q_proj", "v_proj", "o_proj", "down_proj")),
+            OTHER: make_lora_adapter(wider, root / "other", rank=4)}
 
 
 @pytest.fixture(scope="module")
 def reference(base_model: Path, adapters: dict[str, Path]) -> dict[str, list[list[int]]]:
     """HF + PEFT's greedy tokens of PROMPTS by served model name."""
-    refs = {name: hf_lora_greedy(base_model, path, PROMPTS, MAX_NEW)
-            for name, path in adapters.items()}
+    refs = {name: hf_lora_greedy(base_model, adapters[name], PROMPTS, MAX_NEW)
+            for name in (SQL, CHAT)}
     refs[BASE] = refs[ALIAS] = hf_lora_greedy(base_model, None, PROMPTS, MAX_NEW)
     return refs
 
@@ -60,7 +64,8 @@ def tokenizer(base_model: Path):
 def _lora_flags(adapters: dict[str, Path]) -> list[str]:
     return ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
             f"{SQL}={adapters[SQL]}",
-            json.dumps({"name": CHAT, "path": str(adapters[CHAT]), "base_model_name": ALIAS})]
+            json.dumps({"name": CHAT, "path": str(adapters[CHAT]), "base_model_name": ALIAS}),
+            f"{OTHER}={adapters[OTHER]}"]
 
 
 @pytest.fixture(scope="module", params=[(), ("--engine-process",)], ids=["thread", "engine-process"])
@@ -139,7 +144,7 @@ def test_models_lists_the_adapters_under_their_base(server, base_model, adapters
     status, body = server.get("/v1/models")
     assert status == 200, body
     cards = {c["id"]: c for c in json.loads(body)["data"]}
-    assert list(cards) == [BASE, ALIAS, SQL, CHAT]
+    assert list(cards) == [BASE, ALIAS, SQL, CHAT, OTHER]
     for name in (BASE, ALIAS):
         assert cards[name]["root"] == str(base_model) and cards[name]["parent"] is None
     assert (cards[SQL]["root"], cards[SQL]["parent"]) == (str(adapters[SQL]), BASE)
@@ -153,7 +158,16 @@ def test_an_unknown_model_is_404_naming_the_adapters(client) -> None:
         client.completions.create(model="sql", prompt="x", max_tokens=1)
     error = e.value.body
     assert error["code"] == "model_not_found" and error["param"] == "model"
-    assert f"served: {BASE}, {ALIAS}; LoRA adapters: {SQL}, {CHAT}" in error["message"]
+    assert f"served: {BASE}, {ALIAS}; LoRA adapters: {SQL}, {CHAT}, {OTHER}" in error["message"]
+
+
+def test_an_adapter_whose_weights_do_not_fit_is_a_400(client, reference, tokenizer) -> None:
+    # its config passed the start-up checks; the weights are read at its first request
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError, match="do not fit rank 4"):
+            client.completions.create(model=OTHER, prompt=PROMPTS[0], max_tokens=4)
+    r = client.completions.create(model=SQL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0)
+    assert r.choices[0].text == tokenizer.decode(reference[SQL][0], skip_special_tokens=True)
 
 
 # ---- start-up refusals ----
