@@ -350,7 +350,8 @@ def test_pull_command_and_curl_steps_against_kvfleet_serve(tmp_path: Path) -> No
         bucket, _, prefix = spec.model.uri.removeprefix("s3://").partition("/")
         s3.client().create_bucket(Bucket=bucket)
         s3.upload_dir(checkpoint, bucket, prefix)
-        command = resources.pull_command(spec)
+        (init,) = resources.build_deployment(spec)["spec"]["template"]["spec"]["initContainers"]
+        command = init["command"]
         assert command[:2] == ["kvfleet", "pull"] and command[3] == resources.MODELS_DIR
         models = tmp_path / "models"
         pulled = subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "pull", command[2], str(models),
