@@ -87,7 +87,7 @@ def test_api_server_rejects_bad_llmservices(namespace: str, bad: BadSpec):
 def test_examples_get_children_the_api_server_accepts_and_gc_removes(namespace, operator):
     services = example_llmservices()
     secrets = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "KVFLEET_API_KEY": "x"}
-    for secret in ("model-store", "qwen-api-key"):
+    for secret in ("model-store", "qwen-api-key", "lora-store"):
         kubectl("create", "secret", "generic", secret, "-n", namespace,
                 *[f"--from-literal={k}={v}" for k, v in secrets.items()])
     for service in services:
