@@ -41,6 +41,11 @@ class SpecError(ValueError):
     """The LLMService spec cannot be reconciled; the message names the field."""
 
 
+def uri_scheme(uri: str) -> str:
+    """One of s3, hf, pvc, path (a path baked into the image)."""
+    return "path" if uri.startswith("/") else uri.split("://", 1)[0]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     uri: str
@@ -49,8 +54,7 @@ class ModelSpec:
 
     @property
     def scheme(self) -> str:
-        """One of s3, hf, pvc, path (a path baked into the image)."""
-        return "path" if self.uri.startswith("/") else self.uri.split("://", 1)[0]
+        return uri_scheme(self.uri)
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class AdapterSpec:
 
     @property
     def scheme(self) -> str:
-        return "path" if self.uri.startswith("/") else self.uri.split("://", 1)[0]
+        return uri_scheme(self.uri)
 
 
 @dataclass(frozen=True)
