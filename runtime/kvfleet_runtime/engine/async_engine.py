@@ -75,6 +75,14 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _AddLoRA:
+    """Read an adapter now; `done` gets None or the error (set on `loop`)."""
+    lora_request: LoRARequest
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
 class _Aborted:
     """Queue item: the request was aborted before it finished."""
 
@@ -96,7 +104,9 @@ class AsyncLLMEngine:
         self.served_model_name: str = self.engine.served_model_name
         self.max_queued_requests = max_queued_requests
         self.stat_logger = stat_logger
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AddLoRA | None] = queue.SimpleQueue()
+        # engine process: add_lora calls waiting for the child's answer, by adapter id
+        self._lora_waiters: dict[int, list[_AddLoRA]] = {}
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}     # touched under _lock from both sides
         self._lock = threading.Lock()
@@ -170,6 +180,24 @@ class AsyncLLMEngine:
         finally:
             if last is None or not last.finished:
                 self._submit(_Abort([request_id]))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check a LoRA adapter now, before any request names it (vLLM's add_lora:
+        the server does so for --lora-modules at start); a ValueError says why it cannot
+        serve. It then stays in host memory (up to max_cpu_loras adapters)."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        command = _AddLoRA(lora_request, loop, loop.create_future())
+        if self._merger is not None:
+            with self._lock:
+                self._lora_waiters.setdefault(lora_request.lora_int_id, []).append(command)
+            self.engine.send(("add_lora", lora_request))
+        else:
+            self._commands.put(command)
+            self._wakeup.set()
+        error = await command.done
+        if error is not None:
+            raise error
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -278,6 +306,10 @@ class AsyncLLMEngine:
                 if kind == "rejected":
                     self._merger.forget([message[1]])
                     self._deliver([(self._pop_stream(message[1]), message[2])])
+                elif kind == "lora":        # an adapter read (error None) or refused
+                    with self._lock:
+                        command = self._lora_waiters[message[1]].pop(0)
+                    command.loop.call_soon_threadsafe(command.done.set_result, message[2])
                 elif kind == "commands":       # applied: the aborted ones, the stats after
                     self._merger.forget(message[1])
                     self._apply_abort(message[1])
@@ -306,6 +338,13 @@ class AsyncLLMEngine:
             changed = True
             if isinstance(command, _Add):
                 self._apply_add(command)
+            elif isinstance(command, _AddLoRA):
+                try:
+                    self.engine.add_lora(command.lora_request)
+                    error = None
+                except (ValueError, TypeError) as e:
+                    error = e
+                command.loop.call_soon_threadsafe(command.done.set_result, error)
             else:
                 self._apply_abort(command.request_ids)
         if changed:
@@ -368,7 +407,11 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
+            waiters = [w for ws in self._lora_waiters.values() for w in ws]
+            self._lora_waiters = {}
         self._deliver([(s, error) for s in streams])
+        for w in waiters:
+            w.loop.call_soon_threadsafe(w.done.set_result, error)
 
     def _abort_all(self) -> None:
         with self._lock:

@@ -143,6 +143,11 @@ class LLMEngine:
             self._grammar_matcher(params)      # compiled (and cached) now: errors say so here
         return prompt_ids
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter before any request names it (vLLM's add_lora); a
+        ValueError says why it cannot serve."""
+        self._check_lora(lora_request)
+
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         """The adapter is read (once; kept in host memory) and checked: a ValueError says why
         it cannot serve."""

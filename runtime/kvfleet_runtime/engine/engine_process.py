@@ -102,6 +102,12 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
                                            lora_request=lora_request)
                     except (ValueError, TypeError) as e:
                         _post(outbox, ("rejected", rid, e))
+                elif command[0] == "add_lora":
+                    try:
+                        engine.add_lora(command[1])
+                        _post(outbox, ("lora", command[1].lora_int_id, None))
+                    except (ValueError, TypeError) as e:
+                        _post(outbox, ("lora", command[1].lora_int_id, e))
                 else:
                     engine.abort_request(command[1])
                     aborted += command[1]

@@ -299,6 +299,16 @@ def lora_adapters(modules: list[LoRAModulePath], served_names: list[str] | None,
     return adapters
 
 
+async def _read_adapters(engine, adapters: list[LoRAAdapter]) -> None:
+    """Each --lora-modules adapter read and checked by the engine before serving (vLLM
+    loads them at start): one that does not fit the model fails the start, naming it."""
+    for adapter in adapters:
+        try:
+            await engine.add_lora(adapter.request)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {adapter.name!r}: {e}") from None
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template's value: a file's text, or the template itself (as vLLM reads it);
     ValueError when it is neither a file nor a template, or does not compile."""
@@ -368,8 +378,10 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(config, max_queued_requests=args.max_queued_requests,
                             engine_process=engine_process)
     names = names or [engine.served_model_name]
-    try:        # again, now that the model has named itself
+    try:        # again, now that the model has named itself; then their weights are read
         adapters = lora_adapters(lora_modules, names, config.max_lora_rank)
+        if adapters:
+            asyncio.run(_read_adapters(engine, adapters))
     except ValueError as e:
         print(f"kvfleet serve: error: {e}", file=sys.stderr)
         asyncio.run(engine.shutdown())
