@@ -210,3 +210,73 @@ def test_an_adapter_named_as_the_models_default_name_stops_the_start(base_model,
         start_server(base_model, "--enable-lora", "--lora-modules",
                      f"{base_model.name}={adapters[SQL]}")
     assert f"--lora-modules '{base_model.name}': the name is a served model's" in str(e.value)
+
+
+# ---- adapters loaded and unloaded while serving (vLLM's routes) ----
+
+@pytest.fixture(scope="module", params=[(), ("--engine-process",)], ids=["thread", "engine-process"])
+def updating_server(base_model: Path, request) -> Iterator[ServerProcess]:
+    with running_server(base_model, "--served-model-name", BASE, "--max-model-len", "256",
+                        "--enable-lora", "--max-lora-rank", "8", *request.param,
+                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as s:
+        yield s
+
+
+def test_adapters_loaded_and_unloaded_while_serving(updating_server, adapters, reference,
+                                                    tokenizer) -> None:
+    client = OpenAI(base_url=updating_server.openai_base_url, api_key="unused")
+    http = httpx.Client(base_url=updating_server.base_url, timeout=60)
+
+    def served() -> list[str]:
+        return [c["id"] for c in http.get("/v1/models").json()["data"]]
+
+    def complete(model: str) -> str:
+        r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW,
+                                      temperature=0)
+        return r.choices[0].text
+    assert served() == [BASE]
+    with pytest.raises(openai.NotFoundError):
+        complete(SQL)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": SQL, "lora_path": str(adapters[SQL])})
+    assert r.status_code == 200 and r.text == f"Success: LoRA adapter '{SQL}' added successfully."
+    assert served() == [BASE, SQL]
+    assert complete(SQL) == tokenizer.decode(reference[SQL][1], skip_special_tokens=True)
+    # refused: the name again, a served name, no path, weights that do not fit the model (read
+    # by the engine before the adapter is listed), an unknown base model
+    refusals = [({"lora_name": SQL, "lora_path": str(adapters[CHAT])}, "has already been loaded",
+                 "lora_name"),
+                ({"lora_name": BASE, "lora_path": str(adapters[CHAT])}, "has already been loaded",
+                 "lora_name"),
+                ({"lora_name": CHAT}, "Both 'lora_name' and 'lora_path' must be provided",
+                 "lora_path"),
+                ({"lora_name": OTHER, "lora_path": str(adapters[OTHER])}, "do not fit rank 4",
+                 "lora_path"),
+                ({"lora_name": CHAT, "lora_path": str(adapters[CHAT]), "base_model_name": "gpt"},
+                 "base_model_name must be a served model name", "base_model_name")]
+    for body, message, param in refusals:
+        r = http.post("/v1/load_lora_adapter", json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and message in error["message"] and error["param"] == param
+    assert served() == [BASE, SQL]
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": CHAT, "lora_path": str(adapters[CHAT])})
+    assert r.status_code == 200
+    assert complete(CHAT) == tokenizer.decode(reference[CHAT][1], skip_special_tokens=True)
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": SQL})
+    assert r.status_code == 200 and r.text == f"Success: LoRA adapter '{SQL}' removed successfully."
+    assert served() == [BASE, CHAT]
+    with pytest.raises(openai.NotFoundError):
+        complete(SQL)
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": SQL})
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+    # loaded again: a new id (the engine's cache keeps one folder an id)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": SQL, "lora_path": str(adapters[CHAT])})
+    assert r.status_code == 200
+    assert complete(SQL) == tokenizer.decode(reference[CHAT][1], skip_special_tokens=True)
+    assert complete(BASE) == tokenizer.decode(reference[BASE][1], skip_special_tokens=True)
+
+
+def test_the_runtime_routes_need_the_environment_setting(server) -> None:
+    # the module's server runs without VLLM_ALLOW_RUNTIME_LORA_UPDATING: no such routes
+    r = httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": "x",
+                                                                    "lora_path": "/x"})
+    assert r.status_code == 404

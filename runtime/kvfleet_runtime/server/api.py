@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -43,6 +44,7 @@ VERSION = "0.1.0"
 # seconds a client should wait after a 503 for a full queue
 RETRY_AFTER_S = 1
 T = TypeVar("T")
+logger = logging.getLogger("kvfleet.serve")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class ServerState:
     api_key: str | None
     registry: CollectorRegistry
     lora_adapters: dict[str, LoRAAdapter] = field(default_factory=dict)     # by name
+    last_lora_id: int = 0       # adapters loaded while serving take ids after every one so far
     chat_template: str | None = None      # --chat-template: instead of the tokenizer's
     # what requests leave unset: the model's generation config's (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -87,12 +90,15 @@ class CORS:
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
-              lora_adapters: list[LoRAAdapter] | None = None, api_key: str | None = None, registry: CollectorRegistry | None = None,
+              lora_adapters: list[LoRAAdapter] | None = None,
+              runtime_lora_updating: bool = False, api_key: str | None = None,
+              registry: CollectorRegistry | None = None,
               chat_template: str | None = None, cors: CORS | None = None,
               sampling_defaults: dict[str, Any] | None = None,
               tool_call_parser: str | None = None,
               reasoning_parser: str | None = None) -> FastAPI:
-    """The app; its lifespan shuts the engine down when the server stops."""
+    """The app; its lifespan shuts the engine down when the server stops.
+    runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
                         lora_adapters={a.name: a for a in lora_adapters or []},
@@ -123,6 +129,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     keyed_routes = APIRouter(dependencies=[Depends(_check_api_key)])
     _add_open_routes(open_routes)
     _add_keyed_routes(keyed_routes)
+    if runtime_lora_updating:
+        _add_lora_routes(keyed_routes)
     app.include_router(open_routes)
     app.include_router(keyed_routes)
     return app
@@ -287,6 +295,55 @@ def _add_keyed_routes(router: APIRouter) -> None:
             raise p.OpenAIError(f"tokens must be ids in [0, {vocab}); got {bad[:5]}",
                                 param="tokens")
         return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+
+
+def runtime_lora_updating_allowed(environ: dict[str, str]) -> bool:
+    """KVFLEET_ALLOW_RUNTIME_LORA_UPDATING (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) is
+    true / 1: adapters may be loaded and unloaded while serving."""
+    names = ("KVFLEET_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    return any(environ.get(n, "").strip().lower() in ("1", "true") for n in names)
+
+
+def _add_lora_routes(router: APIRouter) -> None:
+    """vLLM's runtime adapter routes: an adapter loaded here is read and checked by the engine
+    before it is listed; one unloaded is no longer served (requests under way finish)."""
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request) -> Response:
+        state = _state(request)
+        if not body.lora_name or not body.lora_path:
+            raise p.OpenAIError("Both 'lora_name' and 'lora_path' must be provided.",
+                                param="lora_name" if not body.lora_name else "lora_path")
+        if body.lora_name in state.lora_adapters or body.lora_name in state.served_model_names:
+            raise p.OpenAIError(f"The lora adapter '{body.lora_name}' has already been loaded.",
+                                param="lora_name")
+        parent = body.base_model_name or state.served_model_names[0]
+        if parent not in state.served_model_names:
+            raise p.OpenAIError(f"base_model_name must be a served model name "
+                                f"({', '.join(state.served_model_names)}); got {parent!r}",
+                                param="base_model_name")
+        state.last_lora_id = max([state.last_lora_id, *(
+            a.request.lora_int_id for a in state.lora_adapters.values())]) + 1
+        lora_request = LoRARequest(body.lora_name, state.last_lora_id, body.lora_path)
+        try:
+            await state.engine.add_lora(lora_request)
+        except (EngineDeadError, EngineQueueFullError) as e:
+            raise _engine_error(e) from None
+        except ValueError as e:
+            raise p.OpenAIError(str(e), param="lora_path") from None
+        state.lora_adapters[body.lora_name] = LoRAAdapter(lora_request, parent)
+        logger.info("loaded LoRA adapter %r from %s", body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest, request: Request) -> Response:
+        state = _state(request)
+        if state.lora_adapters.pop(body.lora_name, None) is None:
+            raise p.OpenAIError(f"The lora adapter '{body.lora_name}' cannot be found.",
+                                status=404, param="lora_name")
+        logger.info("unloaded LoRA adapter %r", body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
 
 def _check_model(state: ServerState, model: str | None) -> LoRARequest | None:

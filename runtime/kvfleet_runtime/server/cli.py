@@ -337,7 +337,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.engine_process import EngineProcess
     from kvfleet_runtime.engine.gc_tuning import gc_threshold, tune_gc
     from kvfleet_runtime.generation_config import load_sampling_defaults
-    from kvfleet_runtime.server.api import CORS, build_app
+    from kvfleet_runtime.server.api import CORS, build_app, runtime_lora_updating_allowed
     from kvfleet_runtime.server.metrics import EngineMetrics, add_process_metrics
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -397,7 +397,12 @@ def serve(args: argparse.Namespace) -> int:
                 time.monotonic() - start, engine.config.max_model_len)
     cors = CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                 args.allow_credentials)
+    runtime_lora = runtime_lora_updating_allowed(os.environ)
+    if runtime_lora and not config.enable_lora:
+        logger.warning("runtime LoRA updating is allowed by the environment but --enable-lora "
+                       "is off: /v1/load_lora_adapter is not served")
     app = build_app(engine, served_model_names=names, lora_adapters=adapters,
+                    runtime_lora_updating=runtime_lora and config.enable_lora,
                     api_key=args.api_key, registry=registry, chat_template=chat_template,
                     cors=cors, sampling_defaults=sampling_defaults,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice

@@ -360,6 +360,19 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+    lora_name: str = ""
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id accepted, as vLLM's; the name decides)."""
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
 # ---- responses (plain dataclass-like models; serialized with model_dump) ----
 
 class UsageInfo(BaseModel):
