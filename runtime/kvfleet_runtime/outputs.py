@@ -63,3 +63,6 @@ class EngineStats:
     prefix_cache_hits_total: int = 0      # tokens found
     num_preemptions_total: int = 0
     extra: dict = field(default_factory=dict)
+    # LoRA engines: (max_loras, the running requests' adapters, the waiting ones'), names
+    # comma-joined and sorted (vLLM's lora_requests_info labels); None without LoRA
+    lora: tuple[int, str, str] | None = None

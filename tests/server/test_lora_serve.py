@@ -280,3 +280,21 @@ def test_the_runtime_routes_need_the_environment_setting(server) -> None:
     r = httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": "x",
                                                                     "lora_path": "/x"})
     assert r.status_code == 404
+
+
+def test_metrics_name_the_running_adapters(server, client) -> None:
+    # vLLM's lora_requests_info (what LoRA-aware routers read), while a request with an adapter
+    # streams; one series at a time, its value the time it was seen
+    import re
+    import time
+    stream = client.completions.create(model=SQL, prompt=PROMPTS[0], max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    status, body = server.get("/metrics")
+    stream.close()
+    series = re.findall(r"^kvfleet_lora_requests_info\{(.*)\} (\S+)$", body, re.M)
+    assert len(series) == 1, series
+    labels, value = series[0]
+    assert f'running_lora_adapters="{SQL}"' in labels and 'max_lora="2"' in labels
+    assert f'model_name="{BASE}"' in labels and abs(float(value) - time.time()) < 60

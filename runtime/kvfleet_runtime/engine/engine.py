@@ -537,4 +537,12 @@ class LLMEngine:
             prefix_cache_queries_total=self.kv.prefix_cache_queries,
             prefix_cache_hits_total=self.kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions,
-            extra={**self.step_totals, **self.spec_stats})
+            extra={**self.step_totals, **self.spec_stats},
+            lora=None if not self.config.enable_lora else (
+                self.config.max_loras, _adapter_names(self.scheduler.running),
+                _adapter_names(self.scheduler.waiting)))
+
+
+def _adapter_names(requests: Iterable[Request]) -> str:
+    """The requests' LoRA adapters' names, sorted and comma-joined."""
+    return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request}))

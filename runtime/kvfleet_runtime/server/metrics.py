@@ -100,6 +100,13 @@ class EngineMetrics:
         self.request_generation_tokens = histogram("kvfleet_request_generation_tokens",
                                                    "Generated tokens of finished requests.",
                                                    _TOKEN_BUCKETS)
+        # LoRA (vLLM's lora_requests_info, which LoRA-aware routers read): one series whose
+        # labels name the adapters of the running and the waiting requests, its value the time
+        # they were seen; the previous label set is dropped when they change
+        self.lora_info = Gauge("kvfleet_lora_requests_info", "Running stats on LoRA requests.",
+                               ["model_name", "max_lora", "running_lora_adapters",
+                                "waiting_lora_adapters"], registry=registry)
+        self._lora_labels: tuple[str, ...] | None = None
         # the engine's counters are cumulative totals: remember the last to add deltas
         self._last_totals = EngineStats()
         self._tracks: dict[str, _RequestTrack] = {}
@@ -123,6 +130,14 @@ class EngineMetrics:
                             (self.spec_decode_num_accepted_tokens, "spec_accepted_tokens")):
             metric.inc(max(0.0, stats.extra.get(key, 0.0) - last.extra.get(key, 0.0)))
         self._last_totals = stats
+        if stats.lora is not None:
+            max_lora, running, waiting = stats.lora
+            labels = (self.model_name, str(max_lora), running, waiting)
+            if labels != self._lora_labels:
+                if self._lora_labels is not None:
+                    self.lora_info.remove(*self._lora_labels)
+                self._lora_labels = labels
+            self.lora_info.labels(*labels).set_to_current_time()
         for out in outputs:
             self._record_output(out, now)
 
