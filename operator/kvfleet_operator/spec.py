@@ -363,7 +363,7 @@ def _parse_cache(spec: Mapping[str, Any]) -> CacheSpec:
     )
 
 
-def _check_lora(adapters: tuple[AdapterSpec, ...], engine: EngineSpec, quantization: str) -> None:
+def _check_lora(adapters: tuple[AdapterSpec, ...], engine: EngineSpec) -> None:
     knobs = {"maxLoras": engine.max_loras, "maxLoraRank": engine.max_lora_rank,
              "maxCpuLoras": engine.max_cpu_loras}
     if not adapters:
@@ -375,15 +375,12 @@ def _check_lora(adapters: tuple[AdapterSpec, ...], engine: EngineSpec, quantizat
             and engine.max_cpu_loras < engine.max_loras):
         raise SpecError(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be >= "
                         f"spec.engine.maxLoras ({engine.max_loras})")
-    # The runtime's current limits (kvfleet_runtime/config.py); checked here, not in the
+    # The runtime's current limit (kvfleet_runtime/config.py); checked here, not in the
     # CRD, so lifting them needs a new operator only, not a new CRD in every cluster.
     if engine.tensor_parallel_size > 1:
         raise SpecError("spec.adapters cannot be served with spec.engine.tensorParallelSize > 1 "
                         f"(got {engine.tensor_parallel_size}): the runtime's LoRA does not support "
                         "tensor parallelism yet")
-    if quantization == "fp8":
-        raise SpecError("spec.adapters cannot be served with spec.quantization fp8 (the runtime "
-                        "applies adapters to unquantized, gptq and awq weights only)")
 
 
 def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:
@@ -404,7 +401,7 @@ def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:
     if engine.tensor_parallel_size > max(resources.gpus, 1):
         raise SpecError(f"spec.engine.tensorParallelSize ({engine.tensor_parallel_size}) must be "
                         f"<= spec.resources.gpus ({resources.gpus})")
-    _check_lora(adapters, engine, quantization)
+    _check_lora(adapters, engine)
     image = _get(spec, "image", "spec", str, DEFAULT_IMAGE)
     return LLMServiceSpec(
         name=name,

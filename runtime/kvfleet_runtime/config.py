@@ -129,9 +129,6 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
-        if self.enable_lora and self.quantization == "fp8":
-            raise ValueError("enable_lora with fp8 weights is not supported yet "
-                             "(gptq and awq weights take adapters)")
         from kvfleet_runtime.engine.speculative import SpeculativeConfig
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.device == "auto":

@@ -75,3 +75,24 @@ def test_bf16_batch_one_with_an_adapter_stays_next_to_hf_with_peft(case):
         agree += mine[:4] == ref[:4]
     assert agree >= 3, (ours, "vs HF + PEFT")
     assert ours != base
+
+
+def test_fp8_weights_take_adapters(tmp_path):
+    # FP8 weights: the projections with adapter slots get their input unquantized (the adapter
+    # reads it; the FP8 GEMM quantizes it itself); greedy tokens follow HF + PEFT over the
+    # FP8-rounded weights (fp32) up to the activations' FP8 rounding
+    from quantization.checkpoints import write_quantized
+    from support.tiny_models import make_tiny_model
+    path = make_tiny_model("llama3", tmp_path / "wide", initializer_range=0.2)
+    adapter = make_lora_adapter(path, tmp_path / "lora", rank=8, seed=4)
+    write_quantized(path, tmp_path / "fp8", tmp_path / "rounded", method="fp8")
+    llm = LLM(model=str(tmp_path / "fp8"), dtype="bfloat16", enable_lora=True, max_lora_rank=8)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.uses_fp8 and not layer.input_layernorm.fp8_out
+    assert not layer.mlp.act_fn.fp8_out
+    prompts = _prompts(4, seed=12)
+    ra = LoRARequest("a", 1, str(adapter))
+    ours = _run(llm, prompts, [ra] * 4, 6)
+    ref = hf_lora_greedy(tmp_path / "rounded", adapter, prompts, 6)
+    assert sum(o[:3] == r[:3] for o, r in zip(ours, ref, strict=True)) >= 3, (ours, ref)
+    assert ours != _run(llm, prompts, None, 6)

@@ -263,19 +263,18 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(tiny_model_dir, a
 def test_engine_config_refuses_what_lora_cannot_run_with():
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
         EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="fp8 weights is not supported"):
-        EngineConfig(model="x", enable_lora=True, quantization="fp8")
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
         EngineConfig(model="x", max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
         EngineConfig(model="x", max_lora_rank=0)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_adapters_on_4bit_weights_equal_hf_with_peft_on_the_dequantized_weights(
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_adapters_on_quantized_weights_equal_hf_with_peft_on_the_dequantized_weights(
         method, tiny_model_dir, adapters, tmp_path):
-    # QLoRA-style serving: the base projections run from 4-bit weights, the adapter's update is
-    # added to their output; the reference is HF + PEFT over the same weights dequantized
+    # QLoRA-style serving: the base projections run from 4-bit (or FP8) weights, the adapter's
+    # update is added to their output; the reference is HF + PEFT over the same weights
+    # dequantized
     from quantization.checkpoints import write_quantized
     path = tiny_model_dir("llama")
     quantized, dequantized = tmp_path / "q", tmp_path / "d"

@@ -33,6 +33,10 @@ class LoRAManager:
                 module.lora = LoRASlots(module.input_size, module.output_sizes, max_loras,
                                         max_rank, dtype, device, self.token_slots)
                 self.layers[name] = module.lora
+                # FP8 weights: the norm or activation before the projection hands it its
+                # input unquantized (the adapter reads it); the FP8 GEMM quantizes it itself
+                for producer in getattr(module, "fp8_input_producers", ()):
+                    producer.fp8_out = False
         self.input_sizes = {n: s.a.shape[1] for n, s in self.layers.items()}
         self.output_sizes = {n: s.output_sizes for n, s in self.layers.items()}
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()     # most recent last
