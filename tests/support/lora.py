@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from support.hf_reference import greedy_of
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -43,18 +45,4 @@ def hf_lora_greedy(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike 
     if adapter_dir is not None:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter_dir)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
-            toks = gen[0, len(p):].tolist()
-            for i, t in enumerate(toks):
-                if t in eos:
-                    toks = toks[:i + 1]
-                    break
-            out.append(toks)
-    return out
+    return greedy_of(model, prompts, max_new_tokens)
