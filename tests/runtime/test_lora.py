@@ -353,3 +353,28 @@ def test_bench_throughput_and_latency_with_an_adapter(tiny_model_dir, tmp_path, 
     assert main(["bench", "throughput", "--model", path, "--lora-path", str(adapter),
                  "--backend", "hf"]) == 2
     assert "--lora-path is for --backend kvfleet alone" in capsys.readouterr().err
+
+
+def test_an_adapter_of_the_real_default_model_equals_hf_with_peft_on_the_gguf(tmp_path):
+    # SmolLM2-135M-Instruct (GGUF; HF transformers reads the same file) with an adapter that
+    # `kvfleet make-lora` wrote for it: greedy tokens equal HF + PEFT's, and unlike the base's
+    import os
+
+    from kvfleet_runtime.config import default_model
+    from kvfleet_runtime.lora.make import make_lora
+    from peft import PeftModel
+    from support.hf_reference import greedy_of
+    from transformers import AutoModelForCausalLM
+    path = default_model()
+    adapter = make_lora(path, tmp_path / "smol-lora", rank=8, alpha=256.0, dtype="float32",
+                        seed=3)
+    llm = LLM(dtype="float32", enable_lora=True, max_lora_rank=8)
+    tok = llm.get_tokenizer()
+    prompts = [tok(p).input_ids for p in ("The quick brown fox", "Kubernetes is")]
+    ours = _ids(llm.generate(prompts, GREEDY, lora_request=LoRARequest("smol", 1, str(adapter))))
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path),
+                                              dtype=torch.float32)
+    base = greedy_of(hf, prompts, 12)
+    ref = greedy_of(PeftModel.from_pretrained(hf, adapter), prompts, 12)
+    assert ours == ref and ref != base

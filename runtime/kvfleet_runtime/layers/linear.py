@@ -208,7 +208,7 @@ class Linear(nn.Module):
         # x: [T, in] -> [T, out]. gated (only where takes_gated(x) said so): x is [T, 2 * in] =
         # [gate | up] of a gated MLP and the layer's input is SiLU(gate) * up
         if self.lora is not None:
-            return self._apply(x, self.bias, False) + self.lora(x)
+            return self.lora.add_to(self._apply(x, self.bias, False), x)
         if self.parallel != "row":
             return self._apply(x, self.bias, gated)
         if self.reduced_by and _PUSH_GEMV and self.bias is None:

@@ -6,10 +6,12 @@ rest zero), side by side:
   a [P * L * R, in]:   column block (p, slot) holds piece p's A of the adapter in `slot`
   b [out, P * L * R]:  piece p's output rows hold its B (times the scaling) in block (p, slot)
 For a step's tokens x [T, in] with each token's slot in `token_slots` (-1: no adapter):
-  delta = ((x @ a^T) * [slot of column == slot of token]) @ b^T
-Each token sees only its own adapter's columns (the others are set to zero),
-with the same shapes every step: the CUDA graphs capture it as it is, and a batch mixes
-adapters and base-model requests freely.
+  out += ((x @ a^T) * mask) @ b^T,   mask[t, c] = 1 where column c's slot is token t's
+Each token sees only its own adapter's columns (the others are multiplied by zero), with the
+same shapes every step: the CUDA graphs capture it as it is, and a batch mixes adapters and
+base-model requests freely. Three launches a projection (the shrink, the mask, the expand
+added into the output); the masks depend only on the width (pieces x L x R), so StepMasks
+makes each once a forward, for every layer.
 """
 
 from __future__ import annotations
@@ -17,18 +19,44 @@ from __future__ import annotations
 import torch
 
 
+class StepMasks:
+    """This forward's [T, width] masks by width, made at their first use in the forward (inside
+    the CUDA graph being captured, when it is one) from the engine's token_slots; clear() at
+    the start of every forward."""
+
+    def __init__(self, token_slots: torch.Tensor, max_loras: int, max_rank: int,
+                 dtype: torch.dtype) -> None:
+        self.token_slots, self.max_loras, self.max_rank = token_slots, max_loras, max_rank
+        self.dtype = dtype
+        self._masks: dict[int, torch.Tensor] = {}
+        self._column_slots: dict[int, torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self._masks.clear()
+
+    def __call__(self, num_tokens: int, width: int) -> torch.Tensor:
+        mask = self._masks.get(width)
+        if mask is None or mask.shape[0] != num_tokens:
+            columns = self._column_slots.get(width)
+            if columns is None:     # column c belongs to slot (c // R) % L
+                columns = self._column_slots[width] = (
+                    torch.arange(width, device=self.token_slots.device) // self.max_rank
+                ) % self.max_loras
+            mine = self.token_slots[:num_tokens, None] == columns
+            mask = self._masks[width] = mine.to(self.dtype)
+        return mask
+
+
 class LoRASlots:
     def __init__(self, input_size: int, output_sizes: list[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, token_slots: torch.Tensor) -> None:
+                 dtype: torch.dtype, device: torch.device, masks: StepMasks) -> None:
         self.pieces, self.max_loras, self.max_rank = len(output_sizes), max_loras, max_rank
         self.output_starts = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         self.output_sizes = output_sizes
         width = self.pieces * max_loras * max_rank
         self.a = torch.zeros(width, input_size, dtype=dtype, device=device)
         self.b = torch.zeros(sum(output_sizes), width, dtype=dtype, device=device)
-        # column c belongs to slot (c // R) % L
-        self.column_slot = (torch.arange(width, device=device) // max_rank) % max_loras
-        self.token_slots = token_slots       # the engine's, written before each step
+        self.masks = masks
 
     def _columns(self, piece: int, slot: int) -> slice:
         start = (piece * self.max_loras + slot) * self.max_rank
@@ -48,8 +76,8 @@ class LoRASlots:
                 self.a[cols.start:cols.start + r].copy_(a)
                 self.b[start:start + size, cols.start:cols.start + r].copy_(b)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> the adapters' update [T, out]
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out [T, out] (x's projection, a fresh tensor) plus each token's adapter's update."""
         shrunk = x @ self.a.t()                                           # [T, P * L * R]
-        other = self.token_slots[: x.shape[0], None] != self.column_slot  # [T, P * L * R]
-        return shrunk.masked_fill(other, 0) @ self.b.t()
+        shrunk.mul_(self.masks(x.shape[0], shrunk.shape[1]))
+        return out.addmm_(shrunk, self.b.t())

@@ -35,8 +35,8 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
 def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float | None = None,
               targets: tuple[str, ...] = tuple(TARGETS), seed: int = 0,
               dtype: str = "bfloat16") -> Path:
-    """Write a random adapter of `rank` on `targets` of every layer of the model in `model`
-    (its config.json) to `out` (a new or empty folder)."""
+    """Write a random adapter of `rank` on `targets` of every layer of the model `model` (an HF
+    folder's config.json, or a .gguf file's metadata) to `out` (a new or empty folder)."""
     from safetensors.torch import save_file
     model, out = Path(model), Path(out)
     if rank < 1:
@@ -46,10 +46,17 @@ def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float |
         raise ValueError(f"targets must be some of {', '.join(TARGETS)}; got {list(targets)}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{model}: no readable config.json ({e})") from e
+    if model.suffix == ".gguf":
+        from kvfleet_runtime.gguf_loader import load_gguf
+        try:
+            config = load_gguf(str(model)).config
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from e
+    else:
+        try:
+            config = json.loads((model / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{model}: no readable config.json ({e})") from e
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty")
     shapes = projection_shapes(config)
@@ -80,7 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "make-lora", help="write a random LoRA adapter (PEFT format) for a model folder",
         description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="the base model's HF folder (its config.json)")
+    p.add_argument("--model", default=None,
+                   help="the base model: an HF folder (its config.json) or a .gguf file "
+                        "(default: the default model, SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--out", required=True, help="a new or empty folder")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: 2 x rank)")
@@ -94,7 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     try:
-        out = make_lora(args.model, args.out, args.rank, args.alpha, targets, args.seed,
+        from kvfleet_runtime.config import default_model
+        out = make_lora(args.model or default_model(), args.out, args.rank, args.alpha, targets, args.seed,
                         args.dtype)
     except ValueError as e:
         print(f"kvfleet make-lora: error: {e}", file=sys.stderr)

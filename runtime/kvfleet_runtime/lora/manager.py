@@ -12,7 +12,7 @@ from torch import nn
 
 from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.lora.adapter import SLOT_MODULES, LoRAAdapter, load_adapter
-from kvfleet_runtime.lora.layers import LoRASlots
+from kvfleet_runtime.lora.layers import LoRASlots, StepMasks
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +25,16 @@ class LoRAManager:
         self.device = device
         # each token's slot this step (-1: the base model); rows past the step's are stale
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.masks = StepMasks(self.token_slots, max_loras, max_rank, dtype)
+        # every forward (eager, or a graph's capture) makes its own masks
+        model.register_forward_pre_hook(lambda module, args: self.masks.clear())
         self.layers: dict[str, LoRASlots] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.rpartition(".")[2] in SLOT_MODULES:
                 if len(module.output_sizes) != SLOT_MODULES[name.rpartition(".")[2]]:
                     continue
                 module.lora = LoRASlots(module.input_size, module.output_sizes, max_loras,
-                                        max_rank, dtype, device, self.token_slots)
+                                        max_rank, dtype, device, self.masks)
                 self.layers[name] = module.lora
                 # FP8 weights: the norm or activation before the projection hands it its
                 # input unquantized (the adapter reads it); the FP8 GEMM quantizes it itself
