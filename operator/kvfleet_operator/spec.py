@@ -375,12 +375,6 @@ def _check_lora(adapters: tuple[AdapterSpec, ...], engine: EngineSpec) -> None:
             and engine.max_cpu_loras < engine.max_loras):
         raise SpecError(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be >= "
                         f"spec.engine.maxLoras ({engine.max_loras})")
-    # The runtime's current limit (kvfleet_runtime/config.py); checked here, not in the
-    # CRD, so lifting them needs a new operator only, not a new CRD in every cluster.
-    if engine.tensor_parallel_size > 1:
-        raise SpecError("spec.adapters cannot be served with spec.engine.tensorParallelSize > 1 "
-                        f"(got {engine.tensor_parallel_size}): the runtime's LoRA does not support "
-                        "tensor parallelism yet")
 
 
 def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:

@@ -127,8 +127,6 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be one of auto, dummy; got {self.load_format!r}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         from kvfleet_runtime.engine.speculative import SpeculativeConfig
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.device == "auto":

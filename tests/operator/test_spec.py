@@ -106,9 +106,6 @@ def test_adapters_are_read_in_order_with_their_lora_knobs():
     # the served name derived from the URI ("llama") clashes too; the CRD sees only model.name
     ({"adapters": [{"name": "llama", "uri": "s3://models/llama-sql"}]},
      "spec.adapters[0].name must differ from the served model name 'llama'"),
-    ({"adapters": [{"name": "sql", "uri": "s3://models/sql"}],
-      "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
-     "spec.adapters cannot be served with spec.engine.tensorParallelSize > 1 (got 2)"),
     ({"adapters": {"name": "sql"}}, "spec.adapters must be a list"),
     ({"adapters": ["sql"]}, "spec.adapters[0] must be an object with name and uri"),
     ({"adapters": [{"name": "a" * 51, "uri": "s3://m/a"}]}, "spec.adapters[0].name must be a DNS-1123"),

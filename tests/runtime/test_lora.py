@@ -78,14 +78,14 @@ def test_one_slot_takes_the_adapters_in_turn(async_scheduling, tiny_model_dir, a
     manager = llm.engine.runner.lora
     loads = []
     load = manager._load
-    manager._load = lambda adapter, keep: (loads.append(adapter.id), load(adapter, keep))[1]
+    manager._load = lambda slot, adapter: (loads.append(adapter.id), load(slot, adapter))[1]
     ra, rb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)
     order = [ra, rb, None, ra, rb, None, rb, ra]
     outs = llm.generate([prompts[i % 4] for i in range(8)], GREEDY, lora_request=order)
     refs = {r: hf_lora_greedy(path, None if r is None else r.lora_path, prompts, 12)
             for r in (ra, rb, None)}
     assert _ids(outs) == [refs[r][i % 4] for i, r in enumerate(order)]
-    # (a step with two adapters would have raised in set_step); a, then b, once each
+    # (a step with two adapters would have raised in plan_step); a, then b, once each
     assert loads == [1, 2]
     assert all_blocks_free(llm.engine)
 
@@ -261,8 +261,6 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(tiny_model_dir, a
 
 
 def test_engine_config_refuses_what_lora_cannot_run_with():
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
         EngineConfig(model="x", max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):

@@ -351,6 +351,10 @@ class StepInputs:
     positions: torch.Tensor          # [T]
     meta: AttentionMetadata
     logits_rows: list[int]           # rows of the hidden states whose logits are needed
+    # LoRA engines: each token's adapter slot [T] (-1: none) and the adapters to put into
+    # slots first, ((slot, LoRARequest), ...) (kvfleet_runtime.lora.manager)
+    lora_slots: torch.Tensor | None = None
+    lora_loads: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -406,13 +410,15 @@ def _unpack(buf: torch.Tensor, specs: list[_TensorSpec]) -> list[torch.Tensor]:
 def _flatten(step: StepInputs) -> dict[str, Any]:
     meta = {f"meta.{f.name}": getattr(step.meta, f.name) for f in fields(step.meta)}
     return {"input_ids": step.input_ids, "positions": step.positions,
-            "logits_rows": step.logits_rows, **meta}
+            "logits_rows": step.logits_rows, "lora_slots": step.lora_slots,
+            "lora_loads": step.lora_loads, **meta}
 
 
 def _unflatten(flat: dict[str, Any]) -> StepInputs:
     meta = AttentionMetadata(**{k.removeprefix("meta."): v for k, v in flat.items()
                                 if k.startswith("meta.")})
-    return StepInputs(flat["input_ids"], flat["positions"], meta, flat["logits_rows"])
+    return StepInputs(flat["input_ids"], flat["positions"], meta, flat["logits_rows"],
+                      flat["lora_slots"], flat["lora_loads"])
 
 
 # The control message is one broadcast of this many bytes: an 8-byte length, then the pickled

@@ -473,8 +473,8 @@ class ModelRunner:
         if self.config.speculative is not None and any(s.spec_token_ids for s in scheduled):
             reqs, starts, nums, tables, input_ids, first_seq = _expand_drafts(scheduled, tables)
         n = len(nums)
-        if self.lora is not None:
-            self.lora.set_step([r.lora_request for r in reqs], nums)
+        lora_plan = (None if self.lora is None
+                     else self.lora.plan_step([r.lora_request for r in reqs], nums))
         if first_seq is None and prev is not None and all(num == 1 for num in nums) and all(
                 start == len(r.all_token_ids) for r, start in zip(reqs, starts, strict=True)):
             # async decode: every row's input is the token the previous step is sampling
@@ -555,6 +555,8 @@ class ModelRunner:
         if from_prev:
             ids[tensor(from_prev, torch.long)] = prev.token_ids[tensor(prev_rows, torch.long)]
         step = StepInputs(ids, numpy_to_device(positions, dev), meta, logits_rows)
+        if lora_plan is not None:
+            step.lora_slots, step.lora_loads = numpy_to_device(lora_plan[0], dev), lora_plan[1]
         return step, layout
 
     @torch.inference_mode()
@@ -690,6 +692,8 @@ class ModelRunner:
     def _forward(self, step: StepInputs) -> torch.Tensor | None:
         """Hidden states of the logits rows -> logits on rank 0 (None on the other ranks)."""
         meta = step.meta
+        if self.lora is not None:       # this step's adapters into their slots, on every rank
+            self.lora.apply(step.lora_slots, step.lora_loads)
         if self.graph_runner is not None and self.graph_runner.can_run(meta, meta.seq_lens.shape[0]):
             hidden = self.graph_runner.run(step.input_ids, step.positions, meta)
         else:

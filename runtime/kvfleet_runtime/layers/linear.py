@@ -190,7 +190,7 @@ class Linear(nn.Module):
         # [norm] for a row-parallel layer whose only reader is that RMSNorm (reduce_in_norm)
         self.reduced_by: list = []
         # LoRA adapters' slots (kvfleet_runtime.lora.layers.LoRASlots), set by the engine's
-        # LoRAManager: their update is added to the output (tensor parallelism excluded)
+        # LoRAManager: their update is added to the output (before the all-reduce)
         self.lora = None
         input_size = self.input_size
         self.output_size = sum(self.output_sizes)
@@ -207,17 +207,20 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         # x: [T, in] -> [T, out]. gated (only where takes_gated(x) said so): x is [T, 2 * in] =
         # [gate | up] of a gated MLP and the layer's input is SiLU(gate) * up
-        if self.lora is not None:
-            return self.lora.add_to(self._apply(x, self.bias, False), x)
+        # (with LoRA adapters' slots: gated is False, takes_gated said so)
+        lora = self.lora
         if self.parallel != "row":
-            return self._apply(x, self.bias, gated)
-        if self.reduced_by and _PUSH_GEMV and self.bias is None:
+            out = self._apply(x, self.bias, gated)
+            return out if lora is None else lora.add_to(out, x)
+        if self.reduced_by and _PUSH_GEMV and self.bias is None and lora is None:
             pushed = self._pushing_gemv(x, gated)
             if pushed is not None:
                 return pushed     # the norm that reads it only waits for the peers' parts
         # every rank's partial sum goes into the all-reduce; the bias must enter it once
         bias = self.bias if get_tp_rank() == 0 else None
         out = self._apply(x, bias, gated)
+        if lora is not None:        # the adapters' partial update joins it
+            out = lora.add_to(out, x)
         if self.reduced_by and fused_norm_for(out, self.reduced_by[0]) is not None:
             return out            # the norm that reads it sums it over the ranks
         return all_reduce(out)

@@ -48,13 +48,21 @@ class StepMasks:
 
 
 class LoRASlots:
-    def __init__(self, input_size: int, output_sizes: list[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, masks: StepMasks) -> None:
+    """The slots of one Linear (this rank's part of it under tensor parallelism: a
+    column-parallel layer keeps its rows of each piece's B, a row-parallel one its columns of
+    A; its partial update then joins the all-reduce with the projection's own)."""
+
+    def __init__(self, layer, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device, masks: StepMasks) -> None:
+        output_sizes = layer.output_sizes
         self.pieces, self.max_loras, self.max_rank = len(output_sizes), max_loras, max_rank
+        # where each piece's rows sit in this rank's output, and where they start in the piece
         self.output_starts = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         self.output_sizes = output_sizes
+        self.piece_starts = layer.output_starts
+        self.input_start, self.input_size = layer.input_start, layer.input_size
         width = self.pieces * max_loras * max_rank
-        self.a = torch.zeros(width, input_size, dtype=dtype, device=device)
+        self.a = torch.zeros(width, layer.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(sum(output_sizes), width, dtype=dtype, device=device)
         self.masks = masks
 
@@ -63,8 +71,9 @@ class LoRASlots:
         return slice(start, start + self.max_rank)
 
     def set_slot(self, slot: int, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put an adapter's (A [r, in], scaled B [out_p, r]) of each piece it targets into
-        `slot` (pieces it leaves out, and ranks above r, become zero)."""
+        """Put an adapter's (A [r, in], scaled B [out_p, r]; the whole model's sizes) of each
+        piece it targets into `slot`, this rank's part (pieces it leaves out, and ranks above
+        r, become zero)."""
         for piece in range(self.pieces):
             cols = self._columns(piece, slot)
             self.a[cols].zero_()
@@ -73,6 +82,8 @@ class LoRASlots:
                 a, b = pieces[piece]
                 r = a.shape[0]
                 start, size = self.output_starts[piece], self.output_sizes[piece]
+                a = a[:, self.input_start:self.input_start + self.input_size]
+                b = b[self.piece_starts[piece]:self.piece_starts[piece] + size]
                 self.a[cols.start:cols.start + r].copy_(a)
                 self.b[start:start + size, cols.start:cols.start + r].copy_(b)
 

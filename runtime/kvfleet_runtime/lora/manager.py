@@ -1,5 +1,6 @@
 """The engine's adapters: read ones in host memory (LRU of max_cpu_loras), max_loras of them in
-device slots, and each step's per-token slot (ModelRunner._prepare calls set_step)."""
+device slots, and each step's per-token slot (ModelRunner._prepare plans a step on rank 0,
+every rank's forward applies the plan)."""
 
 from __future__ import annotations
 
@@ -29,19 +30,21 @@ class LoRAManager:
         # every forward (eager, or a graph's capture) makes its own masks
         model.register_forward_pre_hook(lambda module, args: self.masks.clear())
         self.layers: dict[str, LoRASlots] = {}
+        modules = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.rpartition(".")[2] in SLOT_MODULES:
                 if len(module.output_sizes) != SLOT_MODULES[name.rpartition(".")[2]]:
                     continue
-                module.lora = LoRASlots(module.input_size, module.output_sizes, max_loras,
-                                        max_rank, dtype, device, self.masks)
+                module.lora = LoRASlots(module, max_loras, max_rank, dtype, device, self.masks)
                 self.layers[name] = module.lora
+                modules[name] = module
                 # FP8 weights: the norm or activation before the projection hands it its
                 # input unquantized (the adapter reads it); the FP8 GEMM quantizes it itself
                 for producer in getattr(module, "fp8_input_producers", ()):
                     producer.fp8_out = False
-        self.input_sizes = {n: s.a.shape[1] for n, s in self.layers.items()}
-        self.output_sizes = {n: s.output_sizes for n, s in self.layers.items()}
+        # the whole model's sizes (an adapter holds them all; each rank keeps its part)
+        self.input_sizes = {n: m.full_input_size for n, m in modules.items()}
+        self.output_sizes = {n: m.full_output_sizes for n, m in modules.items()}
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()     # most recent last
         self.slot_of: OrderedDict[int, int] = OrderedDict()         # adapter id -> slot
         nbytes = sum(s.a.numel() + s.b.numel() for s in self.layers.values()) * \
@@ -69,39 +72,45 @@ class LoRAManager:
                     request.lora_int_id, adapter.rank, request.lora_path)
         return adapter
 
-    def set_step(self, requests: list[LoRARequest | None], counts: list[int]) -> None:
-        """Each sequence's adapter (None: the base model) and its token count in this step:
-        their adapters into slots (the scheduler keeps them to max_loras), each token's slot
-        into token_slots. Writes are ordered on the stream after the step in flight."""
+    def plan_step(self, requests: list[LoRARequest | None], counts: list[int]
+                  ) -> tuple[np.ndarray, tuple[tuple[int, LoRARequest], ...]]:
+        """Rank 0, as it prepares a step: each sequence's adapter (None: the base model) and
+        its token count -> each token's slot, and the adapters to put into slots first (a
+        free slot, else the least recently used one whose adapter is not in this step; the
+        scheduler keeps a step to max_loras adapters). apply() carries them out, on every
+        rank (the step's broadcast takes them to the tensor-parallel workers)."""
         ids = {r.lora_int_id: r for r in requests if r is not None}
         if len(ids) > self.max_loras:
             raise RuntimeError(f"a step holds {len(ids)} adapters; max_loras is {self.max_loras}")
+        loads = []
         for lora_id, request in ids.items():
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
             else:
-                self._load(self.add(request), set(ids))
+                victim = next(i for i in self.slot_of if i not in ids)
+                slot = self.slot_of.pop(victim)
+            self.slot_of[lora_id] = slot
+            loads.append((slot, request))
         slots = np.fromiter((-1 if r is None else self.slot_of[r.lora_int_id] for r in requests),
                             dtype=np.int32, count=len(requests))
-        per_token = np.repeat(slots, counts)
-        cuda = self.device.type == "cuda"
-        host = torch.from_numpy(per_token)
-        self.token_slots[: len(per_token)].copy_(host.pin_memory() if cuda else host,
-                                                 non_blocking=cuda)
+        return np.repeat(slots, counts), tuple(loads)
 
-    def _load(self, adapter: LoRAAdapter, keep: set[int]) -> None:
-        """Put `adapter` in a free slot, else in the least recently used one whose adapter is
-        not in this step."""
-        used = set(self.slot_of.values())
-        free = [s for s in range(self.max_loras) if s not in used]
-        if free:
-            slot = free[0]
-        else:
-            victim = next(i for i in self.slot_of if i not in keep)
-            slot = self.slot_of.pop(victim)
+    def apply(self, token_slots: torch.Tensor, loads: tuple[tuple[int, LoRARequest], ...]
+              ) -> None:
+        """A step's plan on this rank: the loads into their slots (this rank's part of each
+        adapter), then each token's slot. Ordered on the stream after the step in flight."""
+        for slot, request in loads:
+            self._load(slot, self.add(request))
+        self.token_slots[: token_slots.shape[0]].copy_(token_slots)
+
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         pieces: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (module, piece), (a, b) in adapter.weights.items():
             pieces.setdefault(module, {})[piece] = (a, b)
         for name, layer in self.layers.items():
             layer.set_slot(slot, pieces.get(name, {}))
-        self.slot_of[adapter.id] = slot
