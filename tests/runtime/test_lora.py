@@ -376,3 +376,22 @@ def test_an_adapter_of_the_real_default_model_equals_hf_with_peft_on_the_gguf(tm
     base = greedy_of(hf, prompts, 12)
     ref = greedy_of(PeftModel.from_pretrained(hf, adapter), prompts, 12)
     assert ours == ref and ref != base
+
+
+def test_bf16_on_a_cpu_keeps_the_slots_in_fp32(tmp_path):
+    # the adapters' small matmuls run in fp32 on a CPU (oneDNN's bf16 path costs ~5x there);
+    # the update joins the bf16 projection's output, and moves the outputs as in fp32 (a
+    # wide-init model: bf16 rounding does not flip its greedy picks)
+    from support.tiny_models import make_tiny_model
+    path = str(make_tiny_model("llama3", tmp_path / "wide", initializer_range=0.2))
+    a = str(make_lora_adapter(path, tmp_path / "a", rank=8, seed=1))
+    prompts = _prompts(3, seed=31)
+    llm = LLM(model=path, dtype="bfloat16", device="cpu", enable_lora=True, max_lora_rank=8)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.lora.a.dtype == torch.float32 and llm.engine.runner.dtype == torch.bfloat16
+    ra = LoRARequest("a", 1, a)
+    ours = _ids(llm.generate(prompts, GREEDY, lora_request=ra))
+    ref = hf_lora_greedy(path, a, prompts, 12)
+    # bf16 rounding may part the two late; the first tokens agree
+    assert sum(o[:3] == r[:3] for o, r in zip(ours, ref, strict=True)) >= 2, (ours, ref)
+    assert ours != _ids(llm.generate(prompts, GREEDY))

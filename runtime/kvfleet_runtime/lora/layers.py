@@ -19,6 +19,12 @@ from __future__ import annotations
 import torch
 
 
+def slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The slots' dtype: the model's, except bf16 on a CPU, where the adapters' small matmuls
+    run ~5x faster in fp32 (oneDNN's bf16 path has a fixed cost a call)."""
+    return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+
+
 class StepMasks:
     """This forward's [T, width] masks by width, made at their first use in the forward (inside
     the CUDA graph being captured, when it is one) from the engine's token_slots; clear() at
@@ -89,6 +95,10 @@ class LoRASlots:
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out [T, out] (x's projection, a fresh tensor) plus each token's adapter's update."""
+        if x.dtype != self.a.dtype:     # bf16 on a CPU: the slots are fp32 (slot_dtype)
+            shrunk = x.to(self.a.dtype) @ self.a.t()
+            shrunk.mul_(self.masks(x.shape[0], shrunk.shape[1]))
+            return out.add_(shrunk @ self.b.t())
         shrunk = x @ self.a.t()                                           # [T, P * L * R]
         shrunk.mul_(self.masks(x.shape[0], shrunk.shape[1]))
         return out.addmm_(shrunk, self.b.t())

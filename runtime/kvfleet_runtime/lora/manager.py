@@ -13,7 +13,7 @@ from torch import nn
 
 from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.lora.adapter import SLOT_MODULES, LoRAAdapter, load_adapter
-from kvfleet_runtime.lora.layers import LoRASlots, StepMasks
+from kvfleet_runtime.lora.layers import LoRASlots, StepMasks, slot_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class LoRAManager:
         self.device = device
         # each token's slot this step (-1: the base model); rows past the step's are stale
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        dtype = slot_dtype(dtype, device)
         self.masks = StepMasks(self.token_slots, max_loras, max_rank, dtype)
         # every forward (eager, or a graph's capture) makes its own masks
         model.register_forward_pre_hook(lambda module, args: self.masks.clear())
