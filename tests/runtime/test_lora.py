@@ -250,6 +250,11 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(tiny_model_dir, a
     llm.generate([5, 6, 7], GREEDY, lora_request=LoRARequest("fine", 1, fine))
     with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'fine'"):
         llm.generate([5, 6, 7], GREEDY, lora_request=LoRARequest("other", 1, good))
+    # ... also once it has left host memory (max_cpu_loras 1: another adapter evicted it)
+    llm.generate([5, 6, 7], GREEDY, lora_request=LoRARequest("fine2", 2, fine))
+    assert list(engine.runner.lora.cpu) == [2]
+    with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'fine'"):
+        llm.generate([5, 6, 7], GREEDY, lora_request=LoRARequest("other", 1, good))
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("x", 0, fine)
     # an engine without enable_lora names the flag

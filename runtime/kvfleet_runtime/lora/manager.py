@@ -48,6 +48,7 @@ class LoRAManager:
         self.output_sizes = {n: m.full_output_sizes for n, m in modules.items()}
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()     # most recent last
         self.slot_of: OrderedDict[int, int] = OrderedDict()         # adapter id -> slot
+        self.known: dict[int, LoRARequest] = {}     # every id read so far: one folder an id
         nbytes = sum(s.a.numel() + s.b.numel() for s in self.layers.values()) * \
             torch.empty(0, dtype=dtype).element_size()
         logger.info("LoRA: %d projections carry %d adapter slots of rank %d (%.1f MiB)",
@@ -56,17 +57,20 @@ class LoRAManager:
     def add(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter, read (and checked) now unless it is in host memory already; a
         ValueError says what is wrong with it."""
+        known = self.known.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            # (a slot may still hold the first one's weights under this id)
+            raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
+                             f"{known.lora_name!r} ({known.lora_path}); got "
+                             f"{request.lora_path!r}")
         adapter = self.cpu.get(request.lora_int_id)
         if adapter is not None:
-            if adapter.request.lora_path != request.lora_path:
-                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
-                                 f"{adapter.request.lora_name!r} ({adapter.request.lora_path}); "
-                                 f"got {request.lora_path!r}")
             self.cpu.move_to_end(request.lora_int_id)
             return adapter
         adapter = load_adapter(request, set(self.layers), self.max_rank, self.input_sizes,
                                self.output_sizes)
         self.cpu[request.lora_int_id] = adapter
+        self.known[request.lora_int_id] = request
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
         logger.info("LoRA adapter %r (id %d, rank %d) read from %s", request.lora_name,
