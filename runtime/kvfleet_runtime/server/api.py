@@ -102,6 +102,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
                         lora_adapters={a.name: a for a in lora_adapters or []},
+                        last_lora_id=max((a.request.lora_int_id for a in lora_adapters or []),
+                                         default=0),
                         api_key=api_key or None,
                         registry=registry or CollectorRegistry(),
                         chat_template=chat_template,
@@ -321,8 +323,7 @@ def _add_lora_routes(router: APIRouter) -> None:
             raise p.OpenAIError(f"base_model_name must be a served model name "
                                 f"({', '.join(state.served_model_names)}); got {parent!r}",
                                 param="base_model_name")
-        state.last_lora_id = max([state.last_lora_id, *(
-            a.request.lora_int_id for a in state.lora_adapters.values())]) + 1
+        state.last_lora_id += 1
         lora_request = LoRARequest(body.lora_name, state.last_lora_id, body.lora_path)
         try:
             await state.engine.add_lora(lora_request)

@@ -265,9 +265,9 @@ def lora_adapters(modules: list[LoRAModulePath], served_names: list[str] | None,
 
     ValueError names the bad item: a duplicate name, a name that is a served model's, a
     base_model_name that is not one, an adapter_config.json that is missing or asks for what
-    the engine cannot apply, a rank above max_lora_rank (the engine reads the weights at the
-    adapter's first request). served_names None: not known yet (the model names itself when
-    it loads); those two checks then wait.
+    the engine cannot apply, a rank above max_lora_rank (the engine reads the weights once the
+    model has loaded: _read_adapters). served_names None: not known yet (the model names
+    itself when it loads); those two checks then wait.
     """
     from kvfleet_runtime.lora import LoRARequest
     from kvfleet_runtime.lora.adapter import read_config
