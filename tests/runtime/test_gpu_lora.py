@@ -1,5 +1,6 @@
 """LoRA adapters on a GPU: the decode steps' CUDA graphs carry every slot's update (adapters and
-the base model mixed in one padded batch), equal to eager steps and to HF + PEFT in fp32; and
+the base model mixed in one padded batch), equal to eager steps and to HF + PEFT in fp32 (through
+the expand kernel and through the torch path); and
 in bf16 through the Triton GEMVs (batch 1, where the gated MLP's fusions step aside for the
 adapter), next to HF + PEFT in bf16."""
 
@@ -35,7 +36,12 @@ def _run(llm: LLM, prompts, loras, max_tokens=16):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_graphed_steps_with_adapters_equal_eager_and_hf_with_peft(case):
+@pytest.mark.parametrize("kernel", [True, False], ids=["expand-kernel", "torch-masks"])
+def test_graphed_steps_with_adapters_equal_eager_and_hf_with_peft(case, kernel, monkeypatch):
+    # both paths: kvfleet_kernels.lora's expand (the default) and the masked torch matmuls
+    # (KVFLEET_LORA_KERNEL=0)
+    import kvfleet_runtime.lora.layers as lora_layers
+    monkeypatch.setattr(lora_layers, "_KERNEL", kernel)
     path, a, b = case
     prompts = _prompts(12)
     ra, rb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)

@@ -161,19 +161,21 @@ def test_drafted_steps_run_each_row_under_its_adapter(tiny_model_dir, adapters):
 
 def test_triton_path_in_the_interpreter_with_adapters_matches_hf(tiny_model_dir, adapters,
                                                                   monkeypatch):
-    # the GPU code path (fused rotary + cache write, paged decode kernel) on a CPU
+    # the GPU code path (fused rotary + cache write, paged decode kernel, the adapters'
+    # expand kernel over two slots and base-model rows) on a CPU
     path = tiny_model_dir("qwen3")
-    a = adapters(path, "all")
+    a, b = adapters(path, "all"), adapters(path, "qv")
     prompts = _prompts(2, seed=9)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     llm = LLM(model=path, attention_backend="triton", enable_lora=True, max_lora_rank=8,
-              max_num_seqs=4, max_num_batched_tokens=24)
+              max_loras=2, max_num_seqs=6, max_num_batched_tokens=32)
     try:
-        ra = LoRARequest("a", 1, a)
-        outs = llm.generate(prompts * 2, SamplingParams(temperature=0.0, max_tokens=8),
-                            lora_request=[ra, ra, None, None])
+        ra, rb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)
+        outs = llm.generate(prompts * 3, SamplingParams(temperature=0.0, max_tokens=8),
+                            lora_request=[ra, ra, None, None, rb, rb])
         assert _ids(outs) == (hf_lora_greedy(path, a, prompts, 8)
-                              + hf_lora_greedy(path, None, prompts, 8))
+                              + hf_lora_greedy(path, None, prompts, 8)
+                              + hf_lora_greedy(path, b, prompts, 8))
     finally:
         llm.engine.shutdown()
         from kvfleet_runtime.layers.backend import set_backend

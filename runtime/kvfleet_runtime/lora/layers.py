@@ -1,22 +1,30 @@
-"""Adapter slots of one projection: every adapter of a step applied in two matmuls.
+"""Adapter slots of one projection: every adapter of a step applied in two launches.
 
 A Linear with P output pieces (qkv: 3) holds, for each of the engine's max_loras slots and each
 piece, a rank-R block of A and of B (R = max_lora_rank; an adapter of a smaller rank leaves the
-rest zero), side by side:
-  a [P * L * R, in]:   column block (p, slot) holds piece p's A of the adapter in `slot`
-  b [out, P * L * R]:  piece p's output rows hold its B (times the scaling) in block (p, slot)
-For a step's tokens x [T, in] with each token's slot in `token_slots` (-1: no adapter):
-  out += ((x @ a^T) * mask) @ b^T,   mask[t, c] = 1 where column c's slot is token t's
-Each token sees only its own adapter's columns (the others are multiplied by zero), with the
-same shapes every step: the CUDA graphs capture it as it is, and a batch mixes adapters and
-base-model requests freely. Three launches a projection (the shrink, the mask, the expand
-added into the output); the masks depend only on the width (pieces x L x R), so StepMasks
-makes each once a forward, for every layer.
+rest zero), side by side, slot by slot (W = P * R columns a slot):
+  a [L * W, in]:   rows s*W + p*R .. hold piece p's A of the adapter in slot s
+  b [out, L * W]:  piece p's output rows hold its B (times the scaling) in columns s*W + p*R ..
+For a step's tokens x [T, in] with each token's slot in `token_slots` (-1: no adapter), the
+shrink x @ a^T is one GEMM over every slot; then each token takes its own slot's W columns:
+  on a GPU, kvfleet_kernels.lora.lora_expand adds shrunk[t, slot] @ b[:, slot]^T into out in
+  one launch (KVFLEET_LORA_KERNEL=0: the torch path below instead);
+  elsewhere out += (shrunk * mask) @ b^T, mask[t, c] = 1 where column c's slot is token t's
+  (the masks depend only on the width, so StepMasks makes each once a forward, for every layer).
+Same shapes every step: the CUDA graphs capture it as it is, and a batch mixes adapters and
+base-model requests freely.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+from kvfleet_kernels.env import on_off
+
+from kvfleet_runtime.layers.backend import use_triton
+
+_KERNEL = on_off("KVFLEET_LORA_KERNEL", os.environ.get("KVFLEET_LORA_KERNEL", ""))
 
 
 def slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -44,10 +52,9 @@ class StepMasks:
         mask = self._masks.get(width)
         if mask is None or mask.shape[0] != num_tokens:
             columns = self._column_slots.get(width)
-            if columns is None:     # column c belongs to slot (c // R) % L
-                columns = self._column_slots[width] = (
-                    torch.arange(width, device=self.token_slots.device) // self.max_rank
-                ) % self.max_loras
+            if columns is None:     # column c belongs to slot c // (width / L)
+                columns = self._column_slots[width] = torch.arange(
+                    width, device=self.token_slots.device) // (width // self.max_loras)
             mine = self.token_slots[:num_tokens, None] == columns
             mask = self._masks[width] = mine.to(self.dtype)
         return mask
@@ -73,7 +80,7 @@ class LoRASlots:
         self.masks = masks
 
     def _columns(self, piece: int, slot: int) -> slice:
-        start = (piece * self.max_loras + slot) * self.max_rank
+        start = (slot * self.pieces + piece) * self.max_rank
         return slice(start, start + self.max_rank)
 
     def set_slot(self, slot: int, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -99,6 +106,9 @@ class LoRASlots:
             shrunk = x.to(self.a.dtype) @ self.a.t()
             shrunk.mul_(self.masks(x.shape[0], shrunk.shape[1]))
             return out.add_(shrunk @ self.b.t())
-        shrunk = x @ self.a.t()                                           # [T, P * L * R]
+        shrunk = x @ self.a.t()                                           # [T, L * P * R]
+        if _KERNEL and use_triton(x):
+            from kvfleet_kernels.lora import lora_expand
+            return lora_expand(out, shrunk, self.b, self.masks.token_slots, self.max_loras)
         shrunk.mul_(self.masks(x.shape[0], shrunk.shape[1]))
         return out.addmm_(shrunk, self.b.t())
