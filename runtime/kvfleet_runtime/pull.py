@@ -1,17 +1,29 @@
-"""`kvfleet pull SOURCE DEST`: copy a model folder from S3 (or a local folder) into DEST.
+"""`kvfleet pull SOURCE DEST`: copy a model folder from S3, the Hugging Face Hub (or a local folder) into DEST.
 
-This module owns the whole pull: listing the source, parallel ranged downloads,
-resume after interruption, verification (size, S3 ETag, and a `SHA256SUMS`
-manifest when the source has one), the atomic hand-over into DEST and the
-completion marker, and the mapping of every failure to an exit code.
+Sources: `s3://bucket/prefix`, `hf://ORG/NAME[@REVISION]` (a model repo on the
+Hub or the mirror $HF_ENDPOINT names; REVISION a branch, tag or commit, default
+main; token from $HF_TOKEN) and a local folder.
 
-It runs as the LLMService init container, so it must stay light: boto3 and
-tqdm only, no torch (tests/pull/test_pull_cli.py pins that).
+This module owns the whole pull: listing the source, choosing its files
+(--include/--exclude; a Hub repo with safetensors weights leaves its other weight
+formats and original/ out), parallel ranged downloads, resume after interruption,
+verification (size; S3 ETag; the Hub's LFS sha256 or git blob id; and a
+`SHA256SUMS` manifest when the source has one), the atomic hand-over into DEST
+and the completion marker, and the mapping of every failure to an exit code.
+
+Every file is fetched at one version: an S3 object at the ETag it was listed
+with (If-Match), a Hub file at the commit the revision named when it was listed,
+so a push during the pull cannot mix two commits. "Unchanged" is judged by
+content (ETag, sha256, blob id), so a new commit re-fetches only changed files.
+
+It runs as the LLMService init container, so it must stay light: boto3,
+huggingface_hub (imported by the source that needs it) and tqdm only, no torch
+(tests/pull/test_pull_cli.py pins that).
 
 On-disk contract inside DEST:
   .kvfleet-pull.partial/<path>.part       bytes being fetched (never loaded by the runtime)
   .kvfleet-pull.partial/<path>.part.json  its finished chunks and their MD5s (the resume state)
-  .kvfleet-pull.json                      completion marker, written last: source + files
+  .kvfleet-pull.json                      completion marker, written last: source (+ commit) + files
   .kvfleet-pull.lock                      flock()ed while a pull runs (replicas sharing a volume)
 A file reaches its real name only after it is complete and verified, and the
 marker is written only after every file has.
@@ -32,11 +44,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum
+from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 MARKER = ".kvfleet-pull.json"
 STAGING = ".kvfleet-pull.partial"
@@ -46,6 +62,13 @@ MANIFEST = "SHA256SUMS"
 RESERVED = {MARKER, STAGING, LOCK}
 PIECE = 1 << 20     # bytes read from a response body at a time
 MiB = 1 << 20
+# What a Hub repo with *.safetensors weights also carries for other frameworks (PyTorch pickles, TF,
+# Flax, ONNX, GGUF, Core ML) and Meta's original checkpoint (original/consolidated.00.pth, 16 GB for
+# Llama 3 8B): the server loads none of them. vLLM downloads only *.safetensors in that case too.
+OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ckpt", "*.onnx", "*.onnx_data", "*.ot",
+                 "*.tflite", "*.gguf", "*.mlmodel", "*.mlpackage/*", "original/*")
+# HTTP statuses worth another try (huggingface_hub's http_backoff retries the same ones).
+TRANSIENT_STATUSES = (408, 429, 500, 502, 503, 504)
 
 
 class ExitCode(IntEnum):
@@ -70,8 +93,10 @@ class PullError(Exception):
 class RemoteFile:
     path: str           # relative to the source root, posix separators
     size: int
-    etag: str | None    # S3 ETag without quotes; None for local files
-    fingerprint: str    # what "unchanged" means: the ETag, or size and mtime of a local file
+    etag: str | None    # S3 ETag without quotes; None for local and Hub files
+    fingerprint: str    # what "unchanged" means: the ETag, a Hub file's sha256 or blob id, or size and mtime
+    sha256: str | None = None    # the source's own digest of the bytes (a Hub LFS file's)
+    blob_id: str | None = None   # git blob id, sha1 of b"blob <size>\0" + bytes (a Hub file not in LFS)
 
 
 @dataclass
@@ -87,6 +112,8 @@ class PullOptions:
     max_bandwidth: int | None = None      # bytes per second over all connections
     progress: bool | None = None          # None: a bar on a terminal, else a log line now and then
     log_interval: float = 10.0            # seconds between those log lines (container logs)
+    include: tuple[str, ...] = ()         # globs: only files matching one (replaces the Hub default)
+    exclude: tuple[str, ...] = ()         # globs: never files matching one
 
 
 @dataclass
@@ -99,6 +126,7 @@ class PullResult:
     bytes_resumed: int
     seconds: float
     up_to_date: bool = False
+    commit: str | None = None     # the Hub commit pulled
 
 
 # ---------------------------------------------------------------- sources
@@ -106,6 +134,8 @@ class PullResult:
 
 class LocalSource:
     """A folder on a local or mounted filesystem."""
+
+    commit: str | None = None    # no versions: a file is pinned by its size and mtime
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -141,6 +171,8 @@ class LocalSource:
 
 class S3Source:
     """`s3://bucket/prefix`: everything under prefix/, fetched with ranged GETs pinned to the listed ETag."""
+
+    commit: str | None = None    # no versions: each object is pinned by its own ETag
 
     def __init__(self, bucket: str, prefix: str, options: PullOptions) -> None:
         import boto3  # lazily: local pulls need no boto3
@@ -249,18 +281,221 @@ class S3Source:
         return e
 
 
-def open_source(source: str, options: PullOptions) -> LocalSource | S3Source:
+class HfSource:
+    """`hf://ORG/NAME[@REVISION]`: a model repo on the Hugging Face Hub, or the mirror $HF_ENDPOINT names.
+
+    The listing resolves REVISION to its commit once; every file is then fetched at
+    that commit (the analogue of the S3 source's ETag pinning). LFS files answer with
+    a redirect to a CDN, which the session follows with the Range header kept. The
+    token is huggingface_hub's: $HF_TOKEN (or a token file under $HF_HOME).
+    """
+
+    def __init__(self, repo_id: str, revision: str, options: PullOptions) -> None:
+        import httpx2
+        from huggingface_hub import HfApi, constants, get_token
+        from huggingface_hub.utils import build_hf_headers
+
+        self.repo_id = repo_id
+        self.revision = revision
+        self.url = f"hf://{repo_id}"     # no revision: files of another commit count as unchanged by content
+        self.commit: str | None = None
+        self.endpoint = constants.ENDPOINT
+        self.has_token = get_token() is not None
+        self.api = HfApi()
+        # Accept-Encoding identity: a Range counts bytes of the file, not of a gzipped body.
+        self.headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
+        self.attempts = options.retries + 1
+        self.timeout = httpx2.Timeout(60.0, connect=10.0)
+
+    def list_files(self) -> list[RemoteFile]:
+        doing = f"listing {self.url}@{self.revision}"
+        info = self._with_retries(lambda: self.api.model_info(
+            self.repo_id, revision=self.revision, files_metadata=True, timeout=60), doing)
+        self.commit = info.sha
+        files = []
+        for s in info.siblings or []:
+            if s.lfs is not None:
+                files.append(RemoteFile(s.rfilename, s.lfs.size, None, f"sha256:{s.lfs.sha256}",
+                                        sha256=s.lfs.sha256))
+            elif s.size is not None:
+                files.append(RemoteFile(s.rfilename, s.size, None, f"blob:{s.blob_id}", blob_id=s.blob_id))
+            else:
+                raise PullError(f"{doing}: {self.where()} lists {s.rfilename} without its size (a mirror without "
+                                "the ?blobs=true listing?)", ExitCode.FAILED)
+        if not self.commit or not files:
+            raise PullError(f"{doing}: {self.where()} lists no commit or no files", ExitCode.NOT_FOUND)
+        if info.gated:
+            # The listing of a gated repo is public, its files are not: ask for one now rather than
+            # after reserving disk space for all of them.
+            self._check_file_access(min(files, key=lambda f: (f.path in (".gitattributes", "README.md"), f.size)))
+        return files
+
+    def _check_file_access(self, f: RemoteFile) -> None:
+        from huggingface_hub import get_hf_file_metadata
+
+        self._with_retries(lambda: get_hf_file_metadata(self.file_url(f), timeout=60),
+                           f"reading {self.url}/{f.path}")
+
+    def file_url(self, f: RemoteFile) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(self.repo_id, f.path, revision=self.commit)
+
+    def read_range(self, f: RemoteFile, start: int, end: int) -> Iterator[bytes]:
+        from huggingface_hub.utils import get_session, hf_raise_for_status
+
+        try:
+            headers = {**self.headers, "Range": f"bytes={start}-{end - 1}"}
+            with get_session().stream("GET", self.file_url(f), headers=headers, timeout=self.timeout) as r:
+                hf_raise_for_status(r)
+                whole = r.status_code == 200 and (start, end) == (0, f.size)
+                if not whole and not (r.status_code == 206 and r.headers.get("Content-Range", "").startswith(
+                        f"bytes {start}-{end - 1}/")):
+                    raise PullError(f"reading {self.url}/{f.path}: asked {self.where()} for bytes {start}-{end - 1}, "
+                                    f"got HTTP {r.status_code} Content-Range {r.headers.get('Content-Range')!r}",
+                                    ExitCode.FAILED)
+                yield from r.iter_raw(PIECE)
+        except PullError:
+            raise
+        except Exception as e:
+            mapped = self.error(e, f"reading {self.url}/{f.path} at commit {self.commit}")
+            if mapped is not e:
+                raise mapped from e
+            if self.transient(e) and not isinstance(e, ConnectionError):
+                # Transfer retries it; a short message for the last attempt's error
+                raise ConnectionError(f"{self.where()} answered {self.describe(e)}") from e
+            raise
+
+    def where(self) -> str:
+        return f"the Hub at {self.endpoint}"
+
+    def _with_retries(self, call: Callable[[], T], doing: str) -> T:
+        """`call()`, again after transient failures (connection errors, 5xx, 429), like Transfer's chunks."""
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except Exception as e:
+                mapped = self.error(e, doing)
+                if mapped is not e:
+                    raise mapped from e
+                if not self.transient(e):
+                    raise
+                attempt += 1
+                if attempt == self.attempts:
+                    raise PullError(f"{doing}: cannot reach {self.where()} after {self.attempts} attempts: "
+                                    f"{self.describe(e)}", ExitCode.UNREACHABLE) from e
+                time.sleep(backoff(attempt - 1))
+
+    @staticmethod
+    def transient(e: Exception) -> bool:
+        import httpx2
+        from huggingface_hub.errors import HfHubHTTPError
+
+        if isinstance(e, HfHubHTTPError):
+            return e.response is not None and e.response.status_code in TRANSIENT_STATUSES
+        return isinstance(e, httpx2.TransportError)
+
+    @staticmethod
+    def describe(e: Exception) -> str:
+        from huggingface_hub.errors import HfHubHTTPError
+
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            return f"HTTP {e.response.status_code}" + (f" ({e.server_message})" if e.server_message else "")
+        return f"{type(e).__name__}: {e}"
+
+    def error(self, e: Exception, doing: str) -> PullError | Exception:
+        """Map a huggingface_hub exception to a PullError with an exit code; transient ones stay as they are."""
+        from huggingface_hub import errors as hx
+
+        repo = f"{self.repo_id!r} at {self.where()}"
+        if isinstance(e, hx.OfflineModeIsEnabled):
+            return PullError(f"{doing}: HF_HUB_OFFLINE is set; unset it (and TRANSFORMERS_OFFLINE) to pull from "
+                             f"{self.where()}", ExitCode.USAGE)
+        if isinstance(e, hx.GatedRepoError):
+            how = ("HF_TOKEN holds a token that has not been granted access" if self.has_token
+                   else "no token was sent: set HF_TOKEN to a read token of that account")
+            return PullError(f"{doing}: {repo} is gated: accept its license on {self.endpoint}/{self.repo_id} "
+                             f"with your Hugging Face account; {how}", ExitCode.ACCESS_DENIED)
+        if isinstance(e, hx.RepositoryNotFoundError):
+            how = ("or the token in HF_TOKEN cannot read it" if self.has_token
+                   else "or it is private: set HF_TOKEN to a token that can read it")
+            return PullError(f"{doing}: repository {repo} not found (check ORG/NAME, {how})", ExitCode.NOT_FOUND)
+        if isinstance(e, hx.RevisionNotFoundError):
+            return PullError(f"{doing}: revision {self.revision!r} not found in {repo} (a branch, tag or commit "
+                             "sha)", ExitCode.NOT_FOUND)
+        if isinstance(e, hx.RemoteEntryNotFoundError):
+            return PullError(f"{doing}: the file is gone from {repo}", ExitCode.NOT_FOUND)
+        if isinstance(e, hx.HfHubHTTPError) and e.response is not None and not self.transient(e):
+            status = e.response.status_code
+            if status in (401, 403):
+                return PullError(f"{doing}: {self.where()} refused access ({self.describe(e)}); check HF_TOKEN",
+                                 ExitCode.ACCESS_DENIED)
+            return PullError(f"{doing}: {self.where()} answered {self.describe(e)}", ExitCode.FAILED)
+        return e
+
+
+def open_source(source: str, options: PullOptions) -> LocalSource | S3Source | HfSource:
     if source.startswith("s3://"):
         bucket, _, prefix = source[len("s3://"):].partition("/")
         if not bucket:
             raise PullError(f"SOURCE must be s3://bucket/prefix; got {source!r}", ExitCode.USAGE)
         return S3Source(bucket, prefix, options)
     if source.startswith("hf://"):
-        raise PullError("hf:// sources need the Hugging Face Hub, which kvfleet pull does not reach; copy the "
-                        "snapshot to S3 (aws s3 sync) and pull s3://bucket/prefix", ExitCode.USAGE)
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        repo_id, at, revision = source[len("hf://"):].partition("@")
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as e:
+            raise PullError(f"SOURCE must be hf://ORG/NAME[@REVISION]; got {source!r}: {e}", ExitCode.USAGE) from e
+        if at and not revision:
+            raise PullError(f"SOURCE must be hf://ORG/NAME[@REVISION]; got {source!r}: empty revision",
+                            ExitCode.USAGE)
+        return HfSource(repo_id, revision or "main", options)
     if re.match(r"^[a-z][a-z0-9+.-]*://", source):
-        raise PullError(f"SOURCE must be s3://bucket/prefix or a local folder; got {source!r}", ExitCode.USAGE)
+        raise PullError(f"SOURCE must be s3://bucket/prefix, hf://ORG/NAME[@REVISION] or a local folder; "
+                        f"got {source!r}", ExitCode.USAGE)
     return LocalSource(Path(source))
+
+
+Source = LocalSource | S3Source | HfSource
+
+
+def select_files(src: Source, files: list[RemoteFile], options: PullOptions) -> list[RemoteFile]:
+    """The files to pull. Globs match like huggingface-cli download's (fnmatch: `*` crosses `/`).
+    --include replaces the default choice; --exclude narrows whichever applies. A Hub repo's
+    .gitattributes is never pulled, and with *.safetensors weights neither are OTHER_WEIGHTS."""
+    hub = isinstance(src, HfSource)
+    safetensors_only = hub and not options.include and any(fnmatchcase(f.path, "*.safetensors") for f in files)
+    chosen, reasons, left_out = [], {}, []
+    for f in files:
+        if hub and PurePosixPath(f.path).name == ".gitattributes":
+            reason = "git metadata"
+        elif options.include and not any(fnmatchcase(f.path, g) for g in options.include):
+            reason = "not matched by --include"
+        elif any(fnmatchcase(f.path, g) for g in options.exclude):
+            reason = "matched by --exclude"
+        elif safetensors_only and any(fnmatchcase(f.path, g) for g in OTHER_WEIGHTS):
+            reason = "weights beside *.safetensors the server does not load (--include GLOB to pull them)"
+        else:
+            chosen.append(f)
+            continue
+        left_out.append(f)
+        reasons[reason] = None
+    if not chosen:
+        if options.include or options.exclude:
+            raise PullError(f"--include/--exclude leave none of the {len(files)} files of {src.url} to pull",
+                            ExitCode.USAGE)
+        raise PullError(f"{src.url} has no files to pull (only {', '.join(f.path for f in files)})",
+                        ExitCode.NOT_FOUND)
+    if left_out:
+        names = ", ".join(f.path for f in left_out[:6]) + (f" and {len(left_out) - 6} more" if len(left_out) > 6 else "")
+        print(f"kvfleet pull: leaving out {len(left_out)} of {len(files)} files "
+              f"({sum(f.size for f in left_out) / MiB:.1f} MiB): {names}; {'; '.join(reasons)}",
+              file=sys.stderr, flush=True)
+    return chosen
 
 
 # ---------------------------------------------------------------- staging
@@ -364,8 +599,10 @@ class PartialFile:
         tmp.write_text(json.dumps(asdict(self.state)))
         os.replace(tmp, self.state_path)
 
-    def _hash_from_disk(self, start: int, end: int, *algorithms: str) -> list[str]:
-        hashes = [hashlib.new(a) for a in algorithms]
+    def _hash_from_disk(self, start: int, end: int, hashes: dict[str, Any]) -> dict[str, str]:
+        """Feed bytes start..end of the staged file to each of `hashes` (in one read); name -> hex digest."""
+        if not hashes:
+            return {}
         with open(self.data_path, "rb") as fh:
             fh.seek(start)
             while start < end:
@@ -373,17 +610,18 @@ class PartialFile:
                 if not block:
                     break
                 start += len(block)
-                for h in hashes:
+                for h in hashes.values():
                     h.update(block)
-        return [h.hexdigest() for h in hashes]
+        return {name: h.hexdigest() for name, h in hashes.items()}
 
     def chunk_md5(self, index: int) -> str:
         if index in self.fresh:
             return self.state.done[str(index)]
-        return self._hash_from_disk(*self.bounds(index), "md5")[0]
+        return self._hash_from_disk(*self.bounds(index), {"md5": hashlib.md5()})["md5"]
 
     def problem(self, sha256: str | None) -> str | None:
-        """None when the staged file matches the source; otherwise what is wrong with it."""
+        """None when the staged file matches the source (its listing and `sha256` from SHA256SUMS);
+        otherwise what is wrong with it."""
         f = self.file
         size = os.fstat(self.fd).st_size
         if size != f.size:
@@ -399,13 +637,23 @@ class PartialFile:
             etag = self.chunk_md5(0)
         # ETags of SSE-KMS objects are not MD5s: only those that are get checked.
         whole_md5 = etag is None and f.etag is not None and ETAG_RE.match(f.etag) is not None
-        wanted = ["md5"] * whole_md5 + ["sha256"] * (sha256 is not None)
-        digests_from_disk = dict(zip(wanted, self._hash_from_disk(0, f.size, *wanted), strict=True)) if wanted else {}
+        hashes = {}
+        if whole_md5:
+            hashes["md5"] = hashlib.md5()
+        if sha256 is not None or f.sha256 is not None:
+            hashes["sha256"] = hashlib.sha256()
+        if f.blob_id is not None:
+            hashes["blob"] = hashlib.sha1(b"blob %d\0" % f.size)
+        digests_from_disk = self._hash_from_disk(0, f.size, hashes)
         etag = digests_from_disk.get("md5", etag)
         if etag is not None and etag != f.etag:
             return f"ETag {etag} != {f.etag}"
+        if f.sha256 is not None and digests_from_disk["sha256"] != f.sha256:
+            return f"sha256 {digests_from_disk['sha256']} != {f.sha256} (from the source's listing)"
         if sha256 is not None and digests_from_disk["sha256"] != sha256:
             return f"sha256 {digests_from_disk['sha256']} != {sha256} (from {MANIFEST})"
+        if f.blob_id is not None and digests_from_disk["blob"] != f.blob_id:
+            return f"git blob id {digests_from_disk['blob']} != {f.blob_id} (from the source's listing)"
         return None
 
     def close(self) -> None:
@@ -444,6 +692,11 @@ def parse_manifest(text: str, files: dict[str, RemoteFile]) -> dict[str, str]:
 # ---------------------------------------------------------------- transfer
 
 
+def backoff(attempt: int) -> float:
+    """Seconds before retry number attempt + 1: exponential, capped, with jitter (threads spread out)."""
+    return min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random())
+
+
 class RateLimiter:
     """A shared byte budget per second over all download threads (--max-bandwidth)."""
 
@@ -463,7 +716,7 @@ class RateLimiter:
 class Transfer:
     """Fetches the pending chunks of many files with a pool of threads."""
 
-    def __init__(self, source: LocalSource | S3Source, options: PullOptions, total: int) -> None:
+    def __init__(self, source: Source, options: PullOptions, total: int) -> None:
         from tqdm import tqdm
 
         self.source = source
@@ -516,7 +769,7 @@ class Transfer:
             if attempt == self.options.retries:
                 raise PullError(f"reading {part.file.path} failed after {attempt + 1} attempts: {error}",
                                 ExitCode.UNREACHABLE) from error
-            time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
+            time.sleep(backoff(attempt))
 
     def _count(self, n: int) -> None:
         with self.lock:
@@ -605,18 +858,21 @@ def pull(source: str, dest: Path, options: PullOptions) -> PullResult:
     # Two pullers on one shared volume (replicas starting together) take turns.
     with open(dest / LOCK, "a") as lock_fh:
         fcntl.flock(lock_fh, fcntl.LOCK_EX)
-        files = src.list_files()
+        files = select_files(src, src.list_files(), options)
         for f in files:
             safe_relpath(f.path)
         marker = read_marker(dest)
         unchanged = unchanged_files(dest, marker, src.url, files)
         if len(unchanged) == len(files) and len(marker["files"]) == len(files):
+            if marker.get("commit") != src.commit:    # a new commit that changed none of our files
+                _write_marker(dest, src, files, {m["path"]: m["sha256"] for m in marker["files"] if "sha256" in m})
             total = sum(f.size for f in files)
-            return PullResult(src.url, dest, len(files), total, 0, 0, time.monotonic() - t0, up_to_date=True)
+            return PullResult(src.url, dest, len(files), total, 0, 0, time.monotonic() - t0, up_to_date=True,
+                              commit=src.commit)
         return _fetch_all(src, dest, files, unchanged, marker, options, t0)
 
 
-def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile], unchanged: set[str],
+def _fetch_all(src: Source, dest: Path, files: list[RemoteFile], unchanged: set[str],
                old_marker: dict | None, options: PullOptions, t0: float) -> PullResult:
     # From here until the new marker, DEST is not a complete pull of anything.
     (dest / MARKER).unlink(missing_ok=True)
@@ -659,10 +915,10 @@ def _fetch_all(src: LocalSource | S3Source, dest: Path, files: list[RemoteFile],
         for p in parts:
             if p.fd >= 0:
                 os.close(p.fd)
-    _write_marker(dest, src.url, files, sums)
+    _write_marker(dest, src, files, sums)
     shutil.rmtree(staging, ignore_errors=True)
     return PullResult(src.url, dest, len(files), sum(f.size for f in files), transfer.fetched, resumed,
-                      time.monotonic() - t0)
+                      time.monotonic() - t0, commit=src.commit)
 
 
 def _fetch_verified(transfer: Transfer, parts: list[PartialFile], sums: dict[str, str]) -> None:
@@ -706,7 +962,7 @@ def _check_kept(dest: Path, kept: set[str], sums: dict[str, str], old_marker: di
                             ExitCode.VERIFY_FAILED)
 
 
-def chunk_size_for(src: LocalSource | S3Source, f: RemoteFile, default: int) -> int:
+def chunk_size_for(src: Source, f: RemoteFile, default: int) -> int:
     """A multipart upload is fetched part by part (its ETag needs each part's MD5)."""
     parts = multipart_count(f)
     if parts is None:
@@ -728,12 +984,14 @@ def _install(dest: Path, parts: list[PartialFile], files: list[RemoteFile], old_
             (dest / safe_relpath(entry["path"])).unlink(missing_ok=True)
 
 
-def _write_marker(dest: Path, source_url: str, files: list[RemoteFile], sums: dict[str, str]) -> None:
+def _write_marker(dest: Path, src: Source, files: list[RemoteFile], sums: dict[str, str]) -> None:
     fsync_dir(dest)
     marker = {
-        "source": source_url,
+        "source": src.url,
+        **({"commit": src.commit} if src.commit else {}),
         "completed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "files": [{**asdict(f), **({"sha256": sums[f.path]} if f.path in sums else {})} for f in files],
+        "files": [{**{k: v for k, v in asdict(f).items() if v is not None},
+                   **({"sha256": sums[f.path]} if f.path in sums else {})} for f in files],
     }
     tmp = dest / (MARKER + ".tmp")
     with open(tmp, "w") as fh:
@@ -771,13 +1029,20 @@ def _positive_int(text: str) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "pull", help="copy a model folder from S3 or a local path into DEST (resumable, verified)",
-        description="Copy a model folder from s3://bucket/prefix (or a local folder) into DEST. Parallel ranged "
-                    "downloads, resumable, verified against sizes, ETags and a SHA256SUMS manifest when present; "
-                    f"DEST gets its files only when complete, and {MARKER} last.",
-        epilog="exit codes: 0 ok or up to date, 2 usage, 3 no such bucket/prefix, 4 access denied, "
-               "5 endpoint unreachable, 6 disk full, 7 verification failed, 130 interrupted")
-    p.add_argument("source", metavar="SOURCE", help="s3://bucket/prefix or a local folder")
+        "pull", help="copy a model folder from S3, the Hugging Face Hub or a local path into DEST "
+                     "(resumable, verified)",
+        description="Copy a model folder from s3://bucket/prefix, a Hugging Face Hub model repo "
+                    "(hf://ORG/NAME[@REVISION], $HF_ENDPOINT for a mirror, $HF_TOKEN for private and gated repos) "
+                    "or a local folder into DEST. Parallel ranged downloads, resumable, verified against sizes, "
+                    "ETags, the Hub's sha256 and git blob ids, and a SHA256SUMS manifest when present; DEST gets "
+                    f"its files only when complete, and {MARKER} last. A Hub repo with *.safetensors weights "
+                    "leaves its other weight formats (*.bin, *.pth, ...) and original/ out unless --include says "
+                    "otherwise.",
+        epilog="exit codes: 0 ok or up to date, 2 usage, 3 no such bucket/prefix/repository/revision, "
+               "4 access denied (or a gated repo), 5 endpoint unreachable, 6 disk full, 7 verification failed, "
+               "130 interrupted")
+    p.add_argument("source", metavar="SOURCE",
+                   help="s3://bucket/prefix, hf://ORG/NAME[@REVISION] (default revision main) or a local folder")
     p.add_argument("dest", metavar="DEST", help="local folder to fill")
     p.add_argument("--endpoint-url", help="S3 endpoint (MinIO, SeaweedFS, ...); default $AWS_ENDPOINT_URL or AWS")
     p.add_argument("--region", help="S3 region; default $AWS_REGION, the AWS config, else us-east-1")
@@ -790,6 +1055,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", type=_chunk_size, default=16 * MiB, help="bytes per ranged GET (default 16M)")
     p.add_argument("--retries", type=int, default=5, help="retries per request, with exponential backoff (default 5)")
     p.add_argument("--max-bandwidth", type=parse_size, help="limit over all connections, bytes/s (e.g. 100M)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="pull only files matching a GLOB (repeatable; `*` crosses `/`, as in huggingface-cli "
+                        "download); replaces the default choice of a Hub repo's files")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="never pull files matching GLOB (repeatable)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a bar")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="never show a bar")
     p.set_defaults(func=run)
@@ -799,7 +1069,7 @@ def options_from_args(args: argparse.Namespace) -> PullOptions:
     return PullOptions(endpoint_url=args.endpoint_url, region=args.region, addressing_style=args.addressing_style,
                        verify_ssl=args.verify_ssl, ca_bundle=args.ca_bundle, jobs=args.jobs,
                        chunk_size=args.chunk_size, retries=args.retries, max_bandwidth=args.max_bandwidth,
-                       progress=args.progress)
+                       progress=args.progress, include=tuple(args.include), exclude=tuple(args.exclude))
 
 
 def _interrupted(signum: int, frame: object) -> None:
@@ -825,12 +1095,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+    source = f"{result.source}@{result.commit}" if result.commit else result.source
     if result.up_to_date:
-        print(f"kvfleet pull: {result.dest} is up to date with {result.source} ({result.files} files)",
-              file=sys.stderr)
+        print(f"kvfleet pull: {result.dest} is up to date with {source} ({result.files} files)", file=sys.stderr)
     else:
         rate = result.bytes_fetched / MiB / max(result.seconds, 1e-9)
-        print(f"kvfleet pull: {result.files} files, {result.bytes_total / MiB:.1f} MiB from {result.source} to "
+        print(f"kvfleet pull: {result.files} files, {result.bytes_total / MiB:.1f} MiB from {source} to "
               f"{result.dest} in {result.seconds:.1f} s: fetched {result.bytes_fetched / MiB:.1f} MiB "
               f"({rate:.1f} MiB/s), resumed {result.bytes_resumed / MiB:.1f} MiB", file=sys.stderr)
     return 0

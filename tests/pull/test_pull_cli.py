@@ -53,13 +53,36 @@ def test_local_folder_round_trip_and_skip(checkpoint: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("source, message", [
-    ("hf://HuggingFaceTB/SmolLM2-135M-Instruct", "hf:// sources need the Hugging Face Hub"),
-    ("gs://bucket/model", "SOURCE must be s3://bucket/prefix or a local folder; got 'gs://bucket/model'"),
+    ("gs://bucket/model", "SOURCE must be s3://bucket/prefix, hf://ORG/NAME[@REVISION] or a local folder; "
+                          "got 'gs://bucket/model'"),
     ("s3:///model", "SOURCE must be s3://bucket/prefix"),
+    ("hf://", "SOURCE must be hf://ORG/NAME[@REVISION]; got 'hf://'"),
+    ("hf://org/name/extra", "SOURCE must be hf://ORG/NAME[@REVISION]; got 'hf://org/name/extra'"),
+    ("hf://org/name@", "empty revision"),
 ])
 def test_unsupported_sources_are_usage_errors(source: str, message: str, tmp_path: Path) -> None:
     r = run_pull(None, source, str(tmp_path / "m"))
     assert r.returncode == pullmod.ExitCode.USAGE and message in r.stderr, r.stderr
+
+
+def test_include_and_exclude_choose_files_of_a_local_folder(checkpoint: Path, tmp_path: Path) -> None:
+    r = run_pull(None, str(checkpoint), str(tmp_path / "a"), "--exclude", "*.safetensors", "--exclude", "tokenizer*")
+    assert r.returncode == 0, r.stderr
+    assert "matched by --exclude" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".kvfleet")) == \
+        sorted(p.name for p in checkpoint.iterdir() if not p.name.endswith(".safetensors")
+               and not p.name.startswith("tokenizer"))
+    r = run_pull(None, str(checkpoint), str(tmp_path / "b"), "--include", "*.json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if not p.name.startswith(".kvfleet")) == \
+        sorted(p.name for p in checkpoint.iterdir() if p.name.endswith(".json"))
+    # the Hub's default (safetensors only) is not applied to a folder the user filled
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"st")
+    (src / "extra.bin").write_bytes(b"bin")
+    assert run_pull(None, str(src), str(tmp_path / "c")).returncode == 0
+    assert (tmp_path / "c" / "extra.bin").read_bytes() == b"bin"
 
 
 def test_missing_local_folder_is_not_found(tmp_path: Path) -> None:

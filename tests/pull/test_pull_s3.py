@@ -15,14 +15,7 @@ import pytest
 from kvfleet_runtime import pull as pullmod
 from support.s3 import S3Server
 
-from pull.conftest import BUCKET, PART_SIZE, pull_process, run_pull
-
-
-def tree(root: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file a runtime could load (our bookkeeping excluded)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".kvfleet-pull")
-            and pullmod.STAGING not in p.parts}
+from pull.conftest import BUCKET, PART_SIZE, pull_process, run_pull, tree, wait_for_chunks
 
 
 def test_sharded_checkpoint_round_trip(s3: S3Server, uploaded: str, checkpoint: Path, tmp_path: Path) -> None:
@@ -76,23 +69,6 @@ def test_changed_and_removed_objects_are_refreshed(s3: S3Server, checkpoint: Pat
     assert not (dest / "extra.txt").exists()
     # only the changed object travelled again
     assert "fetched 0.0 MiB" in r.stderr
-
-
-def wait_for_chunks(proc: subprocess.Popen, state: Path, at_least: int) -> int:
-    """Poll a running pull's resume state until `at_least` chunks are recorded done."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            done = len(json.loads(state.read_text())["done"])
-            if done >= at_least:
-                return done
-        except (OSError, ValueError):
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"pull ended early ({proc.returncode}): {proc.communicate()[1]}")
-        time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"no progress recorded in {state}")
 
 
 def test_resume_after_stopped_and_killed_downloads(s3: S3Server, tmp_path: Path) -> None:
