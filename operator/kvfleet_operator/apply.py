@@ -223,9 +223,7 @@ def remove_child(api: KubeApi, kind: str, namespace: str, name: str, owner_uid: 
 
 def check_references(api: KubeApi, spec: LLMServiceSpec) -> None:
     """Every Secret the pods read exists with its keys; else MissingReference names it."""
-    for secret_name, keys in spec.secret_names().items():
-        field = ("spec.apiKeySecret" if secret_name == spec.api_key_secret
-                 else "spec.s3.credentialsSecret")
+    for field, secret_name, keys in spec.secret_refs():
         secret = api.get("Secret", spec.namespace, secret_name)
         if secret is None:
             raise MissingReference(f"{field}: Secret {spec.namespace}/{secret_name} not found")

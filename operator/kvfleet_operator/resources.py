@@ -198,6 +198,8 @@ def pull_env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
         env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
     if s3 and s3.region:
         env.append({"name": "AWS_REGION", "value": s3.region})
+    if spec.hf and spec.hf.token_secret:
+        env.append(_secret_env("HF_TOKEN", spec.hf.token_secret, "HF_TOKEN"))
     return env
 
 

@@ -78,6 +78,13 @@ class S3Spec:
 
 
 @dataclass(frozen=True)
+class HfSpec:
+    """How the pull reaches the Hugging Face Hub for hf:// models and adapters (private and gated repos)."""
+
+    token_secret: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     block_size: int = 16
     max_num_seqs: int = 256
@@ -128,6 +135,7 @@ class LLMServiceSpec:
     model: ModelSpec
     adapters: tuple[AdapterSpec, ...] = ()
     s3: S3Spec | None = None
+    hf: HfSpec | None = None
     quantization: str = "none"
     engine: EngineSpec = field(default_factory=EngineSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
@@ -142,15 +150,18 @@ class LLMServiceSpec:
         """Replicas the service keeps at least: the autoscaler's floor, else spec.replicas."""
         return self.autoscaling.min_replicas if self.autoscaling else self.replicas
 
-    def secret_names(self) -> dict[str, tuple[str, ...]]:
-        """Secret name -> keys the pods read from it; all must exist before children are made."""
-        secrets: dict[str, tuple[str, ...]] = {}
+    def secret_refs(self) -> list[tuple[str, str, tuple[str, ...]]]:
+        """(field, Secret name, keys the pods read from it) for each Secret the spec names; all must
+        exist before children are made."""
+        refs: list[tuple[str, str, tuple[str, ...]]] = []
         if self.s3 and self.s3.credentials_secret:
-            secrets[self.s3.credentials_secret] = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+            refs.append(("spec.s3.credentialsSecret", self.s3.credentials_secret,
+                         ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")))
+        if self.hf and self.hf.token_secret:
+            refs.append(("spec.hf.tokenSecret", self.hf.token_secret, ("HF_TOKEN",)))
         if self.api_key_secret:
-            keys = secrets.get(self.api_key_secret, ()) + ("KVFLEET_API_KEY",)
-            secrets[self.api_key_secret] = keys
-        return secrets
+            refs.append(("spec.apiKeySecret", self.api_key_secret, ("KVFLEET_API_KEY",)))
+        return refs
 
 
 # ---------------------------------------------------------------- field readers
@@ -266,6 +277,17 @@ def _parse_s3(spec: Mapping[str, Any], model: ModelSpec,
         credentials_secret=_get(raw, "credentialsSecret", "spec.s3", str),
         insecure=_get(raw, "insecure", "spec.s3", bool, False),
     )
+
+
+def _parse_hf(spec: Mapping[str, Any], model: ModelSpec,
+              adapters: tuple[AdapterSpec, ...]) -> HfSpec | None:
+    raw = _get(spec, "hf", "spec", dict)
+    if raw is None:
+        return None
+    if model.scheme != "hf" and not any(a.scheme == "hf" for a in adapters):
+        raise SpecError("spec.hf is allowed only with an hf:// model.uri or spec.adapters[].uri; "
+                        f"got {model.uri!r}")
+    return HfSpec(token_secret=_get(raw, "tokenSecret", "spec.hf", str))
 
 
 def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
@@ -403,6 +425,7 @@ def parse_spec(body: Mapping[str, Any]) -> LLMServiceSpec:
         model=model,
         adapters=adapters,
         s3=_parse_s3(spec, model, adapters),
+        hf=_parse_hf(spec, model, adapters),
         quantization=quantization,
         engine=engine,
         resources=resources,

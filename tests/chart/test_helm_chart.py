@@ -311,3 +311,25 @@ def test_example_llmservice_with_adapters_renders_the_operators_lora_pulls_and_f
     (refused,) = by_kind(template(bad, tmp_path), "LLMService")
     with pytest.raises(jsonschema.ValidationError, match="does not match"):
         validate(refused)
+
+
+def test_example_llmservice_from_the_hub_hands_the_token_secret_to_its_pull(tmp_path: Path) -> None:
+    from kvfleet_operator import resources
+    from kvfleet_operator.spec import SpecError, parse_spec
+
+    spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "main"},
+            "hf": {"tokenSecret": "hf-token"}, "resources": {"gpus": 1}}
+    values = {"examples": {"enabled": True, "llmServices": [{"name": "llama-hub", "spec": spec}]}}
+    (service,) = by_kind(template(values, tmp_path), "LLMService")
+    validate(service)   # the CRD's schema and the operator's parser
+    assert service["spec"]["hf"] == {"tokenSecret": "hf-token"}
+    parsed = parse_spec({**service, "metadata": {**service["metadata"], "uid": "u"}})
+    (init,) = resources.build_deployment(parsed)["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][2:4] == ["hf://meta-llama/Llama-3.1-8B-Instruct@main", "/models"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}} in init["env"]
+    # an hf block beside an s3:// model: the schema lets it through, the operator (like the CEL rule) refuses it
+    bad = {"examples": {"enabled": True, "llmServices": [{"name": "bad", "spec": {
+        **spec, "model": {"uri": "s3://models/llama"}}}]}}
+    (refused,) = by_kind(template(bad, tmp_path), "LLMService")
+    with pytest.raises(SpecError, match="spec.hf is allowed only with an hf:// model.uri"):
+        validate(refused)

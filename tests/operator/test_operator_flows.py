@@ -270,6 +270,25 @@ def test_a_secret_without_the_needed_key_is_reported_by_field_and_key(cluster, o
     assert cluster.list(*DEPLOYMENTS, NS) == []
 
 
+def test_an_hf_token_secret_is_checked_then_handed_to_the_pull(cluster, operator):
+    secret, service = yaml.safe_load_all((ROOT / "examples" / "llmservice-hf.yaml").read_text())
+    for obj in (secret, service):
+        obj["metadata"]["namespace"] = NS
+    name = service["metadata"]["name"]
+    secret["stringData"] = {"TOKEN": "hf_x"}     # the wrong key
+    cluster.create(secret, "secrets")
+    cluster.create(service, "llmservices")
+    degraded = wait_for(lambda: condition(get(cluster, LLMS, name), "Degraded").get("status") == "True"
+                        and condition(get(cluster, LLMS, name), "Degraded"), what="Degraded=True")
+    assert degraded["message"] == "spec.hf.tokenSecret: Secret default/hf-token lacks key(s) HF_TOKEN"
+    assert cluster.list(*DEPLOYMENTS, NS) == []
+    cluster.patch("v1", "secrets", NS, "hf-token", {"stringData": {"HF_TOKEN": "hf_x"}})
+    deployment = wait_for(lambda: get(cluster, DEPLOYMENTS, name), what="the Deployment once the key exists")
+    (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][2] == "hf://meta-llama/Llama-3.1-8B-Instruct@main"
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}} in init["env"]
+
+
 def test_switching_autoscaling_on_keeps_the_running_replicas(cluster, operator):
     _, service = example()
     service["spec"].pop("autoscaling")

@@ -27,6 +27,10 @@ TWO_ADAPTERS = minimal_llmservice(
     adapters=[{"name": "sql", "uri": "s3://adapters/llama-sql"},
               {"name": "chat-de", "uri": "s3://adapters/llama-chat-de/"}],
     engine={"maxLoraRank": 64})
+HF_GATED = minimal_llmservice(
+    model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "main", "name": "llama"},
+    adapters=[{"name": "sql", "uri": "hf://org/llama-sql"}, {"name": "chat-de", "uri": "s3://adapters/de"}],
+    hf={"tokenSecret": "hf-token"}, s3={"credentialsSecret": "store"})
 ADAPTERS_ON_CLAIMS = minimal_llmservice(
     model={"uri": "pvc://weights/llama"},
     adapters=[{"name": "same-claim", "uri": "pvc://weights/adapters/sql"},
@@ -50,7 +54,7 @@ def flag(command: list[str], name: str) -> str:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("body", example_llmservices() + [minimal_llmservice(), TWO_ADAPTERS,
-                                                            ADAPTERS_ON_CLAIMS],
+                                                            ADAPTERS_ON_CLAIMS, HF_GATED],
                          ids=lambda b: f"{b['metadata']['name']}-{len(b['spec'].get('adapters', []))}")
 def test_every_child_validates_against_the_official_schema(body, version):
     children = [m for m in build_children(parse_spec(body)).values() if m is not None]
@@ -113,6 +117,21 @@ def test_hf_model_is_pulled_at_its_revision_and_pvc_or_image_models_are_not_pull
                                                                      "readOnly": True}
     baked = spec_of(model={"uri": "/opt/models/llama"})
     assert "initContainers" not in pod_spec(baked) and serve_command(baked)[2] == "/opt/models/llama"
+
+
+def test_hf_token_secret_reaches_every_pull_as_hf_token():
+    pod = pod_spec(parse_spec(HF_GATED))
+    assert [(c["name"], c["command"][2]) for c in pod["initContainers"]] == [
+        ("pull-model", "hf://meta-llama/Llama-3.1-8B-Instruct@main"), ("pull-adapter-sql", "hf://org/llama-sql"),
+        ("pull-adapter-chat-de", "s3://adapters/de")]
+    for init in pod["initContainers"]:
+        env = {e["name"]: e for e in init["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+        assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "store"
+    # the server itself never gets the token
+    assert "HF_TOKEN" not in {e["name"] for e in pod["containers"][0]["env"]}
+    without = pod_spec(spec_of(model={"uri": "hf://org/public-model"}))
+    assert "HF_TOKEN" not in {e["name"] for e in without["initContainers"][0]["env"]}
 
 
 def test_cache_pvc_replaces_the_empty_dir():

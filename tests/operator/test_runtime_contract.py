@@ -85,6 +85,47 @@ def test_every_pull_command_parses_to_the_spec(body):
     assert pull_command(spec, "s3://b/p", "/x")[:4] == ["kvfleet", "pull", "s3://b/p", "/x"]
 
 
+def test_init_containers_pull_a_gated_hf_model_and_adapter_with_the_secrets_token(tmp_path):
+    """The pod's pulls from the Hub (its stand-in, tests/support/hub.py), each init container's env
+    resolved as the kubelet would: HF_TOKEN from the Secret spec.hf.tokenSecret names."""
+    import subprocess
+    import sys
+
+    from support.hub import HubServer
+
+    hub = HubServer()
+    try:
+        model = hub.create_repo("meta-llama/Tiny", {"config.json": b"{}", "model.safetensors": b"\0" * 4096,
+                                                    "original/consolidated.00.pth": b"\1" * 4096},
+                                gated=True, tokens=("hf_granted",))
+        hub.push("meta-llama/Tiny", {"config.json": b'{"moved": true}'})   # main moves on; the spec pins v1
+        hub.tag("meta-llama/Tiny", "v1", model)
+        hub.create_repo("org/tiny-sql", {"adapter_config.json": b"{}", "adapter_model.safetensors": b"\2" * 512},
+                        private=True, tokens=("hf_granted",))
+        secrets = {"hf-token": {"HF_TOKEN": "hf_granted"}}
+        spec = parse_spec(minimal_llmservice(model={"uri": "hf://meta-llama/Tiny", "revision": "v1"},
+                                             adapters=[{"name": "sql", "uri": "hf://org/tiny-sql"}],
+                                             hf={"tokenSecret": "hf-token"}))
+        for init in build_deployment(spec)["spec"]["template"]["spec"]["initContainers"]:
+            env = hub.env()
+            for e in init["env"]:
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                env[e["name"]] = secrets[ref["name"]][ref["key"]] if ref else e["value"]
+            env["HOME"] = str(tmp_path)
+            command = init["command"]
+            pulled = subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "pull", command[2],
+                                     str(tmp_path) + command[3], *command[4:]],
+                                    env=env, capture_output=True, text=True, timeout=300)
+            assert pulled.returncode == 0, f"{init['name']}: {pulled.stderr}"
+    finally:
+        hub.stop()
+    assert {p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith(".kvfleet")} == \
+        {"config.json", "model.safetensors"}
+    assert (tmp_path / "models" / "config.json").read_bytes() == b"{}"
+    assert {p.name for p in (tmp_path / "adapters" / "sql").iterdir() if not p.name.startswith(".kvfleet")} == \
+        {"adapter_config.json", "adapter_model.safetensors"}
+
+
 @pytest.mark.slow
 def test_init_containers_pull_peft_adapters_that_kvfleet_serve_then_lists(tmp_path):
     """The pod on one machine: the Deployment's init commands pull the model and two PEFT

@@ -65,8 +65,21 @@ def test_full_spec_is_read_field_by_field():
     assert spec.engine.max_model_len == 512 and spec.engine.extra_args == ("--x",)
     assert spec.resources.cpu == "4" and spec.resources.tolerations[0]["operator"] == "Exists"
     assert spec.cache.persistent_volume_claim == "pvc"
-    assert spec.secret_names() == {"creds": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
-                                   "key": ("KVFLEET_API_KEY",)}
+    assert spec.secret_refs() == [("spec.s3.credentialsSecret", "creds", ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),
+                                  ("spec.apiKeySecret", "key", ("KVFLEET_API_KEY",))]
+
+
+def test_hf_token_secret_is_read_for_an_hf_model_or_adapter():
+    spec = parse_spec(minimal_llmservice(model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "main"},
+                                         hf={"tokenSecret": "hf-token"}, apiKeySecret="hf-token"))
+    assert spec.hf.token_secret == "hf-token"
+    # one Secret may serve two fields; each is checked for its own key
+    assert spec.secret_refs() == [("spec.hf.tokenSecret", "hf-token", ("HF_TOKEN",)),
+                                  ("spec.apiKeySecret", "hf-token", ("KVFLEET_API_KEY",))]
+    adapter_only = parse_spec(minimal_llmservice(adapters=[{"name": "sql", "uri": "hf://org/llama-sql"}],
+                                                 hf={"tokenSecret": "hf-token"}))
+    assert adapter_only.hf.token_secret == "hf-token"
+    assert parse_spec(minimal_llmservice(model={"uri": "hf://org/m"})).hf is None
 
 
 @pytest.mark.parametrize("bad", BAD_SPECS, ids=lambda b: b.id)
@@ -111,6 +124,9 @@ def test_adapters_are_read_in_order_with_their_lora_knobs():
     ({"adapters": [{"name": "a" * 51, "uri": "s3://m/a"}]}, "spec.adapters[0].name must be a DNS-1123"),
     ({"model": {"uri": "hf://org/m"}, "s3": {}, "adapters": [{"name": "a", "uri": "/opt/a"}]},
      "spec.s3 is allowed only with an s3:// model.uri or spec.adapters[].uri"),
+    ({"model": {"uri": "s3://b/m"}, "hf": {"tokenSecret": "t"}, "adapters": [{"name": "a", "uri": "pvc://c/a"}]},
+     "spec.hf is allowed only with an hf:// model.uri or spec.adapters[].uri"),
+    ({"model": {"uri": "hf://org/m"}, "hf": {"tokenSecret": 7}}, "spec.hf.tokenSecret must be a string"),
 ])
 def test_adapter_errors_only_the_operator_sees_name_the_field(spec, message):
     with pytest.raises(SpecError, match=re.escape(message)):
