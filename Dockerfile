@@ -48,7 +48,7 @@ RUN python3.12 -m venv /opt/kvfleet \
  && /opt/kvfleet/bin/pip install --no-cache-dir \
       numpy==2.4.6 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 \
       Jinja2==3.1.6 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 pydantic==2.14.4 prometheus-client==0.26.0 \
-      xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 boto3==1.44.8 tqdm==4.70.1 aiohttp==3.14.5 matplotlib==3.11.2 PyYAML==6.0.4 \
+      xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 boto3==1.44.8 huggingface-hub==2.4.0 tqdm==4.70.1 aiohttp==3.14.5 matplotlib==3.11.2 PyYAML==6.0.4 \
  && /opt/kvfleet/bin/pip install --no-cache-dir --no-deps /dist/kvfleet-0.1.0-py3-none-any.whl
 
 # ---------------------------------------------------------------- runtime image
