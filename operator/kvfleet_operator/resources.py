@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfleet_operator.spec import AdapterSpec, LLMServiceSpec
+from kvfleet_operator.spec import AdapterSpec, LLMServiceSpec, uri_scheme
 
 Manifest = dict[str, Any]
 
@@ -175,11 +175,12 @@ def pulled_adapters(spec: LLMServiceSpec) -> list[AdapterSpec]:
 
 
 def pull_command(spec: LLMServiceSpec, source: str, dest: str) -> list[str]:
-    """`kvfleet pull SOURCE DEST` with the spec's S3 options (the model's and the adapters')."""
+    """`kvfleet pull SOURCE DEST`, with the spec's S3 options for an s3:// SOURCE."""
     command = ["kvfleet", "pull", source, dest]
-    if spec.s3 and spec.s3.region:
-        command += ["--region", spec.s3.region]
-    if spec.s3 and spec.s3.insecure:
+    s3 = spec.s3 if uri_scheme(source) == "s3" else None
+    if s3 and s3.region:
+        command += ["--region", s3.region]
+    if s3 and s3.insecure:
         command += ["--no-verify-ssl"]
     return command
 
@@ -188,9 +189,10 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def pull_env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+def pull_env(spec: LLMServiceSpec, source: str) -> list[dict[str, Any]]:
+    """The pull's env: each store's credentials only for a SOURCE in that store."""
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
-    s3 = spec.s3
+    s3 = spec.s3 if uri_scheme(source) == "s3" else None
     if s3 and s3.credentials_secret:
         env += [_secret_env(key, s3.credentials_secret, key)
                 for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
@@ -198,7 +200,7 @@ def pull_env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
         env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
     if s3 and s3.region:
         env.append({"name": "AWS_REGION", "value": s3.region})
-    if spec.hf and spec.hf.token_secret:
+    if spec.hf and spec.hf.token_secret and uri_scheme(source) == "hf":
         env.append(_secret_env("HF_TOKEN", spec.hf.token_secret, "HF_TOKEN"))
     return env
 
@@ -331,7 +333,7 @@ def _pull_container(spec: LLMServiceSpec, name: str, source: str, dest: str) -> 
         "name": name,
         "image": spec.image,
         "command": pull_command(spec, source, dest),
-        "env": pull_env(spec),
+        "env": pull_env(spec, source),
         "securityContext": _container_security_context(),
         "volumeMounts": _volume_mounts(spec, read_only_models=False),
     }

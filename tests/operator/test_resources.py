@@ -30,7 +30,7 @@ TWO_ADAPTERS = minimal_llmservice(
 HF_GATED = minimal_llmservice(
     model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "main", "name": "llama"},
     adapters=[{"name": "sql", "uri": "hf://org/llama-sql"}, {"name": "chat-de", "uri": "s3://adapters/de"}],
-    hf={"tokenSecret": "hf-token"}, s3={"credentialsSecret": "store"})
+    hf={"tokenSecret": "hf-token"}, s3={"credentialsSecret": "store", "region": "eu-1", "insecure": True})
 ADAPTERS_ON_CLAIMS = minimal_llmservice(
     model={"uri": "pvc://weights/llama"},
     adapters=[{"name": "same-claim", "uri": "pvc://weights/adapters/sql"},
@@ -119,15 +119,18 @@ def test_hf_model_is_pulled_at_its_revision_and_pvc_or_image_models_are_not_pull
     assert "initContainers" not in pod_spec(baked) and serve_command(baked)[2] == "/opt/models/llama"
 
 
-def test_hf_token_secret_reaches_every_pull_as_hf_token():
+def test_hf_token_secret_reaches_the_hf_pulls_and_s3_options_the_s3_pulls():
     pod = pod_spec(parse_spec(HF_GATED))
-    assert [(c["name"], c["command"][2]) for c in pod["initContainers"]] == [
-        ("pull-model", "hf://meta-llama/Llama-3.1-8B-Instruct@main"), ("pull-adapter-sql", "hf://org/llama-sql"),
-        ("pull-adapter-chat-de", "s3://adapters/de")]
-    for init in pod["initContainers"]:
-        env = {e["name"]: e for e in init["env"]}
+    assert [c["command"][1:] for c in pod["initContainers"]] == [
+        ["pull", "hf://meta-llama/Llama-3.1-8B-Instruct@main", "/models"],
+        ["pull", "hf://org/llama-sql", "/adapters/sql"],
+        ["pull", "s3://adapters/de", "/adapters/chat-de", "--region", "eu-1", "--no-verify-ssl"]]
+    hf_model, hf_adapter, s3_adapter = ({e["name"]: e for e in init["env"]} for init in pod["initContainers"])
+    for env in (hf_model, hf_adapter):
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
-        assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "store"
+        assert "AWS_ACCESS_KEY_ID" not in env and "AWS_REGION" not in env
+    assert "HF_TOKEN" not in s3_adapter
+    assert s3_adapter["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "store", "key": "AWS_ACCESS_KEY_ID"}
     # the server itself never gets the token
     assert "HF_TOKEN" not in {e["name"] for e in pod["containers"][0]["env"]}
     without = pod_spec(spec_of(model={"uri": "hf://org/public-model"}))
