@@ -200,8 +200,11 @@ def pull_env(spec: LLMServiceSpec, source: str) -> list[dict[str, Any]]:
         env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
     if s3 and s3.region:
         env.append({"name": "AWS_REGION", "value": s3.region})
-    if spec.hf and spec.hf.token_secret and uri_scheme(source) == "hf":
-        env.append(_secret_env("HF_TOKEN", spec.hf.token_secret, "HF_TOKEN"))
+    if uri_scheme(source) == "hf":
+        # The runtime image sets HF_HUB_OFFLINE=1 for the server; this pull is meant to reach the Hub.
+        env.append({"name": "HF_HUB_OFFLINE", "value": "0"})
+        if spec.hf and spec.hf.token_secret:
+            env.append(_secret_env("HF_TOKEN", spec.hf.token_secret, "HF_TOKEN"))
     return env
 
 

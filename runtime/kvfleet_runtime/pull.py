@@ -410,8 +410,8 @@ class HfSource:
 
         repo = f"{self.repo_id!r} at {self.where()}"
         if isinstance(e, hx.OfflineModeIsEnabled):
-            return PullError(f"{doing}: HF_HUB_OFFLINE is set; unset it (and TRANSFORMERS_OFFLINE) to pull from "
-                             f"{self.where()}", ExitCode.USAGE)
+            return PullError(f"{doing}: offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); set "
+                             f"HF_HUB_OFFLINE=0 to pull from {self.where()}", ExitCode.USAGE)
         if isinstance(e, hx.GatedRepoError):
             how = ("HF_TOKEN holds a token that has not been granted access" if self.has_token
                    else "no token was sent: set HF_TOKEN to a read token of that account")
@@ -435,7 +435,10 @@ class HfSource:
         return e
 
 
-def open_source(source: str, options: PullOptions) -> LocalSource | S3Source | HfSource:
+Source = LocalSource | S3Source | HfSource
+
+
+def open_source(source: str, options: PullOptions) -> Source:
     if source.startswith("s3://"):
         bucket, _, prefix = source[len("s3://"):].partition("/")
         if not bucket:
@@ -458,9 +461,6 @@ def open_source(source: str, options: PullOptions) -> LocalSource | S3Source | H
         raise PullError(f"SOURCE must be s3://bucket/prefix, hf://ORG/NAME[@REVISION] or a local folder; "
                         f"got {source!r}", ExitCode.USAGE)
     return LocalSource(Path(source))
-
-
-Source = LocalSource | S3Source | HfSource
 
 
 def select_files(src: Source, files: list[RemoteFile], options: PullOptions) -> list[RemoteFile]:

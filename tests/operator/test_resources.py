@@ -128,8 +128,9 @@ def test_hf_token_secret_reaches_the_hf_pulls_and_s3_options_the_s3_pulls():
     hf_model, hf_adapter, s3_adapter = ({e["name"]: e for e in init["env"]} for init in pod["initContainers"])
     for env in (hf_model, hf_adapter):
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+        assert env["HF_HUB_OFFLINE"]["value"] == "0"     # the image's HF_HUB_OFFLINE=1 is for the server
         assert "AWS_ACCESS_KEY_ID" not in env and "AWS_REGION" not in env
-    assert "HF_TOKEN" not in s3_adapter
+    assert "HF_TOKEN" not in s3_adapter and "HF_HUB_OFFLINE" not in s3_adapter
     assert s3_adapter["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "store", "key": "AWS_ACCESS_KEY_ID"}
     # the server itself never gets the token
     assert "HF_TOKEN" not in {e["name"] for e in pod["containers"][0]["env"]}

@@ -7,6 +7,8 @@ this pins that contract from both sides.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from kvfleet_operator.resources import (
@@ -87,12 +89,16 @@ def test_every_pull_command_parses_to_the_spec(body):
 
 def test_init_containers_pull_a_gated_hf_model_and_adapter_with_the_secrets_token(tmp_path):
     """The pod's pulls from the Hub (its stand-in, tests/support/hub.py), each init container's env
-    resolved as the kubelet would: HF_TOKEN from the Secret spec.hf.tokenSecret names."""
+    resolved as the kubelet would: the runtime image's ENV (HF_HUB_OFFLINE=1, see the Dockerfile)
+    under the container's own, HF_TOKEN from the Secret spec.hf.tokenSecret names."""
     import subprocess
     import sys
 
     from support.hub import HubServer
 
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    image_env = dict(re.findall(r"\b(HF_HUB_OFFLINE)=(\S+)", dockerfile))
+    assert image_env == {"HF_HUB_OFFLINE": "1"}, "the runtime image's offline setting moved: update this test"
     hub = HubServer()
     try:
         model = hub.create_repo("meta-llama/Tiny", {"config.json": b"{}", "model.safetensors": b"\0" * 4096,
@@ -107,7 +113,7 @@ def test_init_containers_pull_a_gated_hf_model_and_adapter_with_the_secrets_toke
                                              adapters=[{"name": "sql", "uri": "hf://org/tiny-sql"}],
                                              hf={"tokenSecret": "hf-token"}))
         for init in build_deployment(spec)["spec"]["template"]["spec"]["initContainers"]:
-            env = hub.env()
+            env = {**hub.env(), **image_env}
             for e in init["env"]:
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 env[e["name"]] = secrets[ref["name"]][ref["key"]] if ref else e["value"]

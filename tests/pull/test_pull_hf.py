@@ -242,7 +242,10 @@ def test_server_errors_are_retried(hub: HubServer, tmp_path: Path) -> None:
 def test_hf_hub_offline_is_a_usage_error(hub: HubServer, tmp_path: Path) -> None:
     small_repo(hub)
     r = run_pull_process(hub, f"hf://{REPO}", str(tmp_path / "m"), env={**hub.env(), "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == pullmod.ExitCode.USAGE and "HF_HUB_OFFLINE is set" in r.stderr, r.stderr
+    assert r.returncode == pullmod.ExitCode.USAGE and "set HF_HUB_OFFLINE=0" in r.stderr, r.stderr
+    r = run_pull_process(hub, f"hf://{REPO}", str(tmp_path / "m"), env={**hub.env(), "HF_HUB_OFFLINE": "0",
+                                                                          "TRANSFORMERS_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
 
 
 def test_repull_of_the_same_commit_fetches_nothing(hub: HubServer, tmp_path: Path) -> None:
