@@ -15,6 +15,8 @@ pull, with the field and header names taken from huggingface_hub's own source
   LFS files are answered, as on the Hub, by a 302 to an absolute CDN URL
   (`/cdn/{sha256}` on this same server, no Authorization needed: the real
   one is a signed URL) with `X-Linked-Etag` and `X-Linked-Size`.
+- `GET /api/agent-harnesses`: the registry huggingface_hub's user-agent code
+  fetches once per process (an empty one here; not subject to the knobs below).
 - Errors as the Hub sends them: `X-Error-Code: RepoNotFound` (401 without a
   token, 404 with one: private and missing repos look the same),
   `GatedRepo` (401 without a token, 403 with one that was not granted
@@ -40,6 +42,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,6 +119,8 @@ class HubServer:
         self._released = threading.Event()
         self._lock = threading.Lock()
         self._commits = 0
+        # HF_HOME of the pulls: empty (no token file), and where huggingface_hub may cache what it likes
+        self.home = Path(tempfile.mkdtemp(prefix="kvfleet-hf-home-"))
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-stand-in", daemon=True)
@@ -124,13 +130,12 @@ class HubServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
-    def env(self, token: str | None = None, home: Path | None = None) -> dict[str, str]:
+    def env(self, token: str | None = None) -> dict[str, str]:
         """Environment for a child `kvfleet pull`: this server as HF_ENDPOINT, online, no token but `token`
-        (HF_HOME points at `home` or nowhere, so no token file is read)."""
+        (HF_HOME is an empty folder of this server's, so no token file of the machine is read)."""
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("HF_", "HUGGING_FACE_")) and k != "TRANSFORMERS_OFFLINE"}
-        env.update(HF_ENDPOINT=self.url, HF_HOME=str(home or Path("/nonexistent/kvfleet-hf-home")),
-                   HF_HUB_DISABLE_TELEMETRY="1")
+        env.update(HF_ENDPOINT=self.url, HF_HOME=str(self.home))
         if token is not None:
             env["HF_TOKEN"] = token
         return env
@@ -190,7 +195,7 @@ class HubServer:
         self._released.set()
 
     def file_requests(self) -> list[Request]:
-        """Requests for file bytes (resolve and CDN GETs), not listings or HEADs."""
+        """Requests for file bytes (resolve and CDN GETs), not API calls or HEADs."""
         return [r for r in self.requests if r.method == "GET" and not r.path.startswith("/api/")]
 
     def stop(self) -> None:
@@ -198,6 +203,7 @@ class HubServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=10)
+        shutil.rmtree(self.home, ignore_errors=True)
 
     # ---------------------------------------------------------------- what the handler asks
 
@@ -272,6 +278,10 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             return auth[len("Bearer "):] if auth.startswith("Bearer ") else None
 
         def _route(self, path: str, query: dict[str, list[str]], head: bool) -> None:
+            if path == "/api/agent-harnesses":
+                body = {"standardEnvVars": ["AI_AGENT", "AGENT"], "harnesses": {}}
+                self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
+                return
             if hub._take_failure():
                 self._error(500, None, "Internal Error - We're working hard to fix this as soon as possible!", head)
                 return
