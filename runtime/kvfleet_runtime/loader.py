@@ -77,8 +77,9 @@ def _resolve(config: EngineConfig):
     """(hf config dict, tensor iterator factory, tokenizer, folder or None, name)."""
     src = Path(config.model)
     if not src.exists():
-        raise ValueError(f"model {config.model!r} is neither a folder nor a .gguf file "
-                         "(pull remote models first: kvfleet pull s3://... DIR)")
+        raise ValueError(f"model {config.model!r} is neither a folder nor a .gguf file (models "
+                         "elsewhere: a Hub id ORG/NAME, hf://ORG/NAME[@REVISION] or "
+                         "s3://BUCKET/PREFIX)")
     if src.is_file():
         if src.suffix != ".gguf":
             raise ValueError(f"model file {src} must be a .gguf file (or give an HF folder)")

@@ -92,6 +92,8 @@ class AsyncLLMEngine:
                  stat_logger: StatLogger | None = None, engine_process: bool = False) -> None:
         """engine_process: run the LLMEngine in a child process (engine_process.py) instead of
         a thread of this one; the loop thread then only reads its steps' outputs."""
+        from kvfleet_runtime.model_source import resolve_config
+        resolve_config(config)      # pulled here, once, before the engine process starts
         self._merger: OutputMerger | None = None
         if engine_process:
             self.engine = EngineProcess(config)

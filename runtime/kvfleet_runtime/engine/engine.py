@@ -19,6 +19,7 @@ from kvfleet_runtime.layers.backend import set_backend
 from kvfleet_runtime.layers.sampler import SampledToken
 from kvfleet_runtime.loader import load_model
 from kvfleet_runtime.lora import LoRARequest
+from kvfleet_runtime.model_source import resolve_config
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.request import Request, RequestStatus
@@ -48,6 +49,7 @@ def _token_ids(prompt: Iterable[int], vocab: int) -> list[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        resolve_config(config)      # a Hub id, hf:// or s3:// model: pulled, then its folder
         self.config = config
         set_backend(config.attention_backend)
         torch.manual_seed(config.seed)

@@ -22,6 +22,7 @@ import typing
 from typing import Any
 
 from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+from kvfleet_runtime.model_source import resolve, resolve_config
 
 if typing.TYPE_CHECKING:
     from kvfleet_runtime.server.api import LoRAAdapter
@@ -363,8 +364,11 @@ def serve(args: argparse.Namespace) -> int:
         lora_modules = args.lora_modules or []
         if lora_modules and not config.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        # a Hub id, hf:// or s3:// adapter or model: pulled into the cache now (model_source)
+        lora_modules = [dataclasses.replace(m, path=resolve(m.path)[0]) for m in lora_modules]
         # refused before loading where it can
         lora_adapters(lora_modules, names or None, config.max_lora_rank)
+        resolve_config(config)
         sampling_defaults = load_sampling_defaults(args.generation_config, config.model)
         gc_threshold(os.environ.get("KVFLEET_GC_THRESHOLD", ""))      # refused before loading
         check_kernel_environment()

@@ -1,0 +1,106 @@
+"""Models named by where they live, not by a local folder: `kvfleet serve Qwen/Qwen2.5-0.5B-Instruct`
+(a Hub id, as vLLM takes it), `hf://ORG/NAME[@REVISION]`, `s3://BUCKET/PREFIX`. The model is pulled
+with `kvfleet pull` (kvfleet_runtime.pull: resumable, verified, atomic) into a cache folder
+under $KVFLEET_CACHE_DIR (default $XDG_CACHE_HOME/kvfleet, else ~/.cache/kvfleet), then loaded
+from there; a later start pulls only what changed (nothing, if the revision has not moved).
+With HF_HUB_OFFLINE set, a Hub model already in the cache is loaded without asking the Hub.
+
+The engine entry points (LLMEngine, AsyncLLMEngine, the server's command line) resolve the
+reference once, before any other process or rank starts, so each loads the local folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# ORG/NAME[@REVISION] as the Hub spells repo ids (a bare NAME is a local path's job)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KVFLEET_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfleet"
+
+
+def remote_source(model: str) -> str | None:
+    """The pull source `model` names (hf://... or s3://...), or None for a local path (a path
+    that exists wins over a Hub id of the same spelling)."""
+    if model.startswith(("hf://", "s3://")):
+        return model
+    if _HUB_ID.match(model) and not Path(model).exists():
+        return f"hf://{model}"
+    return None
+
+
+def served_name(model: str) -> str:
+    """The name a remote model is served under by default: a Hub id as given (vLLM's), an S3
+    prefix's last segment (the operator's)."""
+    if model.startswith("s3://"):
+        return model.rstrip("/").rpartition("/")[2]
+    return model.removeprefix("hf://").partition("@")[0]
+
+
+def local_folder(source: str) -> Path:
+    """Where the cache keeps `source`: hf/ORG/NAME/REVISION (one folder a revision as named),
+    s3/BUCKET/PREFIX."""
+    scheme, _, rest = source.partition("://")
+    if scheme == "hf":
+        repo, _, revision = rest.partition("@")
+        parts = [*repo.split("/"), (revision or "main").replace("/", "--")]
+    else:
+        parts = [p for p in rest.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ValueError(f"model {source!r}: '.' and '..' are not path segments of a model")
+    return cache_dir().joinpath(scheme, *parts)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve(model: str) -> tuple[str, str | None]:
+    """(a local path to load, the name to serve it under by default, or None for a local path).
+    Pulls a remote model into the cache first; a failed pull is a ValueError saying why."""
+    source = remote_source(model)
+    if source is None:
+        return model, None
+    from kvfleet_runtime import pull
+
+    dest = local_folder(source)
+    if source.startswith("hf://") and _offline():
+        marker = pull.read_marker(dest)
+        if marker is None or marker.get("source") != f"hf://{source[5:].partition('@')[0]}":
+            raise ValueError(f"model {model!r} is not in the cache ({dest}) and HF_HUB_OFFLINE is set: "
+                             "unset it to pull the model from the Hub, or give a local folder")
+        logger.info("%s: HF_HUB_OFFLINE is set; loading the cached pull of commit %s from %s",
+                    model, marker.get("commit"), dest)
+        return str(dest), served_name(model)
+    print(f"kvfleet: pulling {source} into {dest}", file=sys.stderr, flush=True)
+    try:
+        result = pull.pull(source, dest, pull.PullOptions(progress=False))
+    except pull.PullError as e:
+        raise ValueError(f"cannot pull model {model!r}: {e}") from e
+    what = "up to date" if result.up_to_date else f"{result.bytes_fetched / 2**20:.1f} MiB fetched"
+    print(f"kvfleet: {source}{'' if result.commit is None else ' at ' + result.commit[:12]}: {what}, "
+          f"{result.files} files in {dest}", file=sys.stderr, flush=True)
+    return str(dest), served_name(model)
+
+
+def resolve_config(config) -> None:
+    """Pull a remote model of `config` (an EngineConfig) and point it at its cache folder, served
+    under served_name() unless the config names one (in place, as EngineConfig.finalize fills
+    the lengths); a local model's config stays as it is. (A tokenizer named by a Hub id is left
+    to transformers, which fetches only the tokenizer.)"""
+    path, name = resolve(config.model)
+    if name is not None:
+        config.model = path
+        config.served_model_name = config.served_model_name or name
