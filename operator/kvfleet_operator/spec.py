@@ -237,8 +237,14 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     if raw is None:
         raise SpecError("spec.model is required (with model.uri)")
     uri = _uri(raw, "spec.model")
-    name = _get(raw, "name", "spec.model", str) or uri.rstrip("/").rsplit("/", 1)[-1]
-    return ModelSpec(uri=uri, name=name, revision=_get(raw, "revision", "spec.model", str))
+    revision = _get(raw, "revision", "spec.model", str)
+    if revision is not None and not (uri.startswith("hf://") and "@" not in uri):
+        raise SpecError("spec.model.revision is for an hf:// model.uri without its own @REVISION; "
+                        f"got uri {uri!r} and revision {revision!r}")
+    last = uri.rstrip("/").rsplit("/", 1)[-1]
+    name = _get(raw, "name", "spec.model", str) or (last.partition("@")[0] if uri.startswith("hf://")
+                                                    else last)
+    return ModelSpec(uri=uri, name=name, revision=revision)
 
 
 def _parse_adapters(spec: Mapping[str, Any], model: ModelSpec) -> tuple[AdapterSpec, ...]:

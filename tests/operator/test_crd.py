@@ -83,7 +83,7 @@ def test_every_cel_rule_compiles_and_has_a_message():
     rules = [rule for _, rule, _ in cel_rules(SCHEMA, apply_defaults(SCHEMA, {
         "spec": {"model": {"uri": "s3://b/m"}, "autoscaling": {}, "cache": {}, "engine": {},
                  "adapters": []}}))]
-    assert len(rules) == 9
+    assert len(rules) == 10
     for rule in rules:
         CEL.compile(rule["rule"])
         assert rule["message"]

@@ -51,7 +51,7 @@ def test_minimal_spec_gets_defaults_and_a_served_name_from_the_uri():
 
 def test_full_spec_is_read_field_by_field():
     spec = parse_spec(minimal_llmservice(
-        model={"uri": "s3://b/m", "name": "m", "revision": "r1"},
+        model={"uri": "s3://b/m", "name": "m"},
         s3={"endpoint": "http://s3:8333", "region": "eu-1", "credentialsSecret": "creds",
             "insecure": True},
         quantization="gptq",
@@ -67,6 +67,12 @@ def test_full_spec_is_read_field_by_field():
     assert spec.cache.persistent_volume_claim == "pvc"
     assert spec.secret_refs() == [("spec.s3.credentialsSecret", "creds", ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),
                                   ("spec.apiKeySecret", "key", ("KVFLEET_API_KEY",))]
+
+
+def test_an_hf_model_is_named_without_its_revision():
+    assert parse_spec(minimal_llmservice(model={"uri": "hf://Qwen/Qwen2.5-0.5B@v1"})).model.name == "Qwen2.5-0.5B"
+    spec = parse_spec(minimal_llmservice(model={"uri": "hf://Qwen/Qwen2.5-0.5B", "revision": "main"}))
+    assert (spec.model.name, spec.model.revision) == ("Qwen2.5-0.5B", "main")
 
 
 def test_hf_token_secret_is_read_for_an_hf_model_or_adapter():
