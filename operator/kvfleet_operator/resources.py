@@ -203,6 +203,8 @@ def pull_env(spec: LLMServiceSpec, source: str) -> list[dict[str, Any]]:
     if uri_scheme(source) == "hf":
         # The runtime image sets HF_HUB_OFFLINE=1 for the server; this pull is meant to reach the Hub.
         env.append({"name": "HF_HUB_OFFLINE", "value": "0"})
+        if spec.hf and spec.hf.endpoint:
+            env.append({"name": "HF_ENDPOINT", "value": spec.hf.endpoint})
         if spec.hf and spec.hf.token_secret:
             env.append(_secret_env("HF_TOKEN", spec.hf.token_secret, "HF_TOKEN"))
     return env

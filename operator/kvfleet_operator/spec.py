@@ -82,6 +82,7 @@ class HfSpec:
     """How the pull reaches the Hugging Face Hub for hf:// models and adapters (private and gated repos)."""
 
     token_secret: str | None = None
+    endpoint: str | None = None     # a Hub mirror (HF_ENDPOINT)
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,10 @@ def _parse_hf(spec: Mapping[str, Any], model: ModelSpec,
     if model.scheme != "hf" and not any(a.scheme == "hf" for a in adapters):
         raise SpecError("spec.hf is allowed only with an hf:// model.uri or spec.adapters[].uri; "
                         f"got {model.uri!r}")
-    return HfSpec(token_secret=_get(raw, "tokenSecret", "spec.hf", str))
+    endpoint = _get(raw, "endpoint", "spec.hf", str)
+    if endpoint is not None and not re.match(r"^https?://[^/]+", endpoint):
+        raise SpecError(f"spec.hf.endpoint must be an http:// or https:// URL; got {endpoint!r}")
+    return HfSpec(token_secret=_get(raw, "tokenSecret", "spec.hf", str), endpoint=endpoint)
 
 
 def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:

@@ -135,7 +135,15 @@ def test_hf_token_secret_reaches_the_hf_pulls_and_s3_options_the_s3_pulls():
     # the server itself never gets the token
     assert "HF_TOKEN" not in {e["name"] for e in pod["containers"][0]["env"]}
     without = pod_spec(spec_of(model={"uri": "hf://org/public-model"}))
-    assert "HF_TOKEN" not in {e["name"] for e in without["initContainers"][0]["env"]}
+    assert not {"HF_TOKEN", "HF_ENDPOINT"} & {e["name"] for e in without["initContainers"][0]["env"]}
+
+
+def test_hf_endpoint_names_the_mirror_the_hf_pulls_read():
+    pod = pod_spec(spec_of(model={"uri": "hf://org/public-model"},
+                           hf={"endpoint": "https://hf-mirror.internal"}))
+    env = {e["name"]: e for e in pod["initContainers"][0]["env"]}
+    assert env["HF_ENDPOINT"] == {"name": "HF_ENDPOINT", "value": "https://hf-mirror.internal"}
+    assert "HF_ENDPOINT" not in {e["name"] for e in pod["containers"][0]["env"]}
 
 
 def test_cache_pvc_replaces_the_empty_dir():

@@ -111,9 +111,10 @@ def test_init_containers_pull_a_gated_hf_model_and_adapter_with_the_secrets_toke
         secrets = {"hf-token": {"HF_TOKEN": "hf_granted"}}
         spec = parse_spec(minimal_llmservice(model={"uri": "hf://meta-llama/Tiny", "revision": "v1"},
                                              adapters=[{"name": "sql", "uri": "hf://org/tiny-sql"}],
-                                             hf={"tokenSecret": "hf-token"}))
+                                             hf={"tokenSecret": "hf-token", "endpoint": hub.url}))
         for init in build_deployment(spec)["spec"]["template"]["spec"]["initContainers"]:
-            env = {**hub.env(), **image_env}
+            # the Hub's address comes from spec.hf.endpoint alone
+            env = {**{k: v for k, v in hub.env().items() if k != "HF_ENDPOINT"}, **image_env}
             for e in init["env"]:
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 env[e["name"]] = secrets[ref["name"]][ref["key"]] if ref else e["value"]
