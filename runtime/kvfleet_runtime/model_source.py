@@ -76,10 +76,12 @@ def resolve(model: str) -> tuple[str, str | None]:
     from kvfleet_runtime import pull
 
     dest = local_folder(source)
+    # a bare ORG/NAME may also be a local path mistyped: say that it is none
+    what = f"model {model!r}" + ("" if source == model else " (no such local folder; read as a Hub id)")
     if source.startswith("hf://") and _offline():
         marker = pull.read_marker(dest)
         if marker is None or marker.get("source") != f"hf://{source[5:].partition('@')[0]}":
-            raise ValueError(f"model {model!r} is not in the cache ({dest}) and HF_HUB_OFFLINE is set: "
+            raise ValueError(f"{what} is not in the cache ({dest}) and HF_HUB_OFFLINE is set: "
                              "unset it to pull the model from the Hub, or give a local folder")
         logger.info("%s: HF_HUB_OFFLINE is set; loading the cached pull of commit %s from %s",
                     model, marker.get("commit"), dest)
@@ -88,7 +90,7 @@ def resolve(model: str) -> tuple[str, str | None]:
     try:
         result = pull.pull(source, dest, pull.PullOptions(progress=False))
     except pull.PullError as e:
-        raise ValueError(f"cannot pull model {model!r}: {e}") from e
+        raise ValueError(f"cannot pull {what}: {e}") from e
     what = "up to date" if result.up_to_date else f"{result.bytes_fetched / 2**20:.1f} MiB fetched"
     print(f"kvfleet: {source}{'' if result.commit is None else ' at ' + result.commit[:12]}: {what}, "
           f"{result.files} files in {dest}", file=sys.stderr, flush=True)

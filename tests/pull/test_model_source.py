@@ -78,7 +78,8 @@ def test_a_hub_id_is_pulled_into_the_cache_then_loads_offline(hub: HubServer, ch
     assert offline.returncode == 0, offline.stderr
     assert offline.stdout == first.stdout and "pulling" not in offline.stderr
     online = _generate(env, REPO)
-    assert online.returncode == 2 and "cannot pull model 'kvfleet-test/tiny-llama'" in online.stderr
+    assert online.returncode == 2
+    assert "cannot pull model 'kvfleet-test/tiny-llama' (no such local folder; read as a Hub id)" in online.stderr
     missing = _generate({**env, "HF_HUB_OFFLINE": "1"}, "kvfleet-test/other@v3")
     assert missing.returncode == 2
     assert "is not in the cache" in missing.stderr and "HF_HUB_OFFLINE" in missing.stderr
@@ -90,7 +91,9 @@ def test_a_missing_hub_repo_is_a_clear_error(hub: HubServer, tmp_path: Path) -> 
     env = {**hub.env(), "KVFLEET_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0"}
     r = _generate(env, "kvfleet-test/nope")
     assert r.returncode == 2
-    assert "cannot pull model 'kvfleet-test/nope'" in r.stderr and "not found" in r.stderr
+    assert "cannot pull model 'kvfleet-test/nope' (no such local folder" in r.stderr and "not found" in r.stderr
+    explicit = _generate(env, "hf://kvfleet-test/nope")
+    assert explicit.returncode == 2 and "cannot pull model 'hf://kvfleet-test/nope': " in explicit.stderr
     assert "Traceback" not in r.stderr
 
 
