@@ -1,6 +1,7 @@
 """The HTTP face of one AsyncLLMEngine: FastAPI routes in OpenAI's wire format, SSE streaming.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+Routes: /v1/completions, /v1/chat/completions, /v1/responses (and GET / DELETE
+/v1/responses/{id}), /v1/models, /tokenize, /detokenize
 (behind --api-key when set), /health, /metrics, /version (always open: probes and
 Prometheus do not carry keys). A request's model is a served name (the base model) or a
 --lora-modules adapter's (the base model with that adapter). Every error is answered in OpenAI's shape and
@@ -37,8 +38,30 @@ from kvfleet_runtime.outputs import CompletionOutput, PositionLogprobs, RequestO
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server import protocol as p
 from kvfleet_runtime.server.metrics import HTTPMetrics
-from kvfleet_runtime.server.reasoning import ReasoningStreamer, split_reasoning
-from kvfleet_runtime.server.tools import OpenAIToolError, ToolPlan, ToolStreamer, plan_tools
+from kvfleet_runtime.server.reasoning import (
+    ReasoningStreamer,
+    num_reasoning_tokens,
+    split_reasoning,
+)
+from kvfleet_runtime.server.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    input_messages,
+    items_as_messages,
+    new_id,
+    output_items,
+    responses_error,
+    usage,
+)
+from kvfleet_runtime.server.tools import (
+    OpenAIToolError,
+    ToolCall,
+    ToolPlan,
+    ToolStreamer,
+    plan_tools,
+)
 
 VERSION = "0.1.0"
 # seconds a client should wait after a 503 for a full queue
@@ -73,6 +96,7 @@ class ServerState:
     # --enable-auto-tool-choice's --tool-call-parser: tool_choice "auto" reads calls with it
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None     # --reasoning-parser
+    responses: ResponseStore = field(default_factory=ResponseStore)    # /v1/responses' store
 
     @property
     def model_name(self) -> str:
@@ -270,6 +294,23 @@ def _add_keyed_routes(router: APIRouter) -> None:
     @router.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await _ChatCall(_state(request), request, body).run()
+
+    @router.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await _ResponsesCall(_state(request), request, body).run()
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request,
+                                stream: bool = False) -> dict[str, Any]:
+        if stream:
+            raise p.OpenAIError("a stored response is not streamed again (that is background "
+                                "mode's, which is not supported); drop stream", param="stream")
+        return _state(request).responses.get(response_id).response
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        _state(request).responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest, request: Request) -> dict[str, Any]:
@@ -690,22 +731,30 @@ class _ChatCall(_GenerationCall):
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
         choices = []
-        reasoning_parser = self.reasoning_parser
         for c in _sorted_outputs(out):
-            message, finish_reason = p.ChatResponseMessage(content=c.text), c.finish_reason
-            if reasoning_parser is not None:
-                reasoning, message.content = split_reasoning(reasoning_parser, c.text)
-                if self.body.include_reasoning:
-                    message.reasoning = message.reasoning_content = reasoning
-            if self.tools.active:
-                message.content, message.tool_calls = self.tools.parse(message.content or "")
-                finish_reason = self._tool_finish_reason(c, bool(message.tool_calls))
+            reasoning, content, calls = self.parsed(c)
+            message = p.ChatResponseMessage(content=content, tool_calls=calls)
+            if self.reasoning_parser is not None and self.body.include_reasoning:
+                message.reasoning = message.reasoning_content = reasoning
+            finish_reason = (self._tool_finish_reason(c, bool(calls)) if self.tools.active
+                             else c.finish_reason)
             choices.append(p.ChatChoice(index=c.index, message=message,
                                         logprobs=self.logprobs(c, 0), finish_reason=finish_reason,
                                         stop_reason=c.stop_reason))
         return p.ChatCompletionResponse(id=self.request_id, created=self.created,
                                         model=self.model_name, choices=choices,
                                         usage=self.usage(finals)).model_dump()
+
+    def parsed(self, c: CompletionOutput) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) of a finished choice, by the server's reasoning
+        parser and the request's tools."""
+        reasoning, content = None, c.text
+        if self.reasoning_parser is not None:
+            reasoning, content = split_reasoning(self.reasoning_parser, c.text)
+        calls: list[ToolCall] = []
+        if self.tools.active:
+            content, calls = self.tools.parse(content or "")
+        return reasoning, content, calls
 
     def _tool_finish_reason(self, c: CompletionOutput, called: bool) -> str | None:
         """OpenAI's "tool_calls" when the model chose to call (auto, required); a named call
@@ -739,8 +788,8 @@ class _ChatCall(_GenerationCall):
         return events
 
     def _parsed_events(self, out: RequestOutput) -> list[str]:
-        """A choice's events when its text is split into reasoning and answer
-        (ReasoningStreamer) and/or the answer is read for tool calls (ToolStreamer)."""
+        """A choice's events when its text is split into reasoning and answer and/or the answer
+        is read for tool calls (parsed_deltas)."""
         events = []
         for c in _sorted_outputs(out):
             if (delta := self.delta(0, c)) is None:
@@ -748,36 +797,46 @@ class _ChatCall(_GenerationCall):
             text, _, _, first = delta
             usage = (len(out.prompt_token_ids), len(c.token_ids))
             if first:
-                parser = self.reasoning_parser
-                self._streams[c.index] = (
-                    ReasoningStreamer(parser) if parser is not None else None,
-                    self.tools.streamer() if self.tools.active else None)
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(role="assistant",
                                                                               content="")),
                                          (usage[0], 0)))
-            thinking, tools = self._streams[c.index]
-            reasoning, answer = thinking.feed(text) if thinking is not None else ("", text)
-            if c.finished and thinking is not None:
-                more = thinking.finish()
-                reasoning, answer = reasoning + more[0], answer + more[1]
-            deltas = []
-            if reasoning and self.body.include_reasoning:
-                deltas.append({"reasoning": reasoning, "reasoning_content": reasoning})
-            called = False
-            if tools is not None:
-                deltas += tools.feed(answer)
-                if c.finished:
-                    last, called = tools.finish()
-                    deltas += last
-            elif answer:
-                deltas.append({"content": answer})
+            deltas, called = self.parsed_deltas(c, text)
             for d in deltas:
+                if "reasoning" in d:
+                    if not self.body.include_reasoning:
+                        continue
+                    d = {"reasoning": d["reasoning"], "reasoning_content": d["reasoning"]}
                 events.append(self.event(self._chunk(c.index, p.DeltaMessage(**d)), usage))
             if c.finished:
                 events.append(self.event(self._chunk(
                     c.index, p.DeltaMessage(),
                     finish_reason=self._tool_finish_reason(c, called)), usage))
         return events
+
+    def parsed_deltas(self, c: CompletionOutput, text: str) -> tuple[list[dict[str, Any]], bool]:
+        """A streamed choice's new text as parsed pieces, in order: {"reasoning": ...} by the
+        server's reasoning parser (ReasoningStreamer), {"content": ...} and {"tool_calls": [...]}
+        (tools.DeltaToolCall's, dumped) by the request's tools (ToolStreamer); and, once the
+        choice has finished, whether it called tools."""
+        if c.index not in self._streams:
+            parser = self.reasoning_parser
+            self._streams[c.index] = (ReasoningStreamer(parser) if parser is not None else None,
+                                      self.tools.streamer() if self.tools.active else None)
+        thinking, tools = self._streams[c.index]
+        reasoning, answer = thinking.feed(text) if thinking is not None else ("", text)
+        if c.finished and thinking is not None:
+            more = thinking.finish()
+            reasoning, answer = reasoning + more[0], answer + more[1]
+        deltas: list[dict[str, Any]] = [{"reasoning": reasoning}] if reasoning else []
+        called = False
+        if tools is not None:
+            deltas += tools.feed(answer)
+            if c.finished:
+                last, called = tools.finish()
+                deltas += last
+        elif answer:
+            deltas.append({"content": answer})
+        return deltas, called
 
     def text_chunk(self, index: int, text: str) -> dict[str, Any]:
         return self._chunk(index, p.DeltaMessage(content=text))
@@ -811,6 +870,96 @@ class _ChatCall(_GenerationCall):
     def _top(self, token_id: int, logprob: float, lp: PositionLogprobs) -> p.TopLogprob:
         token = self.token_str(token_id, lp)
         return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+class _ResponsesCall(_ChatCall):
+    """POST /v1/responses: the request run as a chat completion (ResponsesRequest.chat_request),
+    after the stored conversation its previous_response_id names; the parsed answer given back
+    as output items, whole or as the API's stream events, and stored unless store is false."""
+    responses_body: ResponsesRequest
+
+    def __init__(self, state: ServerState, request: Request, body: ResponsesRequest) -> None:
+        _check_model(state, body.model)    # an unknown model is a 404 before the input is read
+        history = [] if body.previous_response_id is None else state.responses.get(
+            body.previous_response_id, param="previous_response_id").conversation
+        self.responses_body = body
+        self.conversation = history + input_messages(body.input)
+        super().__init__(state, request, body.chat_request(self.conversation))
+        self.request_id = new_id("resp")
+
+    def make_prompts(self) -> list[_Prompt]:
+        try:
+            return super().make_prompts()
+        except p.OpenAIError as e:
+            raise responses_error(e) from None
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        (out,) = finals
+        (c,) = out.outputs
+        status = _RESPONSE_STATUS.get(c.finish_reason, "completed")
+        return self.keep(self.response_object(output_items(*self.parsed(c), status), status,
+                                              self.responses_usage(out)))
+
+    async def _sse(self, gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        stream = ResponseEvents()
+        for event in stream.start(self.response_object([], "in_progress")):
+            yield event
+        try:
+            async for _, out in _merge(gens):
+                (c,) = out.outputs
+                if (delta := self.delta(0, c)) is None:
+                    continue
+                for piece in self.parsed_deltas(c, delta[0])[0]:
+                    for event in stream.feed(piece):
+                        yield event
+                if out.finished:
+                    status = _RESPONSE_STATUS.get(c.finish_reason, "completed")
+                    for event in stream.close(status):
+                        yield event
+                    yield stream.end(self.keep(self.response_object(
+                        stream.items, status, self.responses_usage(out))))
+        except (EngineDeadError, EngineQueueFullError, ValueError) as e:
+            error = _engine_error(e)
+            failed = self.response_object(stream.items, "failed", error={
+                "code": "server_error", "message": error.message})
+            for event in stream.fail(error, failed):
+                yield event
+
+    def response_object(self, output: list[dict[str, Any]], status: str,
+                        usage: dict[str, Any] | None = None,
+                        error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """OpenAI's Response: this response's output and status, the request's parameters
+        (temperature and top_p as sampled)."""
+        params = self.prompts[0].params
+        return {"id": self.request_id, "object": "response", "created_at": self.created,
+                "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None,
+                "error": error,
+                "incomplete_details": ({"reason": "max_output_tokens"}
+                                       if status == "incomplete" else None),
+                "model": self.model_name, "output": output, "usage": usage,
+                "temperature": params.temperature, "top_p": params.top_p,
+                **self.responses_body.echo()}
+
+    def responses_usage(self, out: RequestOutput) -> dict[str, Any]:
+        (c,) = out.outputs
+        parser = self.reasoning_parser
+        reasoning_tokens = (num_reasoning_tokens(parser, c.token_ids, self.tokenizer.decode)
+                            if parser is not None else 0)
+        return usage(len(out.prompt_token_ids), out.num_cached_tokens, len(c.token_ids),
+                     reasoning_tokens)
+
+    def keep(self, response: dict[str, Any]) -> dict[str, Any]:
+        """Store a finished response (unless store is false): its conversation goes on with
+        previous_response_id."""
+        if response["store"]:
+            self.state.responses.put(StoredResponse(
+                response, self.conversation + items_as_messages(response["output"])))
+        return response
+
+
+# a finished choice's Response status, by its finish reason (else completed)
+_RESPONSE_STATUS = {"length": "incomplete", "abort": "cancelled"}
 
 
 def _engine_error(e: Exception) -> p.OpenAIError:

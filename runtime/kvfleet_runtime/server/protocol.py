@@ -95,30 +95,14 @@ class StructuredOutputs(_Strict):
     disable_any_whitespace: bool = False
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+class SamplingExtras(_Strict):
+    """The sampling knobs all three generation APIs take beyond their own: vLLM's extras (seed,
+    stop and logit_bias are OpenAI's own in completions and chat; extras in /v1/responses)."""
     seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
+    stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    # vLLM's extras
     allowed_token_ids: list[int] | None = None
-    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
-    # guided_* fields of vLLM's earlier releases (one of them)
-    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -127,6 +111,26 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+
+class _SamplingRequest(SamplingExtras):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
+    # guided_* fields of vLLM's earlier releases (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: all
                                                   # that fit max_model_len)
 

@@ -14,6 +14,7 @@ deltas go out as they come; a tag split across deltas is held back until it is w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfleet_runtime.server.tools import partial_suffix
@@ -94,3 +95,23 @@ class ReasoningStreamer:
             reasoning, content = split_reasoning(self.parser, rest)
             return reasoning or "", content or ""
         return "", "" if self.skipping else rest
+
+
+def num_reasoning_tokens(parser: str, token_ids: list[int],
+                         decode: Callable[[list[int]], str]) -> int:
+    """How many of an output's tokens its thinking took (the Responses API's
+    output_tokens_details.reasoning_tokens): those up to the one that completes `</think>`, or
+    all of them when the output thinks to its end; 0 when it has no reasoning."""
+    text = decode(token_ids)
+    if split_reasoning(parser, text)[0] is None:
+        return 0
+    if CLOSE not in text:
+        return len(token_ids)
+    low, high = 1, len(token_ids)       # the shortest prefix whose text holds the tag
+    while low < high:
+        mid = (low + high) // 2
+        if CLOSE in decode(token_ids[:mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return low
