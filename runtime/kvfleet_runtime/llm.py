@@ -9,6 +9,7 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.generation_config import load_sampling_defaults
 from kvfleet_runtime.lora import LoRARequest
+from kvfleet_runtime.model_source import local_lora, resolve_config
 from kvfleet_runtime.outputs import RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -28,18 +29,20 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; "
                             f"expected EngineConfig fields: {', '.join(sorted(fields))}")
-        config = EngineConfig(model=model, **kwargs)
-        self._defaults = load_sampling_defaults(generation_config, config.model)
-        self.engine = LLMEngine(config)
-        self._ids = itertools.count()
+        self._start(EngineConfig(model=model, **kwargs), generation_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, generation_config: str = "auto") -> LLM:
         llm = cls.__new__(cls)
-        llm._defaults = load_sampling_defaults(generation_config, config.model)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
+        llm._start(config, generation_config)
         return llm
+
+    def _start(self, config: EngineConfig, generation_config: str) -> None:
+        resolve_config(config)      # a remote model pulled first: its generation_config.json too
+        self._defaults = load_sampling_defaults(generation_config, config.model)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+        self._lora_folders: dict[str, str] = {}     # remote adapter path -> its pulled folder
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling_params: SamplingParams() with the
@@ -73,6 +76,8 @@ class LLM:
         if len(lora_request) != len(prompts):
             raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompts)} "
                              "prompts; give one or one per prompt")
+        # adapters named by a Hub id, hf:// or s3:// path: pulled once (model_source)
+        lora_request = [local_lora(r, self._lora_folders) for r in lora_request]
         engine = self.engine
         # every prompt checked before any is queued: a bad one raises with nothing running
         prompt_ids = [engine.check_request(p, sp, lr) for p, sp, lr in zip(

@@ -6,11 +6,14 @@ from there; a later start pulls only what changed (nothing, if the revision has 
 With HF_HUB_OFFLINE set, a Hub model already in the cache is loaded without asking the Hub.
 
 The engine entry points (LLMEngine, AsyncLLMEngine, the server's command line) resolve the
-reference once, before any other process or rank starts, so each loads the local folder.
+reference once, before any other process or rank starts, so each loads the local folder. LoRA
+adapters named the same way are pulled where they are first named: the server's --lora-modules
+at start, AsyncLLMEngine.add_lora / generate (in a worker thread) and LLM.generate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -106,3 +109,15 @@ def resolve_config(config) -> None:
     if name is not None:
         config.model = path
         config.served_model_name = config.served_model_name or name
+
+
+def local_lora(request, folders: dict[str, str]):
+    """A LoRARequest whose adapter path is remote (a Hub id, hf://, s3://), pointed at its pulled
+    cache folder (`folders`: remote path -> folder, the caller's memo, so a path is pulled once);
+    a local one (or None) as it is."""
+    if request is None or remote_source(request.lora_path) is None:
+        return request
+    folder = folders.get(request.lora_path)
+    if folder is None:
+        folder = folders[request.lora_path] = resolve(request.lora_path)[0]
+    return dataclasses.replace(request, lora_path=folder)

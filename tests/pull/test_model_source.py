@@ -97,22 +97,47 @@ def test_a_missing_hub_repo_is_a_clear_error(hub: HubServer, tmp_path: Path) -> 
     assert "Traceback" not in r.stderr
 
 
-def test_serve_a_hub_revision_under_its_repo_id(hub: HubServer, checkpoint: Path, tmp_path: Path) -> None:
+def test_serve_a_hub_revision_under_its_repo_id_with_hub_adapters(hub: HubServer, checkpoint: Path,
+                                                                  tmp_path: Path) -> None:
+    # the model at a tag, an adapter by Hub id at start (--lora-modules) and one by hf:// while
+    # serving (/v1/load_lora_adapter): each answers as the same adapter read from its folder
+    import httpx
+    from kvfleet_runtime import LLM, LoRARequest, SamplingParams
     from openai import OpenAI
+    from support.lora import make_lora_adapter
     first = hub.create_repo(REPO, folder_files(checkpoint))
     hub.tag(REPO, "v1", first)
     hub.push(REPO, {"README.md": b"moved on"})      # main moves; the tag stays
-    env = {**hub.env(), "KVFLEET_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0"}
-    with running_server(f"hf://{REPO}@v1", "--max-num-seqs", "2", "--num-gpu-blocks", "16",
-                        env=env) as server:
+    adapters = {name: make_lora_adapter(checkpoint, tmp_path / name, rank=8, seed=seed)
+                for name, seed in (("sql", 1), ("chat", 2))}
+    for name, folder in adapters.items():
+        hub.create_repo(f"kvfleet-test/{name}-lora", folder_files(folder))
+    env = {**hub.env(), "KVFLEET_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0",
+           "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    with running_server(f"hf://{REPO}@v1", "--max-num-seqs", "2", "--num-gpu-blocks", "32",
+                        "--enable-lora", "--max-lora-rank", "8",
+                        "--lora-modules", "sql=kvfleet-test/sql-lora", env=env) as server:
+        loaded = httpx.post(server.base_url + "/v1/load_lora_adapter", timeout=120,
+                            json={"lora_name": "chat", "lora_path": "hf://kvfleet-test/chat-lora"})
+        assert loaded.status_code == 200, loaded.text
         client = OpenAI(base_url=server.openai_base_url, api_key="unused")
-        assert [m.id for m in client.models.list().data] == [REPO]
-        out = client.completions.create(model=REPO, prompt="hello", max_tokens=4, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        assert out.model == REPO and out.usage.completion_tokens == 4
+        assert [m.id for m in client.models.list().data] == [REPO, "sql", "chat"]
+        texts = {}
+        for model in (REPO, "sql", "chat"):
+            out = client.completions.create(model=model, prompt="hello", max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.model == model and out.usage.completion_tokens == 4
+            texts[model] = out.choices[0].text
     folder = tmp_path / "cache/hf" / REPO / "v1"
     assert not (folder / "README.md").exists()       # v1's commit, not main's
-    assert out.choices[0].text == _greedy(str(checkpoint))[1]
+    llm = LLM(model=str(checkpoint), enable_lora=True, max_lora_rank=8, max_loras=2,
+              max_num_seqs=2, num_gpu_blocks=32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = {REPO: llm.generate("hello", params)[0].outputs[0].text}
+    for i, (name, adapter) in enumerate(adapters.items()):
+        want[name] = llm.generate("hello", params, lora_request=LoRARequest(name, i + 1, str(adapter))
+                                  )[0].outputs[0].text
+    assert texts == want and len(set(want.values())) == 3
 
 
 def test_an_s3_model_is_pulled_and_named_after_its_prefix(s3: S3Server, uploaded: str, checkpoint: Path,
@@ -127,3 +152,43 @@ def test_an_s3_model_is_pulled_and_named_after_its_prefix(s3: S3Server, uploaded
     assert config.model == str(tmp_path / "cache/s3/models/tiny-llama")
     assert config.served_model_name == "tiny-llama"
     assert _greedy(uploaded) == _greedy(str(checkpoint))
+
+
+_OFFLINE_API = """
+import json, sys
+from kvfleet_runtime import LLM, LoRARequest, SamplingParams
+llm = LLM(model=sys.argv[1], enable_lora=True, max_lora_rank=8, max_num_seqs=2, num_gpu_blocks=32)
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+lora = LoRARequest("sql", 1, sys.argv[2])
+outs = [llm.generate("hello", params, lora_request=lora)[0] for _ in range(2)]
+print(json.dumps({"ids": [o.outputs[0].token_ids for o in outs],
+                  "temperature": llm.get_default_sampling_params().temperature,
+                  "name": llm.engine.served_model_name}))
+"""
+
+
+def test_offline_api_pulls_the_model_and_an_adapter_by_hub_id(hub: HubServer, checkpoint: Path,
+                                                             tmp_path: Path) -> None:
+    import json
+
+    from kvfleet_runtime import LLM, LoRARequest, SamplingParams
+    from support.lora import make_lora_adapter
+    adapter = make_lora_adapter(checkpoint, tmp_path / "adapter", rank=8, seed=3)
+    model = {**folder_files(checkpoint), "generation_config.json": b'{"temperature": 0.6}'}
+    hub.create_repo(REPO, model)
+    hub.create_repo("kvfleet-test/sql-lora", folder_files(adapter))
+    env = {**hub.env(), "KVFLEET_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0"}
+    r = subprocess.run([sys.executable, "-c", _OFFLINE_API, REPO, "hf://kvfleet-test/sql-lora"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # the model's generation_config.json read from the pulled folder; the adapter pulled once
+    assert got["temperature"] == 0.6 and got["name"] == REPO
+    assert r.stderr.count("pulling hf://kvfleet-test/sql-lora") == 1
+    llm = LLM(model=str(checkpoint), enable_lora=True, max_lora_rank=8, max_num_seqs=2,
+              num_gpu_blocks=32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = llm.generate("hello", params, lora_request=LoRARequest("sql", 1, str(adapter)))[0]
+    base = llm.generate("hello", params)[0]
+    assert got["ids"] == [want.outputs[0].token_ids] * 2
+    assert want.outputs[0].token_ids != base.outputs[0].token_ids     # the adapter shows

@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         a thread of this one; the loop thread then only reads its steps' outputs."""
         from kvfleet_runtime.model_source import resolve_config
         resolve_config(config)      # pulled here, once, before the engine process starts
+        self._lora_folders: dict[str, str] = {}     # remote adapter path -> its pulled folder
         self._merger: OutputMerger | None = None
         if engine_process:
             self.engine = EngineProcess(config)
@@ -162,6 +163,7 @@ class AsyncLLMEngine:
         being cancelled, aborts the request.
         """
         request_id = request_id or uuid.uuid4().hex
+        lora_request = await self._local_lora(lora_request)
         stream = self._add(request_id, prompt, params, lora_request)
         last: RequestOutput | None = None
         try:
@@ -188,6 +190,7 @@ class AsyncLLMEngine:
         the server does so for --lora-modules at start); a ValueError says why it cannot
         serve. It then stays in host memory (up to max_cpu_loras adapters)."""
         self.check_health()
+        lora_request = await self._local_lora(lora_request)
         loop = asyncio.get_running_loop()
         command = _AddLoRA(lora_request, loop, loop.create_future())
         if self._merger is not None:
@@ -200,6 +203,16 @@ class AsyncLLMEngine:
         error = await command.done
         if error is not None:
             raise error
+
+    async def _local_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """An adapter named by a Hub id, hf:// or s3:// path: pulled (once, in a worker thread:
+        neither this loop nor the engine waits on the download) and named by its folder."""
+        if lora_request is None:
+            return None
+        from kvfleet_runtime.model_source import local_lora, remote_source
+        if remote_source(lora_request.lora_path) is None:
+            return lora_request
+        return await asyncio.to_thread(local_lora, lora_request, self._lora_folders)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
