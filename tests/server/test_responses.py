@@ -21,7 +21,7 @@ import openai
 import pydantic
 import pytest
 from kvfleet_runtime.server.protocol import OpenAIError
-from kvfleet_runtime.server.responses import ResponseStore, StoredResponse
+from kvfleet_runtime.server.responses import ResponseStore, StoredResponse, items_as_messages
 from support.server import ServerProcess, running_server
 from transformers import AutoTokenizer
 
@@ -161,7 +161,9 @@ def test_streamed_events_come_in_order_and_join_to_the_response(any_server) -> N
     assert text == events[-4].text == final.output_text == whole.output_text
     assert text == "Bonjour tout le monde, ça va?"
     assert final.status == whole.status == "completed"
-    assert final.usage == whole.usage
+    # (cached tokens differ: the second asks what the first put in the prefix cache)
+    assert (final.usage.input_tokens, final.usage.output_tokens, final.usage.total_tokens) == \
+        (whole.usage.input_tokens, whole.usage.output_tokens, whole.usage.total_tokens)
     assert events[-2].item.status == "completed" and events[-2].item.content[0].text == text
 
 
@@ -208,8 +210,11 @@ def test_previous_response_id_continues_the_conversation(client, tokenizer) -> N
     assert second.usage.input_tokens == chat.usage.prompt_tokens == len(
         tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
     assert second.previous_response_id == first.id
-    # the prefix cache holds the first turn's prompt
-    assert second.usage.input_tokens_details.cached_tokens > 0
+    # the same turn again: its prompt's full blocks come from the prefix cache
+    again = client.responses.create(model=NAME, input="What is my name?",
+                                    previous_response_id=first.id, max_output_tokens=5, **FIXED)
+    assert again.output_text == second.output_text
+    assert again.usage.input_tokens_details.cached_tokens >= 16
 
 
 def test_stored_responses_are_retrieved_and_deleted(client) -> None:
@@ -443,14 +448,25 @@ def _items(response) -> list[tuple]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_parsed_tool_call_becomes_a_function_call_item(tools_client, stream) -> None:
+@pytest.mark.parametrize(("before", "message"), [("Checking.\n", [("message", "Checking.")]),
+                                                 ("\n\n", [])], ids=["text", "space"])
+def test_a_parsed_tool_call_becomes_a_function_call_item(tools_client, stream, before,
+                                                         message) -> None:
+    # text before the call is a message item; whitespace alone is none (streamed too)
     r = _answer(tools_client, stream, input=ASK, tools=[FLAT_WEATHER, FLAT_TIME],
-                **_forced("Checking.\n" + HERMES_CALL))
-    assert _items(r) == [("message", "Checking."), ("function_call", "get_weather", CALL_ARGS)]
-    call = r.output[1]
+                **_forced(before + HERMES_CALL))
+    assert _items(r) == message + [("function_call", "get_weather", CALL_ARGS)]
+    call = r.output[-1]
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     assert r.status == "completed" and r.tools[0].name == "get_weather"
-    assert r.output_text.strip() == "Checking."
+    assert r.output_text.strip() == before.strip()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("answer", ["It is <b>sunny</b> <tool", "\n \n"], ids=["text", "space"])
+def test_an_answer_without_calls_is_one_message(tools_client, stream, answer) -> None:
+    r = _answer(tools_client, stream, input=ASK, tools=[FLAT_WEATHER], **_forced(answer))
+    assert [(item.type, item.content[0].text) for item in r.output] == [("message", answer)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -488,21 +504,55 @@ def test_thinking_then_calling(tools_client, stream) -> None:
 
 
 def test_function_calls_and_their_outputs_reach_the_template_as_chat_would(tools_client) -> None:
-    call = '{"city": "Paris", "unit": "C"}'
+    # a turn's text and calls: one assistant message with tool_calls; each output a tool message
+    weather, time_args = '{"city": "Paris", "unit": "C"}', '{"zone": "UTC"}'
     items = ASK + [
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": call},
-        {"type": "function_call_output", "call_id": "call_1", "output": "21 C, sunny"}]
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": weather},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": time_args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C, sunny"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "12:00"}]}]
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
             {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": call}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
-    r = tools_client.responses.create(model=NAME, input=items, tools=[FLAT_WEATHER],
+             "function": {"name": "get_weather", "arguments": weather}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_time", "arguments": time_args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "12:00"}]
+    r = tools_client.responses.create(model=NAME, input=items, tools=[FLAT_WEATHER, FLAT_TIME],
                                       tool_choice="none", max_output_tokens=6, **FIXED)
-    chat = tools_client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER],
-                                                tool_choice="none", max_tokens=6, **FIXED)
+    chat = tools_client.chat.completions.create(model=NAME, messages=messages,
+                                                tools=[WEATHER, TIME], tool_choice="none",
+                                                max_tokens=6, **FIXED)
     assert r.output_text == chat.choices[0].message.content
     assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_items_as_chat_messages():
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+            "id": "fc_1", "status": "completed"}
+    items = [{"role": "user", "content": "hi"}, call,
+             {"type": "function_call_output", "call_id": "c1", "output": "done"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Now "},
+                          {"type": "refusal", "refusal": "no."}]},
+             {**call, "call_id": "c2"}, {**call, "call_id": "c3", "name": "g"},
+             {"type": "function_call_output", "call_id": "c9", "output": "?"}]
+    tool_call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert items_as_messages(items) == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", **tool_call}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done", "name": "f"},
+        {"role": "assistant", "content": "Now no.", "tool_calls": [
+            {"id": "c2", **tool_call},
+            {"id": "c3", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c9", "content": "?"}]
 
 
 def test_a_call_continued_with_previous_response_id_carries_the_call(tools_client) -> None:

@@ -914,7 +914,7 @@ class _ResponsesCall(_ChatCall):
                         yield event
                 if out.finished:
                     status = _RESPONSE_STATUS.get(c.finish_reason, "completed")
-                    for event in stream.close(status):
+                    for event in stream.finish(status):
                         yield event
                     yield stream.end(self.keep(self.response_object(
                         stream.items, status, self.responses_usage(out))))

@@ -371,6 +371,7 @@ class ResponseEvents:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None      # the item being written (in progress)
         self._text = ""                                # its text or arguments so far
+        self._space = ""          # whitespace-only text held before a message opens
 
     def event(self, type_: str, **fields: Any) -> str:
         data = {"type": type_, "sequence_number": self.sequence_number, **fields}
@@ -382,26 +383,37 @@ class ResponseEvents:
                 self.event("response.in_progress", response=response)]
 
     def feed(self, piece: dict[str, Any]) -> list[str]:
-        events = []
-        if "tool_calls" not in piece:
-            kind = "reasoning" if "reasoning" in piece else "message"
-            if self._open is None or self._open["type"] != kind:
+        if "tool_calls" in piece:
+            self._space = ""     # whitespace before calls: not in the parsed answer either
+            events = []
+            for call in piece["tool_calls"]:
+                function = call.get("function") or {}
+                if "id" in call:                 # a call's first piece: its item opens
+                    events += self.close("completed")
+                    events += self._start(function_call_item(new_id("fc"), call["id"],
+                                                             function.get("name") or "", "",
+                                                             "in_progress"))
+                events += self._append(function.get("arguments") or "")
+            return events
+        if "reasoning" in piece:
+            events = self._flush_space()
+            if self._open is None or self._open["type"] != "reasoning":
                 events += self.close("completed")
-                events += self._start(
-                    {"id": new_id("rs"), "type": "reasoning", "summary": [],
-                     "status": "in_progress"} if kind == "reasoning" else
-                    {"id": new_id("msg"), "type": "message", "role": "assistant",
-                     "status": "in_progress", "content": []})
-            return events + self._append(piece.get("reasoning") or piece.get("content") or "")
-        for call in piece["tool_calls"]:
-            function = call.get("function") or {}
-            if "id" in call:                 # a call's first piece: its item opens
-                events += self.close("completed")
-                events += self._start(function_call_item(new_id("fc"), call["id"],
-                                                         function.get("name") or "", "",
-                                                         "in_progress"))
-            events += self._append(function.get("arguments") or "")
-        return events
+                events += self._start({"id": new_id("rs"), "type": "reasoning", "summary": [],
+                                       "status": "in_progress"})
+            return events + self._append(piece["reasoning"])
+        text = piece["content"]
+        if self._open is None or self._open["type"] != "message":
+            if not (self._space + text).strip():
+                self._space += text         # held until text follows: it may precede a call
+                return []
+            text, self._space = self._space + text, ""
+            return self.close("completed") + self._start_message() + self._append(text)
+        return self._append(text)
+
+    def finish(self, status: str) -> list[str]:
+        """The answer's end: the open item closes with the response's status."""
+        return self._flush_space() + self.close(status)
 
     def close(self, status: str) -> list[str]:
         """Close the open item, if any, with status."""
@@ -437,6 +449,18 @@ class ResponseEvents:
     def fail(self, error: p.OpenAIError, response: dict[str, Any]) -> list[str]:
         return [self.event("error", code=error.code, message=error.message, param=error.param),
                 self.event("response.failed", response=response)]
+
+    def _start_message(self) -> list[str]:
+        return self._start({"id": new_id("msg"), "type": "message", "role": "assistant",
+                            "status": "in_progress", "content": []})
+
+    def _flush_space(self) -> list[str]:
+        """Held whitespace that no call followed: a message of its own, as in the whole
+        answer."""
+        if not self._space:
+            return []
+        text, self._space = self._space, ""
+        return self.close("completed") + self._start_message() + self._append(text)
 
     def _start(self, item: dict[str, Any]) -> list[str]:
         self._open, self._text = item, ""
