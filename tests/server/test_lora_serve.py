@@ -119,8 +119,8 @@ def test_one_batch_mixes_the_adapters_and_the_base(client, reference, tokenizer)
                      for name, i in jobs]
 
 
-def test_chat_with_an_adapter_as_hf_peft(server, client, base_model, adapters,
-                                         tokenizer) -> None:
+def test_chat_and_responses_with_an_adapter_as_hf_peft(server, client, base_model, adapters,
+                                                       tokenizer) -> None:
     # /tokenize takes the adapter's name too: the chat prompt's ids, as the server builds them
     r = httpx.post(f"{server.base_url}/tokenize",
                    json={"model": SQL, "messages": MESSAGES, "add_generation_prompt": True})
@@ -137,6 +137,11 @@ def test_chat_with_an_adapter_as_hf_peft(server, client, base_model, adapters,
     assert {c.model for c in chunks} == {SQL}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
         answer.choices[0].message.content
+    # /v1/responses: the same chat path, with the adapter its model names
+    response = client.responses.create(model=SQL, input=MESSAGES, max_output_tokens=MAX_NEW,
+                                       temperature=0)
+    assert response.model == SQL
+    assert response.output_text == answer.choices[0].message.content
 
 
 def test_models_lists_the_adapters_under_their_base(server, base_model, adapters) -> None:
