@@ -270,14 +270,22 @@ def _parse_adapters(spec: Mapping[str, Any], model: ModelSpec) -> tuple[AdapterS
     return tuple(adapters)
 
 
+def _store_block(spec: Mapping[str, Any], scheme: str, model: ModelSpec,
+                 adapters: tuple[AdapterSpec, ...]) -> Mapping[str, Any] | None:
+    """spec.<scheme> (s3, hf: how the pulls reach that store), allowed only where the model or an
+    adapter lives there; None when absent."""
+    raw = _get(spec, scheme, "spec", dict)
+    if raw is not None and model.scheme != scheme and not any(a.scheme == scheme for a in adapters):
+        raise SpecError(f"spec.{scheme} is allowed only with an {scheme}:// model.uri or "
+                        f"spec.adapters[].uri; got {model.uri!r}")
+    return raw
+
+
 def _parse_s3(spec: Mapping[str, Any], model: ModelSpec,
               adapters: tuple[AdapterSpec, ...]) -> S3Spec | None:
-    raw = _get(spec, "s3", "spec", dict)
+    raw = _store_block(spec, "s3", model, adapters)
     if raw is None:
         return None
-    if model.scheme != "s3" and not any(a.scheme == "s3" for a in adapters):
-        raise SpecError("spec.s3 is allowed only with an s3:// model.uri or spec.adapters[].uri; "
-                        f"got {model.uri!r}")
     return S3Spec(
         endpoint=_get(raw, "endpoint", "spec.s3", str),
         region=_get(raw, "region", "spec.s3", str),
@@ -288,12 +296,9 @@ def _parse_s3(spec: Mapping[str, Any], model: ModelSpec,
 
 def _parse_hf(spec: Mapping[str, Any], model: ModelSpec,
               adapters: tuple[AdapterSpec, ...]) -> HfSpec | None:
-    raw = _get(spec, "hf", "spec", dict)
+    raw = _store_block(spec, "hf", model, adapters)
     if raw is None:
         return None
-    if model.scheme != "hf" and not any(a.scheme == "hf" for a in adapters):
-        raise SpecError("spec.hf is allowed only with an hf:// model.uri or spec.adapters[].uri; "
-                        f"got {model.uri!r}")
     endpoint = _get(raw, "endpoint", "spec.hf", str)
     if endpoint is not None and not re.match(r"^https?://[^/]+", endpoint):
         raise SpecError(f"spec.hf.endpoint must be an http:// or https:// URL; got {endpoint!r}")
