@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 # torch is imported where a dtype or device is resolved, not here: the commands that only read
 # the engine's flags (`kvfleet bench serve`, any --help) start without it
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8")
+# how a thinking model marks its reasoning (server/reasoning.py splits it from the answer; a
+# grammar waits for the reasoning to end: structured_outputs.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # flag value -> the torch dtype's name (torch_dtype() resolves it)
 DTYPES = {"auto": None, "float32": "float32", "fp32": "float32",
           "float16": "float16", "fp16": "float16", "half": "float16",
@@ -90,6 +93,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # a thinking model's <think>...</think> (REASONING_PARSERS): the server splits it from the
+    # answer, and structured outputs' grammars hold only what follows it (vLLM's)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -120,6 +126,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if self.admission_headroom < 0:
             raise ValueError(f"admission_headroom must be >= 0 tokens; got {self.admission_headroom}")
         if self.attention_backend not in ("auto", "triton", "torch"):

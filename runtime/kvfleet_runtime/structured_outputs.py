@@ -9,6 +9,14 @@ sampler asks each matcher for its allowed next tokens (a bitmask) and sets the o
 to -inf; each token is fed to the matcher before the next mask (with async scheduling, by the
 model runner from the step that sampled it, while the next step's forward already runs), and
 the engine stops the sequence once the grammar is complete.
+
+With a reasoning parser (EngineConfig.reasoning_parser) the grammar holds only the answer, as
+vLLM's: a sequence thinking (its prompt opened `<think>`, or its output did) samples freely
+until `</think>`, and the grammar starts on the token after it. A qwen3 output may open with
+`<think>` (the first token's mask allows it beside the grammar's) or answer at once; a prompt
+that ends its reasoning (`</think>` then whitespace: thinking switched off) leaves the grammar
+all of the output. The tags must be single tokens of the vocabulary (DeepSeek-R1's, QwQ's and
+Qwen3's are); otherwise the grammar holds the whole output (one warning).
 """
 
 from __future__ import annotations
@@ -123,10 +131,52 @@ def _reason(error: Exception) -> str:
     return rest if sep and head.startswith("[") and ".cc:" in head else text
 
 
+# a sequence's grammar phase
+GRAMMAR = 0         # every token the grammar's
+START = 1           # qwen3's first token: the grammar's, or <think> (then THINKING)
+THINKING = 2        # free until </think> (then GRAMMAR)
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    """A thinking model's tags as token ids, and how its reasoning parser starts an output."""
+    parser: str
+    open_id: int
+    close_id: int
+
+    @classmethod
+    def of(cls, parser: str, tokenizer: Any) -> ReasoningTags | None:
+        """None (with a warning) where a tag is not one token of the tokenizer."""
+        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+        if any(len(i) != 1 for i in ids):
+            log.warning("reasoning parser %s: %s / %s are not single tokens of this tokenizer "
+                        "(%s); structured outputs constrain the whole output, thinking "
+                        "included", parser, OPEN, CLOSE, ids)
+            return None
+        return cls(parser, ids[0][0], ids[1][0])
+
+    def first_phase(self, prompt_ids: list[int], decode: Any) -> int:
+        """Where a new output starts: THINKING when the prompt's last tag opens reasoning,
+        GRAMMAR when its last tag closes it with only whitespace after (thinking switched off
+        in the template), else the parser's rule (deepseek_r1: thinking; qwen3: either)."""
+        for at in range(len(prompt_ids) - 1, -1, -1):
+            t = prompt_ids[at]
+            if t == self.open_id:
+                return THINKING
+            if t == self.close_id:
+                if not decode(prompt_ids[at + 1:]).strip():
+                    return GRAMMAR
+                break
+        return THINKING if self.parser == "deepseek_r1" else START
+
+
 class GrammarBackend:
     """The model's vocabulary as xgrammar sees it, and its compiler."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
+                 reasoning_parser: str | None = None) -> None:
         import xgrammar as xgr
         self._xgr = xgr
         # the tokenizer's ids only: a model's vocabulary padded past them (a 49k tokenizer on a
@@ -137,13 +187,24 @@ class GrammarBackend:
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(info)
-        log.info("structured outputs: xgrammar %s over a vocabulary of %d",
-                 getattr(xgr, "__version__", "?"), vocab_size)
+        self._decode = tokenizer.decode
+        self.tags = (ReasoningTags.of(reasoning_parser, tokenizer)
+                     if reasoning_parser is not None else None)
+        if self.tags is not None and max(self.tags.open_id, self.tags.close_id) >= vocab_size:
+            self.tags = None
+        log.info("structured outputs: xgrammar %s over a vocabulary of %d%s",
+                 getattr(xgr, "__version__", "?"), vocab_size,
+                 f"; grammars start after {CLOSE}" if self.tags is not None else "")
 
-    def sequence(self, params: StructuredOutputsParams) -> SequenceGrammar:
-        """A new sequence's grammar state (ValueError if the grammar does not compile)."""
-        return SequenceGrammar(self._xgr.GrammarMatcher(params.compile(self.compiler)),
-                               self.vocab_size)
+    def sequence(self, params: StructuredOutputsParams,
+                 prompt_ids: list[int] | None = None) -> SequenceGrammar:
+        """A new sequence's grammar state (ValueError if the grammar does not compile); with
+        reasoning tags, its first phase follows the prompt (ReasoningTags.first_phase)."""
+        grammar = SequenceGrammar(self._xgr.GrammarMatcher(params.compile(self.compiler)),
+                                  self.vocab_size, self.tags)
+        if self.tags is not None and prompt_ids is not None:
+            grammar.phase = self.tags.first_phase(prompt_ids, self._decode)
+        return grammar
 
 
 class SequenceGrammar:
@@ -151,19 +212,32 @@ class SequenceGrammar:
 
     With async scheduling the model runner feeds a sequence's newest token (read back from the
     step that sampled it) before the engine appends it; the engine then feeds only what the
-    runner has not (catch_up)."""
-    __slots__ = ("matcher", "vocab_size", "fed", "broken")
+    runner has not (catch_up). `phase`: GRAMMAR, or with reasoning tags START / THINKING, whose
+    tokens the matcher never sees."""
+    __slots__ = ("matcher", "vocab_size", "fed", "broken", "phase", "tags")
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int,
+                 tags: ReasoningTags | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size     # the ids the matcher knows: [0, vocab_size)
         self.fed = 0
         self.broken = False      # a token the grammar refused (only a stop token was left and
                                  # min_tokens masked it): the sequence is stopped
+        self.phase = GRAMMAR
+        self.tags = tags
 
     def feed(self, tokens: list[int]) -> None:
         m = self.matcher
         for t in tokens:
+            if self.phase == THINKING:
+                if t == self.tags.close_id:
+                    self.phase = GRAMMAR
+                continue
+            if self.phase == START:
+                if t == self.tags.open_id:
+                    self.phase = THINKING
+                    continue
+                self.phase = GRAMMAR
             if not self.broken and not m.is_terminated() and not m.accept_token(t):
                 self.broken = True
         self.fed += len(tokens)
@@ -175,7 +249,25 @@ class SequenceGrammar:
     @property
     def done(self) -> bool:
         """Complete (the output says all it can) or broken: nothing more to sample under it."""
-        return self.broken or self.matcher.is_terminated()
+        return self.broken or (self.phase != THINKING and self.matcher.is_terminated())
+
+    @property
+    def masks(self) -> bool:
+        """Whether the next token is masked (not while the sequence thinks)."""
+        return self.phase != THINKING
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The next token's allowed ids into bitmask[row] (not while thinking: masks)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase == START:
+            _allow(bitmask, row, self.tags.open_id)
+
+
+def _allow(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set token_id's bit in bitmask[row] (int32 words, bit i % 32 of word i // 32)."""
+    import torch
+    bit = torch.tensor(1, dtype=bitmask.dtype) << (token_id % 32)
+    bitmask[row, token_id // 32] |= bit
 
 
 _local = threading.local()
@@ -198,11 +290,19 @@ def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
     the tokenizer's (a model's padded vocabulary) are never allowed."""
     import torch
     import xgrammar as xgr
+    if not all(g.masks for g in grammars):      # rows thinking: nothing to mask
+        live = [(r, g) for r, g in zip(rows, grammars, strict=True) if g.masks]
+        if not live:
+            return
+        rows, grammars = [r for r, _ in live], [g for _, g in live]
     vocab = grammars[0].vocab_size
     cuda = logits.is_cuda
     bitmask = torch.empty(xgr.get_bitmask_shape(len(rows), vocab), dtype=xgr.bitmask_dtype,
                           pin_memory=cuda)
     _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+    for i, g in enumerate(grammars):
+        if g.phase == START:
+            _allow(bitmask, i, g.tags.open_id)
     if cuda:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0]:
@@ -220,10 +320,15 @@ def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGr
 def grammar_prefix(grammar: SequenceGrammar, drafts: list[int]) -> int:
     """How many of `drafts` (speculative decoding) the grammar allows in turn after the
     sequence's tokens: up to the first it refuses, or through one that ends it (a stop token).
-    The matcher is left as it was (rolled back)."""
+    The matcher is left as it was (rolled back). While the sequence thinks, the drafts up to
+    `</think>` (whatever follows it is the grammar's; the token after the last draft is sampled
+    unmasked); none for qwen3's first token (START)."""
     m = grammar.matcher
-    if grammar.done:
+    if grammar.done or grammar.phase == START:
         return 0
+    if grammar.phase == THINKING:
+        close = grammar.tags.close_id
+        return drafts.index(close) if close in drafts else len(drafts)
     n = 0
     for t in drafts:
         if t >= grammar.vocab_size or not m.accept_token(t):
@@ -244,6 +349,10 @@ def mask_draft_rows(logits: torch.Tensor, requests: list[tuple[SequenceGrammar, 
     the grammar is left unmasked: the sequence stops at that draft if it is kept."""
     import torch
     import xgrammar as xgr
+    # a thinking sequence's rows stay free (grammar_prefix kept its drafts before </think>)
+    requests = [entry for entry in requests if entry[0].masks]
+    if not requests:
+        return
     vocab = requests[0][0].vocab_size
     rows = [first + j for _, first, drafts in requests for j in range(len(drafts) + 1)]
     cuda = logits.is_cuda
@@ -254,7 +363,7 @@ def mask_draft_rows(logits: torch.Tensor, requests: list[tuple[SequenceGrammar, 
         m, fed = grammar.matcher, 0
         for j in range(len(drafts) + 1):
             if not m.is_terminated():
-                m.fill_next_token_bitmask(bitmask, at + j)
+                grammar.fill(bitmask, at + j)
             if j < len(drafts) and not m.is_terminated():
                 if not m.accept_token(drafts[j]):
                     raise ValueError(f"draft {drafts[j]} is not allowed by the grammar")

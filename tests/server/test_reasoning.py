@@ -1,5 +1,7 @@
 """Reasoning outputs (`--reasoning-parser`): the split on its own, streamed in random pieces, then
-a real server whose tiny model is made (guided_choice) to think before it answers or calls."""
+a real server whose tiny model is made (guided_choice) to think before it answers or calls; and
+one whose tokenizer has the tags as tokens, where a JSON schema holds only the answer after the
+thinking."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from kvfleet_runtime.server.cli import REASONING_PARSERS
 from kvfleet_runtime.server.reasoning import ReasoningStreamer, split_reasoning
 from support.server import running_server
+from support.tiny_models import VOCAB, make_thinking_model
 
 from .test_tools import ASK, HERMES_CALL, TEMPLATE, WEATHER
 
@@ -117,3 +120,41 @@ def test_include_reasoning_false_drops_it(client, stream):
     got = _ask(client, stream, "<think>secret</think>Visible.",
                extra_body={"include_reasoning": False})
     assert got == {"reasoning": None, "content": "Visible.", "calls": [], "finish": "stop"}
+
+
+# ---- a tokenizer with <think> / </think> as tokens: structured outputs hold only the answer ----
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}},
+          "required": ["name"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def thinking_client(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    model = make_thinking_model(tmp_path_factory.mktemp("thinking-model"))
+    with running_server(model, "--max-model-len", "512", "--reasoning-parser", "deepseek_r1",
+                        "--served-model-name", "thinker") as s:
+        yield openai.OpenAI(base_url=s.openai_base_url, api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_holds_the_answer_after_the_thinking(thinking_client, stream):
+    # </think> pushed to the top: the thinking ends at once (a grammar over the whole output
+    # would have banned the tag: the JSON would then be all "reasoning", as deepseek_r1 reads
+    # an output that never closes its thinking), and the answer follows the schema
+    body = dict(model="thinker", messages=[{"role": "user", "content": "Name someone."}],
+                max_tokens=60, temperature=0.0, logit_bias={str(VOCAB + 1): 100},
+                # (no whitespace: the tiny model would fill max_tokens with newlines)
+                extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}})
+    if stream:
+        reasoning, content = "", ""
+        for chunk in thinking_client.chat.completions.create(stream=True, **body):
+            if chunk.choices:
+                delta = chunk.choices[0].delta.model_dump()
+                reasoning += delta.get("reasoning") or ""
+                content += delta.get("content") or ""
+    else:
+        message = thinking_client.chat.completions.create(**body).choices[0].message.model_dump()
+        reasoning, content = message.get("reasoning") or "", message["content"]
+    assert reasoning == ""
+    value = json.loads(content)
+    assert set(value) == {"name"} and isinstance(value["name"], str) and len(value["name"]) <= 6

@@ -75,3 +75,16 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
     for f in tokenizer_dir().iterdir():
         shutil.copy(f, path / f.name)
     return path
+
+
+def make_thinking_model(path: str | os.PathLike) -> Path:
+    """A tiny random Llama whose tokenizer has `<think>` and `</think>` as single tokens (ids
+    VOCAB and VOCAB + 1, not special: decoded text keeps them), as Qwen3's and DeepSeek-R1's
+    have; the vocabulary is padded past them."""
+    from transformers import AutoTokenizer
+    path = make_tiny_model("llama", path, vocab_size=VOCAB + 64, initializer_range=0.2)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tok.add_tokens(["<think>", "</think>"])
+    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [VOCAB, VOCAB + 1]
+    tok.save_pretrained(path)
+    return path

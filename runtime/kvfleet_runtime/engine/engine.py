@@ -162,15 +162,16 @@ class LLMEngine:
                              "enabled: start the engine with enable_lora=True (--enable-lora)")
         self.runner.lora.add(lora_request)
 
-    def _grammar_matcher(self, params: SamplingParams):
+    def _grammar_matcher(self, params: SamplingParams, prompt_ids: list[int] | None = None):
         """A new sequence's SequenceGrammar for params.structured_outputs (ValueError if it
-        does not compile). The backend reads the vocabulary at the first request that needs it."""
+        does not compile); with a reasoning parser it starts after the thinking `prompt_ids`
+        opens, if any. The backend reads the vocabulary at the first request that needs it."""
         if self._grammar_backend is None:
             from kvfleet_runtime.structured_outputs import GrammarBackend, warm_up_masks
             self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
-                                                   self.eos_token_ids)
+                                                   self.eos_token_ids, self.config.reasoning_parser)
             warm_up_masks(self.config.torch_device, self.model_config.vocab_size)
-        return self._grammar_backend.sequence(params.structured_outputs)
+        return self._grammar_backend.sequence(params.structured_outputs, prompt_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,
@@ -189,7 +190,7 @@ class LLMEngine:
         params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params)
         params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
-        grammars = ([self._grammar_matcher(params) for _ in range(params.n)]
+        grammars = ([self._grammar_matcher(params, prompt_ids) for _ in range(params.n)]
                     if params.structured_outputs is not None else None)
         children = []
         for i in range(params.n):

@@ -21,7 +21,13 @@ import time
 import typing
 from typing import Any
 
-from kvfleet_runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+from kvfleet_runtime.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    REASONING_PARSERS,
+    EngineConfig,
+)
 from kvfleet_runtime.model_source import resolve, resolve_config
 
 if typing.TYPE_CHECKING:
@@ -29,7 +35,6 @@ if typing.TYPE_CHECKING:
 
 # server/tools.py's PARSERS (named here: `kvfleet --help` imports no pydantic)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-REASONING_PARSERS = ("deepseek_r1", "qwen3")       # server/reasoning.py's
 
 logger = logging.getLogger("kvfleet.serve")
 
@@ -69,10 +74,15 @@ _ENGINE_HELP = {
     "max_loras": "most distinct LoRA adapters in one step (each a slot on the device)",
     "max_lora_rank": "largest LoRA rank an adapter may have (slots are sized for it)",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory (default: max_loras)",
+    "reasoning_parser": "a thinking model's <think>...</think>: deepseek_r1 (DeepSeek-R1, QwQ) or "
+                        "qwen3. The server returns it as the message's reasoning field, apart "
+                        "from the answer; structured outputs constrain only the answer after it "
+                        "(default: off)",
 }
 _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
                                   "kv_cache_dtype": list(KV_CACHE_DTYPES),
-                                  "attention_backend": ["auto", "triton", "torch"]}
+                                  "attention_backend": ["auto", "triton", "torch"],
+                                  "reasoning_parser": list(REASONING_PARSERS)}
 # set by the server's own flags, not as engine flags
 _NOT_ENGINE_FLAGS = {"served_model_name"}
 
@@ -197,10 +207,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "Qwen2.5, Qwen3, Hermes), llama3_json (a JSON object: Llama 3.1+), "
                              "mistral ([TOOL_CALLS] then the calls: Mistral, Mixtral) or pythonic "
                              "(a Python list of calls: Llama 3.2, Llama 4)")
-    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                        help="split a thinking model's <think>...</think> from its answer into "
-                             "the message's reasoning field: deepseek_r1 (DeepSeek-R1, QwQ) or "
-                             "qwen3")
     cors = parser.add_argument_group("CORS (vLLM's flags; JSON lists)")
     cors.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                       help='origins browsers may call from, e.g. \'["https://ui.example"]\'; '
@@ -410,7 +416,7 @@ def serve(args: argparse.Namespace) -> int:
                     api_key=args.api_key, registry=registry, chat_template=chat_template,
                     cors=cors, sampling_defaults=sampling_defaults,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                    else None, reasoning_parser=args.reasoning_parser)
+                    else None, reasoning_parser=config.reasoning_parser)
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)
