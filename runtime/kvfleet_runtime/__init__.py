@@ -21,6 +21,8 @@ _EXPORTS = {
     "CompletionOutput": "kvfleet_runtime.outputs",
     "AsyncLLMEngine": "kvfleet_runtime.engine.async_engine",
     "LoRARequest": "kvfleet_runtime.lora",
+    "PoolingParams": "kvfleet_runtime.pooling",
+    "EmbeddingRequestOutput": "kvfleet_runtime.pooling",
 }
 __all__ = list(_EXPORTS)
 

@@ -11,6 +11,12 @@ from kvfleet_runtime.generation_config import load_sampling_defaults
 from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.model_source import local_lora, resolve_config
 from kvfleet_runtime.outputs import RequestOutput
+from kvfleet_runtime.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    embedding_sampling_params,
+)
 from kvfleet_runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -115,6 +121,27 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
         return [results[rid] for rid in ids]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's LLM.embed): its last token's final hidden state,
+        L2-normalised unless the model's pooling config or pooling_params say otherwise
+        (kvfleet_runtime/pooling.py). The prompts run batched and prefix-cached as generate()'s."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"pooling_params has {len(pooling_params)} entries for "
+                             f"{len(prompts)} prompts; give one or one per prompt")
+        params = [embedding_sampling_params(pp or PoolingParams()) for pp in pooling_params]
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
+                                       out.prompt_token_ids, out.finished)
+                for out in self.generate(prompts, params, lora_request)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,

@@ -62,6 +62,16 @@ def _drop_zero_biases(tensors: Iterator[tuple[str, torch.Tensor]],
         yield name, tensor
 
 
+def _base_model_names(tensors: Iterator[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint saved from the base model (embedding models: Qwen3-Embedding's tensors are
+    `layers.0...`, `embed_tokens.weight`, `norm.weight`) named as the causal LM's (`model.`)."""
+    for name, tensor in tensors:
+        if name.split(".", 1)[0] in ("layers", "embed_tokens", "norm"):
+            name = "model." + name
+        yield name, tensor
+
+
 def _eos_ids(path: Path | None, cfg: ModelConfig, tokenizer) -> list[int]:
     ids = list(cfg.eos_token_ids)
     gen = path / "generation_config.json" if path else None
@@ -116,11 +126,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.load_format == "dummy":
         _init_dummy(model)
     else:
-        loaded = model.load_weights(_drop_zero_biases(tensors(), cfg))
+        head = getattr(model, "lm_head", None)
+        if not cfg.tie_word_embeddings and isinstance(getattr(head, "weight", None), torch.Tensor):
+            head.weight.data.zero_()        # defined if the checkpoint has none (below)
+        loaded = model.load_weights(_base_model_names(_drop_zero_biases(tensors(), cfg)))
         # g_idx is optional in GPTQ checkpoints (plain grouping when absent)
         expected = {n for n, _ in model.named_parameters() if not n.endswith(".g_idx")}
         missing = sorted(expected - loaded)
-        if missing:
+        if missing == ["lm_head.weight"]:
+            cfg.generates = False
+            log.warning("checkpoint %s has no lm_head.weight (an embedding model's): it serves "
+                        "embeddings only", config.model)
+        elif missing:
             raise ValueError(f"checkpoint {config.model} lacks {len(missing)} tensors, e.g. "
                              f"{', '.join(missing[:3])}")
     for module in model.modules():

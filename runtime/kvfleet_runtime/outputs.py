@@ -51,6 +51,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None      # a pooling request's (kvfleet_runtime/pooling.py)
 
 
 @dataclass

@@ -61,6 +61,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.detokenizer = None              # set by the engine
         self.grammar = None                  # structured outputs: its SequenceGrammar
+        self.embedding: list[float] | None = None   # a pooling request's, once computed
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step
         self.token_bytes = bytearray()       # ... and all_token_ids as int32 bytes (the lookup)
         # sampling reads this request's generated tokens (penalties, min_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from kvfleet_runtime.pooling import PoolingParams
 from kvfleet_runtime.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -36,6 +37,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # a JSON schema, regex, choice or grammar the output must follow (vLLM's field)
     structured_outputs: StructuredOutputsParams | None = None
+    # an embedding request (LLM.embed, AsyncLLMEngine.encode, /v1/embeddings): one step that
+    # keeps the last prompt position's hidden state (kvfleet_runtime/pooling.py)
+    pooling: PoolingParams | None = None
     # filled by the engine: ids that end generation besides stop_token_ids (EOS)
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
 

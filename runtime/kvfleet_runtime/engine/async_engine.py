@@ -29,6 +29,12 @@ from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.engine.engine_process import EngineProcess, OutputMerger
 from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
+from kvfleet_runtime.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    embedding_sampling_params,
+)
 from kvfleet_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -184,6 +190,20 @@ class AsyncLLMEngine:
         finally:
             if last is None or not last.finished:
                 self._submit(_Abort([request_id]))
+
+    async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, lora_request: LoRARequest | None = None
+                     ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's encode: the prompt's embedding (kvfleet_runtime/pooling.py), yielded once, when
+        the step that ends its prompt has run; batched with the generation requests. A bad
+        request raises ValueError (as generate does); an aborted one RuntimeError."""
+        params = embedding_sampling_params(pooling_params or PoolingParams())
+        async for out in self.generate(prompt, params, request_id, lora_request):
+            if out.finished:
+                if out.embedding is None:
+                    raise RuntimeError(f"embedding request {out.request_id} was aborted")
+                yield EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
+                                             out.prompt_token_ids)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check a LoRA adapter now, before any request names it (vLLM's add_lora:

@@ -25,7 +25,7 @@ from kvfleet_runtime.sampling_params import SamplingParams
 # a delta: (request_id, finished, num_cached_tokens, metrics (RequestMetrics' fields),
 #           (prompt, prompt_token_ids, prompt_logprobs) the first time else None,
 #           [(index, chars kept, new text, new token ids, cumulative_logprob, new logprobs,
-#             finish_reason, stop_reason) per completion])
+#             finish_reason, stop_reason) per completion], a pooling request's embedding or None)
 # or, for the common step of a running request (one completion, one new token, no text or
 # logprobs in this process, not finished), a short delta: (request_id, token id, its time)
 Delta = tuple
@@ -96,7 +96,7 @@ class DeltaEngine(LLMEngine):
                                 c.status.value if done else None, c.stop_reason))
             sent[c.index] = (len(ids), 0 if lps is None else len(lps), now)
         delta = (group_id, finished, max(first.num_cached_tokens, 0),
-                 tuple(vars(first.metrics).values()), prompt, completions)
+                 tuple(vars(first.metrics).values()), prompt, completions, first.embedding)
         if finished:
             del self._sent[group_id]
             self._retire(group_id)

@@ -21,12 +21,16 @@ from kvfleet_runtime.loader import load_model
 from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.model_source import resolve_config
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kvfleet_runtime.pooling import PoolerConfig, PoolingParams
 from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.request import Request, RequestStatus
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.structured_outputs import grammar_prefix
 
 log = logging.getLogger(__name__)
+
+_EMBEDDINGS_ONLY = ("this model's checkpoint has no lm_head (an embedding model's): it serves "
+                    "embeddings (/v1/embeddings, LLM.embed), not generation")
 
 
 def _token_ids(prompt: Iterable[int], vocab: int) -> list[int]:
@@ -84,6 +88,7 @@ class LLMEngine:
         self.in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sync_groups: set[str] = set()
         self.final_only: set[str] = set()
+        self._pooler: PoolerConfig | None = None    # embeddings: read at the first
         self._grammar_backend = None     # structured outputs: made at the first such request
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
@@ -143,7 +148,20 @@ class LLMEngine:
         self._check_lengths(len(prompt_ids), params.clone())
         if params.structured_outputs is not None:
             self._grammar_matcher(params)      # compiled (and cached) now: errors say so here
+        if params.pooling is not None:
+            self.pooling_params(params.pooling)
+        elif not self.model_config.generates:
+            raise ValueError(_EMBEDDINGS_ONLY)
         return prompt_ids
+
+    def pooling_params(self, params: PoolingParams | None = None) -> PoolingParams:
+        """An embedding request's params checked against this model's pooling (a ValueError
+        says what it cannot give) and completed (normalize, as the model's config says)."""
+        if self._pooler is None:
+            self._pooler = PoolerConfig.of(self.config.model, self.model_config.hf_config)
+        params = params if params is not None else PoolingParams()
+        self._pooler.check(params, self.model_config.hidden_size)
+        return self._pooler.resolve(params)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter before any request names it (vLLM's add_lora); a
@@ -187,6 +205,12 @@ class LLMEngine:
         if prompt_ids is None:
             prompt_ids = self.tokenize(prompt)
         params = params.clone()
+        if params.pooling is not None:
+            if params.n != 1:
+                raise ValueError(f"an embedding request has one output; got n={params.n}")
+            params.pooling = self.pooling_params(params.pooling)
+        elif not self.model_config.generates:
+            raise ValueError(_EMBEDDINGS_ONLY)
         params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params)
         params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
@@ -200,7 +224,7 @@ class LLMEngine:
             if params.seed is not None:
                 r.generator = torch.Generator(device=self.config.torch_device).manual_seed(
                     params.seed + i)
-            if self._detokenizes(params):
+            if self._detokenizes(params) and params.pooling is None:
                 r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             if i and self.config.enable_prefix_caching and params.prompt_logprobs is None:
                 r.sibling = children[0]
@@ -209,7 +233,9 @@ class LLMEngine:
             children.append(r)
         self.groups[request_id] = children
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
-        if params.prompt_logprobs is not None:     # targets read row by row on the host
+        # prompt logprobs' targets are read row by row on the host; a pooling request's hidden
+        # state is read in the step that ends its prompt (ModelRunner.execute)
+        if params.prompt_logprobs is not None or params.pooling is not None:
             self.sync_groups.add(request_id)
         if final_only:
             self.final_only.add(request_id)
@@ -389,9 +415,12 @@ class LLMEngine:
         touched: dict[str, None] = {}
         sampled, prompt_logprobs = result.sampled, result.prompt_logprobs
         final_only, append = self.final_only, self._append
+        embeddings = result.embeddings
         for s in sched.scheduled:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
+            if embeddings and r.request_id in embeddings:
+                r.embedding = embeddings[r.request_id]
             if prompt_logprobs:
                 for tok in prompt_logprobs.get(r.request_id, ()):
                     r.prompt_logprobs.append(self._position_logprobs(r, tok))
@@ -511,7 +540,8 @@ class LLMEngine:
         children = self.groups[group_id]
         first = children[0]
         outs = [CompletionOutput(
-            index=c.index, text=c.detokenizer.output_text, token_ids=list(c.output_token_ids),
+            index=c.index, text=c.detokenizer.output_text if c.detokenizer else "",
+            token_ids=list(c.output_token_ids),
             cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
             logprobs=list(c.logprobs) if c.logprobs is not None else None,
             finish_reason=c.status.value if c.is_finished else None,
@@ -521,7 +551,8 @@ class LLMEngine:
             request_id=group_id, prompt=self.prompts.get(group_id),
             prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=finished,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=first.metrics)
+            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=first.metrics,
+            embedding=first.embedding)
         if finished:
             self._retire(group_id)
         return out

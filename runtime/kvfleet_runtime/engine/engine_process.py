@@ -162,7 +162,7 @@ def _send_up(conn: Connection, outbox: queue.SimpleQueue) -> None:
 class _Tracked:
     """A request as the merger has it so far: what its deltas said, added up."""
     __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs", "text",
-                 "params", "detokenizers", "finished", "num_cached", "metrics", "ends")
+                 "params", "detokenizers", "finished", "num_cached", "metrics", "ends", "embedding")
 
     def __init__(self, prompt: tuple, params: SamplingParams | None) -> None:
         self.prompt, self.prompt_token_ids, self.prompt_logprobs = prompt
@@ -176,6 +176,7 @@ class _Tracked:
         self.metrics: list | None = None    # RequestMetrics' fields
         # completion index -> (cumulative_logprob, logprobs asked for, finish_reason, stop_reason)
         self.ends: dict[int, tuple] = {}
+        self.embedding: list[float] | None = None
 
 
 class OutputMerger:
@@ -228,7 +229,7 @@ class OutputMerger:
         return tracked
 
     def _absorb(self, delta: tuple) -> _Tracked | None:
-        request_id, finished, num_cached, metrics, prompt, completions = delta
+        request_id, finished, num_cached, metrics, prompt, completions, embedding = delta
         tracked = self._requests.get(request_id)
         if tracked is None:
             if prompt is None:
@@ -237,6 +238,8 @@ class OutputMerger:
                 prompt, self._expected.pop(request_id, None))
         tracked.finished, tracked.num_cached = finished, num_cached
         tracked.metrics = None if metrics is None else list(metrics)
+        if embedding is not None:
+            tracked.embedding = embedding
         for (index, keep, new_text, new_ids, cumulative, new_logprobs, finish_reason,
              stop_reason) in completions:
             tracked.ends[index] = (cumulative, new_logprobs is not None, finish_reason, stop_reason)
@@ -281,7 +284,7 @@ class OutputMerger:
             outputs=outputs, finished=tracked.finished,
             prompt_logprobs=None if tracked.prompt_logprobs is None else list(tracked.prompt_logprobs),
             num_cached_tokens=tracked.num_cached,
-            metrics=None if metrics is None else RequestMetrics(*metrics))
+            metrics=None if metrics is None else RequestMetrics(*metrics), embedding=tracked.embedding)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:

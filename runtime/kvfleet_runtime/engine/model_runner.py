@@ -75,6 +75,8 @@ class ModelRunnerOutput:
     # top-k); no object a row for the others (~1000 rows a step)
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # pooling requests whose prompt ended this step: request id -> its embedding
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
     prepare_s: float = 0.0       # CPU time building inputs
     forward_s: float = 0.0       # forward + sampling, synchronised (async: the wait for them)
 
@@ -195,6 +197,7 @@ class ModelRunner:
         self.decode_batch_sizes = graph_batch_sizes(self.max_rows)
         self.decode_buckets = context_buckets(config.max_model_len)
         self.graph_runner = None
+        self._hidden: torch.Tensor | None = None    # _forward's, kept for pooling
         if self.device.type == "cuda":
             self._tune_gemms()
         # the torch attention path reads host-side lengths each step: a graph would replay the
@@ -564,17 +567,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         step, layout = self._prepare(sched, block_ids)
         t1 = time.perf_counter()
-        logits = self._forward(broadcast_step(step, self.device))             # [N, V]
+        sampling = [s for s in sched.scheduled if s.samples]
+        pooling = any(s.request.params.pooling is not None for s in sampling)
+        logits = self._forward(broadcast_step(step, self.device), keep_hidden=pooling)
         out = ModelRunnerOutput(prepare_s=t1 - t0)
         for r, first, count in layout.prompt:
             targets = r.prompt_token_ids[r.num_computed_tokens + 1:r.num_computed_tokens + 1 + count]
             out.prompt_logprobs[r.request_id] = self.sampler.prompt_logprobs(
                 logits[first:first + count], targets, r.params.prompt_logprobs)
-        sampling = [s for s in sched.scheduled if s.samples]
         if layout.spec:
             drafting = [s for s in sampling if s.spec_token_ids]
             sampling = [s for s in sampling if not s.spec_token_ids]
             out.spec_tokens = self._verify(logits, layout, drafting)
+        if pooling:         # the last prompt position's hidden state: its sampling row's
+            from kvfleet_runtime.pooling import pool
+            hidden, self._hidden = self._hidden, None
+            for s, row in zip(sampling, layout.sample, strict=True):
+                params = s.request.params.pooling
+                if params is not None:
+                    out.embeddings[s.request.request_id] = pool(hidden[row], params)
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
             batch.grammar_lookup = lambda rows: _grammar_matchers(sampling, rows, None)
@@ -689,8 +700,9 @@ class ModelRunner:
         self._forward(step)
         return True
 
-    def _forward(self, step: StepInputs) -> torch.Tensor | None:
-        """Hidden states of the logits rows -> logits on rank 0 (None on the other ranks)."""
+    def _forward(self, step: StepInputs, keep_hidden: bool = False) -> torch.Tensor | None:
+        """Hidden states of the logits rows -> logits on rank 0 (None on the other ranks);
+        keep_hidden: those hidden states are left in self._hidden too (pooling)."""
         meta = step.meta
         if self.lora is not None:       # this step's adapters into their slots, on every rank
             self.lora.apply(step.lora_slots, step.lora_loads)
@@ -701,4 +713,6 @@ class ModelRunner:
         rows = step.logits_rows
         if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:   # decode: every row
             hidden = hidden.index_select(0, host_to_device(rows, torch.long, self.device))
+        if keep_hidden:
+            self._hidden = hidden
         return self.model.compute_logits(hidden)

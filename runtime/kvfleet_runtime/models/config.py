@@ -30,6 +30,9 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype | None
     hf_config: dict
+    # False for a checkpoint without lm_head (an embedding model saved from its base model):
+    # it serves embeddings only (loader.py)
+    generates: bool = True
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:

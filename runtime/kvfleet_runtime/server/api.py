@@ -37,6 +37,7 @@ from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server import protocol as p
+from kvfleet_runtime.server.embeddings import EmbeddingRequest, create_embeddings
 from kvfleet_runtime.server.metrics import HTTPMetrics
 from kvfleet_runtime.server.reasoning import (
     ReasoningStreamer,
@@ -311,6 +312,19 @@ def _add_keyed_routes(router: APIRouter) -> None:
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         _state(request).responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        state = _state(request)
+        lora_request = _check_model(state, body.model)
+        try:
+            result = await _unless_disconnected(request, create_embeddings(
+                state, body, lora_request, p.random_id("embd")))
+        except (EngineDeadError, EngineQueueFullError) as e:
+            raise _engine_error(e) from None
+        if result is None:
+            return Response(status_code=499)    # nobody is listening any more
+        return JSONResponse(result)
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest, request: Request) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""`POST /v1/embeddings` (OpenAI's, with vLLM's extras): each input's embedding from the served
+model (kvfleet_runtime/pooling.py: its last token's final hidden state, L2-normalised), through
+the engine beside generation requests.
+
+Input: a string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI's four
+forms). `encoding_format` float or base64 (little-endian float32, as OpenAI's), `dimensions`
+(Matryoshka models only), and vLLM's `truncate_prompt_tokens`, `add_special_tokens`, `normalize`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import struct
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kvfleet_runtime.pooling import EmbeddingRequestOutput, PoolingParams
+from kvfleet_runtime.server import protocol as p
+
+
+class EmbeddingRequest(p._Strict):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    # vLLM's
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            items: list[str | list[int]] = [x]
+        elif x and all(isinstance(t, int) for t in x):
+            items = [list(x)]           # one input of token ids
+        else:
+            items = list(x)
+        if not items or any(not item for item in items):
+            raise p.OpenAIError("input must not be empty, nor hold an empty input", param="input")
+        return items
+
+
+async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: Any,
+                            request_id: str) -> dict[str, Any]:
+    """The response body; OpenAIError for a bad request (before anything runs where it can be
+    told from the request alone)."""
+    engine = state.engine
+    tokenizer = engine.tokenizer
+    max_len = engine.config.max_model_len
+    vocab = len(tokenizer)
+    prompts = []
+    for i, item in enumerate(body.inputs()):
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
+        else:
+            if any(not 0 <= t < vocab for t in item):
+                raise p.OpenAIError(f"input token ids must be in [0, {vocab})", param="input")
+            ids = list(item)
+        k = body.truncate_prompt_tokens
+        if k is not None:
+            if k < -1 or k == 0:
+                raise p.OpenAIError(f"truncate_prompt_tokens must be -1 or an integer >= 1; "
+                                    f"got {k}", param="truncate_prompt_tokens")
+            ids = ids[-(max_len if k == -1 else k):]
+        if len(ids) >= max_len:     # (the engine's one-step request needs a slot past it)
+            raise p.OpenAIError(
+                f"This model's maximum context length is {max_len} tokens; input {i} has "
+                f"{len(ids)} (embeddings take at most {max_len - 1}). Shorten it, or set "
+                "truncate_prompt_tokens.", param="input", code="context_length_exceeded")
+        prompts.append(ids)
+    params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
+    engine.check_admission(len(prompts))    # (EngineDeadError, EngineQueueFullError: the caller's)
+
+    async def one(i: int, ids: list[int]) -> EmbeddingRequestOutput:
+        async with contextlib.aclosing(engine.encode(
+                ids, params, request_id=f"{request_id}-{i}", lora_request=lora_request)) as outs:
+            async for out in outs:
+                return out
+        raise RuntimeError(f"embedding request {request_id}-{i} gave no output")
+
+    # one task an input; any failure (or this call cancelled: the client left) cancels the
+    # others, whose requests the engine then aborts
+    tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
+    try:
+        outs = await asyncio.gather(*tasks)
+    except ValueError as e:         # the engine's check: the model's pooling, dimensions
+        message = str(e)
+        param = "dimensions" if message.startswith("dimensions") else "model"
+        raise p.OpenAIError(message, param=param) from None
+    finally:
+        for t in tasks:
+            t.cancel()
+    data = [{"object": "embedding", "index": i,
+             "embedding": _encode(out.outputs.embedding, body.encoding_format)}
+            for i, out in enumerate(outs)]
+    tokens = sum(len(ids) for ids in prompts)
+    return {"object": "list", "data": data, "model": body.model or state.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _encode(values: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return values
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
