@@ -24,6 +24,8 @@ def _case(tokens: int, n: int, slots: int, width: int, dtype: torch.dtype, seed:
                                                                           device=DEVICE)
     token_slots = torch.randint(0, slots, (tokens + 3,), generator=gen, dtype=torch.int32)
     token_slots[torch.rand(tokens + 3, generator=gen) < base_share] = -1
+    if base_share < 1 and bool((token_slots[:tokens] < 0).all()):
+        token_slots[0] = 0          # (one token drawn to the base model: give it an adapter)
     return out, shrunk, b, token_slots.to(DEVICE)
 
 
