@@ -27,7 +27,7 @@ def test_eager_decode_steps_carry_the_graph_plan(tiny_model_dir):
     runner = llm.engine.runner
     seen = []
     real = runner._forward
-    runner._forward = lambda step: seen.append(step.meta) or real(step)
+    runner._forward = lambda step, **kw: seen.append(step.meta) or real(step, **kw)
     llm.generate([[5, 6, 7], [8, 9, 10, 11, 12]], SamplingParams(temperature=0, max_tokens=3))
     decode = [(m.plan_num_seqs, m.max_seq_len) for m in seen if m.max_query_len == 1]
     prefill = [(m.plan_num_seqs, m.max_seq_len) for m in seen if m.max_query_len > 1]

@@ -158,7 +158,7 @@ def test_a_text_that_does_not_grow_at_its_end_comes_through_whole() -> None:
         finished = i == len(texts) - 1
         deltas.append([("r", finished, 0, None, ("p", [1, 2], None) if i == 0 else None,
                         [(0, *text_delta(sent, text), [5 + i], None, None,
-                          "stop" if finished else None, None)])])
+                          "stop" if finished else None, None)], None)])
         sent = text
 
     def out(i: int) -> RequestOutput:
