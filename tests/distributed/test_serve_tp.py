@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.server import running_server
+from support.server import running_server, spawned_child
 
 DEVICES = pytest.mark.parametrize("device", [
     "cpu",
@@ -32,24 +32,12 @@ TP_FLAGS = ("--tensor-parallel-size", "2", "--served-model-name", "tp", "--max-n
 MODES = pytest.mark.parametrize("mode", ["--no-engine-process", "--engine-process"])
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-            for c in (task / "children").read_text().split()]
-
-
-def _spawned_child(pid: int) -> int:
-    # a spawned process runs multiprocessing's spawn_main (the other child is its resource tracker)
-    (child,) = [c for c in _children(pid)
-                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    return child
-
-
 def _worker_pid(server_pid: int, mode: str) -> tuple[int, int | None]:
     """The worker's pid and the engine process's (None: the engine runs in the server's)."""
     if mode == "--engine-process":
-        engine = _spawned_child(server_pid)
-        return _spawned_child(engine), engine
-    return _spawned_child(server_pid), None
+        engine = spawned_child(server_pid)
+        return spawned_child(engine), engine
+    return spawned_child(server_pid), None
 
 
 def _gone(*pids: int | None) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ import pydantic
 import pytest
 from kvfleet_runtime.server.protocol import OpenAIError
 from kvfleet_runtime.server.responses import ResponseStore, StoredResponse, items_as_messages
-from support.server import ServerProcess, running_server
+from support.server import ServerProcess, running_server, spawned_child
 from transformers import AutoTokenizer
 
 from .test_tools import ASK, HERMES_CALL, TEMPLATE, TIME, WEATHER
@@ -384,6 +386,38 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(any_server) -> None:
             assert len(got) >= 3 and server.metric("kvfleet_num_requests_running") == 1
     _wait(lambda: _idle(server))
     assert server.metric("kvfleet_request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_an_engine_that_dies_mid_stream_ends_it_with_response_failed(tiny_llama: Path) -> None:
+    # the engine process killed while the answer streams: the stream ends with the API's error
+    # and response.failed events (what the text had so far in it), /health turns 503
+    body = {"model": NAME, "input": "A long story", "max_output_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with running_server(tiny_llama, "--served-model-name", NAME, "--max-model-len", "512",
+                        "--engine-process", "--keep-alive-on-engine-death") as server:
+        engine = spawned_child(server.pid)
+        events = []
+        with httpx.Client(base_url=server.base_url, timeout=60) as http, \
+                http.stream("POST", RESPONSES, json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+                    if len(deltas) == 3 and engine:
+                        os.kill(engine, signal.SIGKILL)
+                        engine = 0
+        types = [e["type"] for e in events]
+        assert types[-2:] == ["error", "response.failed"], types[-6:]
+        assert "response.completed" not in types and "response.incomplete" not in types
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert events[-2]["message"] == failed["error"]["message"] and failed["error"]["message"]
+        streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        kept = failed["output"][0]["content"][0]["text"] if failed["output"] else ""
+        assert streamed.startswith(kept) and len(deltas) >= 3
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert server.get("/health")[0] == 503
 
 
 # ---- a server with tools and reasoning ----

@@ -134,3 +134,12 @@ def running_server(model: str | os.PathLike | None, *flags: str,
     finally:
         server.stop()
         server.log_path.unlink(missing_ok=True)
+
+
+def spawned_child(pid: int) -> int:
+    """The process `pid` spawned with multiprocessing (the engine process of a server, a
+    tensor-parallel worker of an engine); not its resource tracker."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    (child,) = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return child
