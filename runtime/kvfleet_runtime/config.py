@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -96,6 +97,9 @@ class EngineConfig:
     # a thinking model's <think>...</think> (REASONING_PARSERS): the server splits it from the
     # answer, and structured outputs' grammars hold only what follows it (vLLM's)
     reasoning_parser: str | None = None
+    # vLLM's hf_overrides: keys merged into the checkpoint's config.json as it is read (a JSON
+    # object's text, or a dict), e.g. {"is_matryoshka": true} for an embedding model
+    hf_overrides: str | dict | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -129,6 +133,13 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        if isinstance(self.hf_overrides, str):
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except ValueError as e:
+                raise ValueError(f"hf_overrides must be a JSON object; it is not JSON: {e}") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object; got {self.hf_overrides!r}")
         if self.admission_headroom < 0:
             raise ValueError(f"admission_headroom must be >= 0 tokens; got {self.admission_headroom}")
         if self.attention_backend not in ("auto", "triton", "torch"):

@@ -115,8 +115,20 @@ def _hf_tokenizer(path: str):
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
+def merged(base: dict, overrides: dict) -> dict:
+    """base with overrides' keys, nested objects merged key by key (vLLM's hf_overrides)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = merged(out[key], value)
+        out[key] = value
+    return out
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     hf, tensors, tokenizer, folder, name = _resolve(config)
+    if config.hf_overrides:
+        hf = merged(hf, config.hf_overrides)
     cfg = ModelConfig.from_hf(hf)
     cls = get_model_class(cfg)
     dtype = config.resolve_dtype(cfg.checkpoint_dtype)

@@ -170,3 +170,20 @@ def test_a_checkpoint_saved_from_the_base_model_embeds_and_refuses_to_generate(t
     with pytest.raises(ValueError, match="serves embeddings"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
     assert all_blocks_free(llm.engine)
+
+
+def test_hf_overrides_make_a_model_matryoshka(tiny_model_dir):
+    # vLLM's way for Qwen3-Embedding, whose config.json does not say it: --hf-overrides
+    from kvfleet_runtime.loader import merged
+    path = tiny_model_dir("qwen3")
+    raw = hf_embeddings(path, PROMPTS[:1], normalize=False)[0]
+    for overrides in ({"is_matryoshka": True}, '{"is_matryoshka": true}'):
+        llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=16, max_model_len=64,
+                  hf_overrides=overrides)
+        short = llm.embed(PROMPTS[0], PoolingParams(dimensions=8))[0].outputs.embedding
+        assert _close(short, torch.nn.functional.normalize(raw[:8], dim=-1))
+    for bad, says in (("{not json", "not JSON"), ("[1]", "JSON object")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(model=path, hf_overrides=bad)
+    assert merged({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4}) == \
+        {"a": {"x": 1, "y": 3}, "b": 1, "c": 4}

@@ -74,6 +74,9 @@ _ENGINE_HELP = {
     "max_loras": "most distinct LoRA adapters in one step (each a slot on the device)",
     "max_lora_rank": "largest LoRA rank an adapter may have (slots are sized for it)",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory (default: max_loras)",
+    "hf_overrides": "a JSON object merged into the model's config.json as it is read (vLLM's), "
+                    "e.g. '{\"is_matryoshka\": true}' for an embedding model's dimensions "
+                    "(default: none)",
     "reasoning_parser": "a thinking model's <think>...</think>: deepseek_r1 (DeepSeek-R1, QwQ) or "
                         "qwen3. The server returns it as the message's reasoning field, apart "
                         "from the answer; structured outputs constrain only the answer after it "
