@@ -1,0 +1,34 @@
+"""Embeddings under tensor parallelism (two ranks over gloo): the last token's hidden state on
+rank 0 is the whole model's (the final norm runs after the all-reduce), equal to HF
+transformers' base model's, for prompts chunked across steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kvfleet_runtime import LLM
+from support.engine_ops import all_blocks_free
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_embed_as_hf(tp_model_dir):
+    from transformers import AutoModel
+    path = tp_model_dir("llama3-gqa")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(2, 60))] for _ in range(5)]
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1],
+                                              dim=-1) for p in prompts]
+    llm = LLM(model=path, tensor_parallel_size=2, dtype="float32", max_num_batched_tokens=32,
+              num_gpu_blocks=32)
+    try:
+        outs = llm.embed(prompts)
+        for out, w in zip(outs, want, strict=True):
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), w, rtol=1e-4,
+                                       atol=1e-4)
+        assert all_blocks_free(llm.engine)
+    finally:
+        llm.engine.shutdown()
