@@ -106,25 +106,32 @@ def start_prometheus(workdir: str | os.PathLike, targets: list[str], *,
         config["rule_files"] = [str(Path(f).resolve()) for f in rule_files]
     config.update(extra_config or {})
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    log = open(workdir / "prometheus.log", "wb")
-    process = subprocess.Popen(
-        [prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
-         f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-         "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    log.close()
-    server = PrometheusServer(url=f"http://127.0.0.1:{port}", workdir=workdir, process=process)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {process.returncode}:\n{server.log()}")
-        try:
-            with urllib.request.urlopen(server.url + "/-/ready", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.2)
+    for attempt in range(3):
+        # the port is free when picked; another process may bind it before prometheus does
+        # (then it exits at once): a fresh port then
+        port = _free_port()
+        log = open(workdir / "prometheus.log", "wb")
+        process = subprocess.Popen(
+            [prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+             "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        server = PrometheusServer(url=f"http://127.0.0.1:{port}", workdir=workdir, process=process)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                if "address already in use" in server.log() and attempt < 2:
+                    break
+                raise RuntimeError(f"prometheus exited with {process.returncode}:\n{server.log()}")
+            try:
+                with urllib.request.urlopen(server.url + "/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return server
+            except OSError:
+                pass
+            time.sleep(0.2)
+        else:
+            break
     server.stop()
     raise TimeoutError(f"prometheus not ready after {timeout} s:\n{server.log()}")
