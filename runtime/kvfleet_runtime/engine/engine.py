@@ -88,7 +88,7 @@ class LLMEngine:
         self.in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sync_groups: set[str] = set()
         self.final_only: set[str] = set()
-        self._pooler: PoolerConfig | None = None    # embeddings: read at the first
+        self._pooler: PoolerConfig | None = None    # the model's pooling: at the first embedding
         self._grammar_backend = None     # structured outputs: made at the first such request
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,

@@ -193,7 +193,7 @@ class OutputMerger:
 
     def expect(self, request_id: str, params: SamplingParams) -> None:
         """A request about to be sent to the engine process (before any delta of it)."""
-        if server_detokenizes(params):
+        if server_detokenizes(params) and params.pooling is None:     # (embeddings: no text)
             # as LLMEngine.add_request sets them: an EOS that ends the text shows none of it
             params._eos_token_ids = set() if params.ignore_eos else set(self._eos_token_ids)
             self._expected[request_id] = params
