@@ -134,3 +134,20 @@ def test_a_model_that_is_not_matryoshka_refuses_dimensions(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
         assert "Matryoshka" in r.json()["error"]["message"]
         assert httpx.post(f"{s.openai_base_url}/embeddings", json={"input": "x"}).status_code == 200
+
+
+def test_metrics_count_the_inputs_tokens_as_prompt_and_nothing_as_generated(server, client):
+    before = {name: server.metric(name) for name in (
+        "kvfleet_prompt_tokens_total", "kvfleet_generation_tokens_total",
+        "kvfleet_request_prompt_tokens_count")}
+    stops = server.metric("kvfleet_request_success_total", finished_reason="stop")
+    lengths = server.metric("kvfleet_request_success_total", finished_reason="length")
+    r = client.embeddings.create(model="embedder", input=TEXTS)
+    assert server.metric("kvfleet_prompt_tokens_total") == \
+        before["kvfleet_prompt_tokens_total"] + r.usage.prompt_tokens
+    assert server.metric("kvfleet_generation_tokens_total") == \
+        before["kvfleet_generation_tokens_total"]
+    assert server.metric("kvfleet_request_prompt_tokens_count") == \
+        before["kvfleet_request_prompt_tokens_count"] + len(TEXTS)
+    assert server.metric("kvfleet_request_success_total", finished_reason="stop") == stops + 3
+    assert server.metric("kvfleet_request_success_total", finished_reason="length") == lengths

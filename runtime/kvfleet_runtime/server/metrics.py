@@ -150,6 +150,9 @@ class EngineMetrics:
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
         m = out.metrics
+        if out.embedding is not None:   # an embedding (one output, at its end): a prompt, no
+            self._record_embedding(out, now)     # generated tokens (its one step's is dropped)
+            return
         track = self._tracks.get(out.request_id)
         if track is None:
             track = self._tracks[out.request_id] = _RequestTrack(
@@ -176,6 +179,18 @@ class EngineMetrics:
             # with n > 1 the request counts once, by its first sample's reason
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
             self.request_success[reason if reason in FINISHED_REASONS else "stop"].inc()
+
+
+    def _record_embedding(self, out: RequestOutput, now: float) -> None:
+        self._tracks.pop(out.request_id, None)
+        m = out.metrics
+        arrival = m.arrival_time if m is not None else now
+        if m is not None and m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - arrival))
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.e2e.observe(now - arrival)
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_success["stop"].inc()
 
 
 class _EngineProcessCollector(ProcessCollector):
