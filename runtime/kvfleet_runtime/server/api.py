@@ -511,16 +511,8 @@ class _GenerationCall:
         return JSONResponse(self.response(finals))
 
     def truncated(self, ids: list[int]) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len)."""
-        k = self.body.truncate_prompt_tokens
-        if k is None:
-            return ids
-        if k < -1 or k == 0:
-            raise p.OpenAIError(f"truncate_prompt_tokens must be -1 or an integer >= 1; got {k}",
-                                param="truncate_prompt_tokens")
-        if k == -1:
-            k = self.state.engine.config.max_model_len
-        return ids[-k:]
+        return p.truncate_prompt(ids, self.body.truncate_prompt_tokens,
+                                 self.state.engine.config.max_model_len)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, field: str) -> int:
         """The completion budget; 400 naming the lengths when it does not fit."""

@@ -61,12 +61,7 @@ async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: An
             if any(not 0 <= t < vocab for t in item):
                 raise p.OpenAIError(f"input token ids must be in [0, {vocab})", param="input")
             ids = list(item)
-        k = body.truncate_prompt_tokens
-        if k is not None:
-            if k < -1 or k == 0:
-                raise p.OpenAIError(f"truncate_prompt_tokens must be -1 or an integer >= 1; "
-                                    f"got {k}", param="truncate_prompt_tokens")
-            ids = ids[-(max_len if k == -1 else k):]
+        ids = p.truncate_prompt(ids, body.truncate_prompt_tokens, max_len)
         if len(ids) >= max_len:     # (the engine's one-step request needs a slot past it)
             raise p.OpenAIError(
                 f"This model's maximum context length is {max_len} tokens; input {i} has "

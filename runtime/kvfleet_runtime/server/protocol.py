@@ -60,6 +60,17 @@ def error_body(message: str, *, err_type: str, param: str | None = None,
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len; None:
+    all of them); a 400 naming the field for another value."""
+    if k is None:
+        return ids
+    if k < -1 or k == 0:
+        raise OpenAIError(f"truncate_prompt_tokens must be -1 or an integer >= 1; got {k}",
+                          param="truncate_prompt_tokens")
+    return ids[-(max_model_len if k == -1 else k):]
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
