@@ -10,6 +10,7 @@ The server's output goes to a log file whose tail is put into every failure; kee
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
@@ -71,6 +73,12 @@ class ServerProcess:
                    for sample in family.samples
                    if sample.name == name
                    and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+    def idle(self) -> bool:
+        """Nothing running, nothing waiting, no KV block held."""
+        return (self.metric("kvfleet_num_requests_running") == 0
+                and self.metric("kvfleet_num_requests_waiting") == 0
+                and self.metric("kvfleet_kv_cache_usage_perc") == 0)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Signal our PID; SIGKILL it if it outlives timeout. Returns the exit code."""
@@ -143,3 +151,34 @@ def spawned_child(pid: int) -> int:
                 for c in (task / "children").read_text().split()]
     (child,) = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     return child
+
+
+@dataclass
+class LeftStream:
+    """What a client saw before it left a stream, and how the request ended."""
+    lines: list[str]
+    running: float              # kvfleet_num_requests_running while the client still read
+    kv_cache_usage: float
+    seconds_until_idle: float   # from closing the connection
+
+
+def leave_mid_stream(server: ServerProcess, path: str, body: dict, lines: int) -> LeftStream:
+    """Read a stream's first `lines` lines, read the metrics, close the connection: the request
+    must end as an abort (one more kvfleet_request_success_total{finished_reason="abort"})."""
+    aborted = server.metric("kvfleet_request_success_total", finished_reason="abort")
+    with httpx.Client(base_url=server.base_url, timeout=60) as http, \
+            http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        # held until the connection closes: an iterator dropped early closes it (its generator's
+        # cleanup), and the metrics below would race the abort
+        stream = r.iter_lines()
+        got = list(itertools.islice(stream, lines))
+        running = server.metric("kvfleet_num_requests_running")
+        usage = server.metric("kvfleet_kv_cache_usage_perc")
+    left = time.monotonic()
+    while not server.idle():
+        assert time.monotonic() - left < 10.0, server.metrics()
+        time.sleep(0.05)
+    idle = time.monotonic() - left
+    assert server.metric("kvfleet_request_success_total", finished_reason="abort") == aborted + 1
+    return LeftStream(got, running, usage, idle)
