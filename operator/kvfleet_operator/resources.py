@@ -174,14 +174,18 @@ def pulled_adapters(spec: LLMServiceSpec) -> list[AdapterSpec]:
     return [a for a in spec.adapters if a.scheme in ("s3", "hf")]
 
 
-def pull_command(spec: LLMServiceSpec, source: str, dest: str) -> list[str]:
-    """`kvfleet pull SOURCE DEST`, with the spec's S3 options for an s3:// SOURCE."""
+def pull_command(spec: LLMServiceSpec, source: str, dest: str, *,
+                 include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[str]:
+    """`kvfleet pull SOURCE DEST`, with the spec's S3 options for an s3:// SOURCE and one
+    `--include GLOB` / `--exclude GLOB` per glob."""
     command = ["kvfleet", "pull", source, dest]
     s3 = spec.s3 if uri_scheme(source) == "s3" else None
     if s3 and s3.region:
         command += ["--region", s3.region]
     if s3 and s3.insecure:
         command += ["--no-verify-ssl"]
+    for option, globs in (("--include", include), ("--exclude", exclude)):
+        command += [arg for glob in globs for arg in (option, glob)]
     return command
 
 
@@ -333,11 +337,12 @@ def _runtime_container(spec: LLMServiceSpec) -> dict[str, Any]:
     return container
 
 
-def _pull_container(spec: LLMServiceSpec, name: str, source: str, dest: str) -> dict[str, Any]:
+def _pull_container(spec: LLMServiceSpec, name: str, source: str, dest: str, *,
+                    include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         "name": name,
         "image": spec.image,
-        "command": pull_command(spec, source, dest),
+        "command": pull_command(spec, source, dest, include=include, exclude=exclude),
         "env": pull_env(spec, source),
         "securityContext": _container_security_context(),
         "volumeMounts": _volume_mounts(spec, read_only_models=False),
@@ -345,11 +350,13 @@ def _pull_container(spec: LLMServiceSpec, name: str, source: str, dest: str) -> 
 
 
 def _pull_containers(spec: LLMServiceSpec) -> list[dict[str, Any]]:
-    """The model's pull, then one per pulled adapter (init containers run in order)."""
+    """The model's pull (with the spec's globs), then one per pulled adapter (init containers run
+    in order). The globs are part of the pod template, so changing them rolls the Deployment."""
     containers = []
     source = pull_source(spec)
     if source is not None:
-        containers.append(_pull_container(spec, "pull-model", source, MODELS_DIR))
+        containers.append(_pull_container(spec, "pull-model", source, MODELS_DIR,
+                                          include=spec.model.include, exclude=spec.model.exclude))
     containers += [_pull_container(spec, f"pull-adapter-{a.name}", a.uri, adapter_path(spec, a))
                    for a in pulled_adapters(spec)]
     return containers

@@ -29,6 +29,7 @@ MODEL_SCHEMES = ("s3://", "hf://", "pvc://", "/")
 # ("pull-adapter-" + name, at most 63 characters).
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?$")
 MAX_ADAPTERS = 64
+MAX_GLOBS = 64  # per list of spec.model.include / exclude (the CRD's maxItems)
 # The same pattern the Kubernetes OpenAPI uses for resource.Quantity strings.
 QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 # A Service name is a DNS-1035 label, and every child is named after the LLMService.
@@ -51,6 +52,10 @@ class ModelSpec:
     uri: str
     name: str
     revision: str | None = None
+    # `kvfleet pull --include/--exclude` globs: include replaces the pull's default file choice,
+    # exclude narrows it (only for a model the init container pulls: s3:// or hf://)
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
 
     @property
     def scheme(self) -> str:
@@ -233,6 +238,26 @@ def _uri(raw: Mapping[str, Any], path: str) -> str:
     return uri
 
 
+def _globs(raw: Mapping[str, Any], key: str, uri: str) -> tuple[str, ...]:
+    """spec.model.include / exclude: a list of non-empty globs, each handed to `kvfleet pull` as
+    `--KEY GLOB` (so none may start with '-', which the pull would read as an option)."""
+    path = f"spec.model.{key}"
+    globs = _get(raw, key, "spec.model", list, [])
+    if len(globs) > MAX_GLOBS:
+        raise SpecError(f"{path} holds at most {MAX_GLOBS} globs; got {len(globs)}")
+    for i, glob in enumerate(globs):
+        if not isinstance(glob, str) or not glob:
+            raise SpecError(f"{path}[{i}] must be a non-empty string (a glob such as '*.safetensors'); "
+                            f"got {glob!r}")
+        if glob.startswith("-"):
+            raise SpecError(f"{path}[{i}] must not start with '-' (kvfleet pull would read it as an "
+                            f"option); got {glob!r}")
+    if globs and uri_scheme(uri) not in ("s3", "hf"):
+        raise SpecError(f"{path} is for an s3:// or hf:// model.uri (a model the init container "
+                        f"pulls); got uri {uri!r}")
+    return tuple(globs)
+
+
 def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     raw = _get(spec, "model", "spec", dict)
     if raw is None:
@@ -245,7 +270,8 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     last = uri.rstrip("/").rsplit("/", 1)[-1]
     name = _get(raw, "name", "spec.model", str) or (last.partition("@")[0] if uri.startswith("hf://")
                                                     else last)
-    return ModelSpec(uri=uri, name=name, revision=revision)
+    return ModelSpec(uri=uri, name=name, revision=revision,
+                     include=_globs(raw, "include", uri), exclude=_globs(raw, "exclude", uri))
 
 
 def _parse_adapters(spec: Mapping[str, Any], model: ModelSpec) -> tuple[AdapterSpec, ...]:

@@ -20,7 +20,14 @@ import kubernetes_validate
 import pytest
 from kvfleet_operator.spec import parse_spec
 from kvfleet_operator.status import CONDITION_TYPES
-from operator_harness import BAD_SPECS, EXAMPLES, BadSpec, example_docs, load_crd
+from operator_harness import (
+    BAD_SPECS,
+    EXAMPLES,
+    BadSpec,
+    example_docs,
+    load_crd,
+    minimal_llmservice,
+)
 
 KUBERNETES_VERSION = "1.37.0"
 CRD = load_crd()
@@ -83,7 +90,7 @@ def test_every_cel_rule_compiles_and_has_a_message():
     rules = [rule for _, rule, _ in cel_rules(SCHEMA, apply_defaults(SCHEMA, {
         "spec": {"model": {"uri": "s3://b/m"}, "autoscaling": {}, "cache": {}, "engine": {},
                  "adapters": []}}))]
-    assert len(rules) == 10
+    assert len(rules) == 11
     for rule in rules:
         CEL.compile(rule["rule"])
         assert rule["message"]
@@ -106,6 +113,17 @@ def test_bad_llmservices_are_rejected_with_the_right_message(bad: BadSpec):
     errors = admit(bad.body())
     assert errors, f"{bad.id} was admitted"
     assert any(bad.crd_error in error for error in errors), errors
+
+
+def test_pull_globs_are_admitted_for_a_pulled_model_and_empty_lists_anywhere():
+    globs = {"include": ["*.safetensors", "*.json", "tokenizer*"], "exclude": ["original/*"]}
+    for uri in ("hf://meta-llama/Llama-3.1-8B-Instruct", "s3://models/llama"):
+        assert admit(minimal_llmservice(model={"uri": uri, **globs})) == []
+    # an empty list asks for nothing, so it passes on a model that is not pulled (as in spec.py)
+    empty = minimal_llmservice(model={"uri": "pvc://weights/llama", "include": [], "exclude": []})
+    assert admit(empty) == []
+    assert parse_spec(empty).model.include == ()
+    assert admit(minimal_llmservice(model={"uri": "s3://m/l", "include": ["*"] * 65})) != []
 
 
 def test_status_and_scale_subresources_point_at_schema_fields():

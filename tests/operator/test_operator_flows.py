@@ -435,3 +435,61 @@ def test_invalid_adapters_degrade_with_invalid_spec_and_create_nothing(cluster, 
     assert condition(get(cluster, LLMS), "Ready")["status"] == "False"
     assert "adapters" not in get(cluster, LLMS)["status"]
     assert cluster.list(*DEPLOYMENTS, NS) == [] and cluster.list(*SERVICES, NS) == []
+
+
+def model_pull_globs(cluster: KubeCluster) -> list[str]:
+    """The --include / --exclude options of the model's pull, in order."""
+    (pull,) = [c for c in pod_template_spec(cluster)["initContainers"] if c["name"] == "pull-model"]
+    command = pull["command"]
+    return [arg for i, arg in enumerate(command) if arg in ("--include", "--exclude")
+            or command[i - 1] in ("--include", "--exclude")]
+
+
+def test_model_globs_reach_the_pull_and_a_changed_list_rolls_the_deployment(cluster, operator):
+    secret, service = example()
+    service["spec"]["model"].update(include=["*.safetensors", "*.json"], exclude=["original/*"])
+    cluster.create(secret, "secrets")
+    cluster.create(service, "llmservices")
+
+    wait_for(lambda: get(cluster, DEPLOYMENTS), what="the Deployment")
+    assert model_pull_globs(cluster) == [
+        "--include", "*.safetensors", "--include", "*.json", "--exclude", "original/*"]
+    generation = get(cluster, DEPLOYMENTS)["metadata"]["generation"]
+
+    # A merge patch replaces a list whole: tokenizer files join the pull, original/ stays out.
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {"model": {
+        "include": ["*.safetensors", "*.json", "tokenizer.model"]}}})
+    wait_for(lambda: "tokenizer.model" in model_pull_globs(cluster), what="the new include list")
+    assert model_pull_globs(cluster) == [
+        "--include", "*.safetensors", "--include", "*.json", "--include", "tokenizer.model",
+        "--exclude", "original/*"]
+    assert get(cluster, DEPLOYMENTS)["metadata"]["generation"] > generation  # a new rollout
+    generation = get(cluster, DEPLOYMENTS)["metadata"]["generation"]
+
+    # Both lists dropped: the pull's own default choice again.
+    cluster.patch(*LLMS, NS, "llama-8b", {"spec": {"model": {"include": None, "exclude": None}}})
+    wait_for(lambda: model_pull_globs(cluster) == [], what="the globs to go")
+    assert get(cluster, DEPLOYMENTS)["metadata"]["generation"] > generation
+    wait_for(lambda: (get(cluster, LLMS)["status"] or {}).get("observedGeneration") == 3,
+             what="observedGeneration 3")
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"include": ["*.safetensors", ""]}, "spec.model.include[1] must be a non-empty string"),
+    ({"exclude": ["-x"]}, "spec.model.exclude[0] must not start with '-'"),
+    ({"uri": "pvc://weights/llama", "include": ["*.json"]},
+     "spec.model.include is for an s3:// or hf:// model.uri"),
+], ids=["empty-glob", "option-like-glob", "pvc-model"])
+def test_invalid_model_globs_degrade_with_invalid_spec_and_create_nothing(cluster, operator, model,
+                                                                          message):
+    secret, service = example()
+    service["spec"]["model"].update(model)
+    if service["spec"]["model"]["uri"].startswith("pvc://"):
+        service["spec"].pop("s3")
+    cluster.create(secret, "secrets")
+    cluster.create(service, "llmservices")
+    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
+                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    assert degraded["reason"] == "InvalidSpec"
+    assert message in degraded["message"]
+    assert cluster.list(*DEPLOYMENTS, NS) == [] and cluster.list(*SERVICES, NS) == []

@@ -300,3 +300,20 @@ def test_changing_the_adapters_changes_the_pod_template():
     after = build_deployment(parse_spec(body))["spec"]["template"]
     assert before != after  # a new template: the Deployment rolls
     assert [c["name"] for c in after["spec"]["initContainers"]] == ["pull-model", "pull-adapter-sql"]
+
+
+def test_model_globs_reach_the_model_pull_as_include_and_exclude_options_and_no_adapter_pull():
+    spec = spec_of(model={"uri": "s3://models/llama", "include": ["*.safetensors", "*.json"],
+                          "exclude": ["original/*"]},
+                   s3={"region": "eu-1"}, adapters=[{"name": "sql", "uri": "s3://adapters/sql"}])
+    model_pull, adapter_pull = (c["command"] for c in pod_spec(spec)["initContainers"])
+    assert model_pull == ["kvfleet", "pull", "s3://models/llama", "/models", "--region", "eu-1",
+                          "--include", "*.safetensors", "--include", "*.json", "--exclude", "original/*"]
+    assert adapter_pull == ["kvfleet", "pull", "s3://adapters/sql", "/adapters/sql", "--region", "eu-1"]
+    hf = spec_of(model={"uri": "hf://org/model", "revision": "v2", "exclude": ["*.gguf"]})
+    assert pod_spec(hf)["initContainers"][0]["command"][2:] == ["hf://org/model@v2", "/models",
+                                                                "--exclude", "*.gguf"]
+    # a changed list changes the pod template, so the Deployment rolls
+    narrower = spec_of(model={"uri": "s3://models/llama", "include": ["*.safetensors"]},
+                       s3={"region": "eu-1"}, adapters=[{"name": "sql", "uri": "s3://adapters/sql"}])
+    assert pod_spec(narrower) != pod_spec(spec)

@@ -33,7 +33,8 @@ FULL = minimal_llmservice(
             "kvCacheDtype": "fp8_e4m3", "admissionHeadroom": 256},
     resources={"gpus": 2})
 LORA = minimal_llmservice(
-    model={"uri": "s3://bucket/llama", "name": "llama"},
+    model={"uri": "s3://bucket/llama", "name": "llama", "include": ["*.safetensors", "*.json"],
+           "exclude": ["original/*", "*.pth"]},
     s3={"endpoint": "http://s3:8333", "region": "eu-1", "insecure": True},
     adapters=[{"name": "sql", "uri": "s3://bucket/llama-sql"},
               {"name": "chat-de", "uri": "/opt/adapters/chat-de"}],
@@ -84,6 +85,9 @@ def test_every_pull_command_parses_to_the_spec(body):
     assert [(args.command, args.source, args.dest) for args in parsed] == \
         [("pull", source, dest) for source, dest in expected]
     assert {(args.region, args.verify_ssl) for args in parsed} == {("eu-1", False)}
+    # the model's globs reach its pull only; an adapter's pull takes every file
+    assert [(tuple(args.include), tuple(args.exclude)) for args in parsed] == \
+        [(spec.model.include, spec.model.exclude)] + [((), ())] * (len(parsed) - 1)
     assert pull_command(spec, "s3://b/p", "/x")[:4] == ["kvfleet", "pull", "s3://b/p", "/x"]
 
 
@@ -131,6 +135,38 @@ def test_init_containers_pull_a_gated_hf_model_and_adapter_with_the_secrets_toke
     assert (tmp_path / "models" / "config.json").read_bytes() == b"{}"
     assert {p.name for p in (tmp_path / "adapters" / "sql").iterdir() if not p.name.startswith(".kvfleet")} == \
         {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def test_the_model_pull_takes_exactly_the_files_the_spec_globs_choose(tmp_path):
+    """The init container's command run against the Hub's stand-in: include replaces the default
+    choice (original/ comes along), exclude narrows it (no *.pth)."""
+    import subprocess
+    import sys
+
+    from support.hub import HubServer
+
+    hub = HubServer()
+    try:
+        hub.create_repo("meta-llama/Tiny", {"config.json": b"{}", "model.safetensors": b"\0" * 4096,
+                                            "README.md": b"# tiny",
+                                            "original/params.json": b"{}",
+                                            "original/consolidated.00.pth": b"\1" * 4096})
+        spec = parse_spec(minimal_llmservice(model={
+            "uri": "hf://meta-llama/Tiny", "include": ["*.json", "*.safetensors", "original/*"],
+            "exclude": ["*.pth"]}, hf={"endpoint": hub.url}))
+        (init,) = build_deployment(spec)["spec"]["template"]["spec"]["initContainers"]
+        command = init["command"]
+        env = {**hub.env(), **{e["name"]: e["value"] for e in init["env"]}, "HOME": str(tmp_path)}
+        pulled = subprocess.run([sys.executable, "-m", "kvfleet_runtime.cli", "pull", command[2],
+                                 str(tmp_path) + command[3], *command[4:]],
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert pulled.returncode == 0, pulled.stderr
+    finally:
+        hub.stop()
+    models = tmp_path / "models"
+    assert sorted(str(p.relative_to(models)) for p in models.rglob("*")
+                  if p.is_file() and not p.relative_to(models).parts[0].startswith(".kvfleet")) == \
+        ["config.json", "model.safetensors", "original/params.json"]
 
 
 @pytest.mark.slow

@@ -88,6 +88,15 @@ def test_hf_token_secret_is_read_for_an_hf_model_or_adapter():
     assert parse_spec(minimal_llmservice(model={"uri": "hf://org/m"})).hf is None
 
 
+def test_pull_globs_are_read_in_order_for_an_s3_or_hf_model():
+    spec = parse_spec(minimal_llmservice(model={"uri": "hf://org/m", "include": ["*.safetensors", "*.json"],
+                                                "exclude": ["original/*"]}))
+    assert (spec.model.include, spec.model.exclude) == (("*.safetensors", "*.json"), ("original/*",))
+    s3 = parse_spec(minimal_llmservice(model={"uri": "s3://b/m", "exclude": ["*.bin"]})).model
+    assert (s3.include, s3.exclude) == ((), ("*.bin",))
+    assert parse_spec(minimal_llmservice()).model.include == ()
+
+
 @pytest.mark.parametrize("bad", BAD_SPECS, ids=lambda b: b.id)
 def test_bad_specs_raise_errors_naming_the_field(bad: BadSpec):
     with pytest.raises(SpecError) as error:
@@ -101,6 +110,10 @@ def test_bad_specs_raise_errors_naming_the_field(bad: BadSpec):
     ({"metadata": {"name": "ok", "namespace": "d"}}, "spec is required"),
     (minimal_llmservice(replicas=True), "spec.replicas must be an integer; got True"),
     (minimal_llmservice(engine={"extraArgs": [1]}), "spec.engine.extraArgs must be a list of strings"),
+    (minimal_llmservice(model={"uri": "s3://b/m", "include": ["*.json", 7]}),
+     "spec.model.include[1] must be a non-empty string (a glob such as '*.safetensors'); got 7"),
+    (minimal_llmservice(model={"uri": "s3://b/m", "exclude": ["*"] * 65}),
+     "spec.model.exclude holds at most 64 globs; got 65"),
 ])
 def test_shapes_the_schema_would_stop_are_caught_too(body, message):
     with pytest.raises(SpecError, match=re.escape(message)):
