@@ -23,6 +23,7 @@ _EXPORTS = {
     "LoRARequest": "kvfleet_runtime.lora",
     "PoolingParams": "kvfleet_runtime.pooling",
     "EmbeddingRequestOutput": "kvfleet_runtime.pooling",
+    "ScoringRequestOutput": "kvfleet_runtime.pooling",
 }
 __all__ = list(_EXPORTS)
 

@@ -15,7 +15,12 @@ from kvfleet_runtime.pooling import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine,
     embedding_sampling_params,
+    pair_prompt,
+    score_pairs,
 )
 from kvfleet_runtime.sampling_params import SamplingParams
 
@@ -142,6 +147,30 @@ class LLM:
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
                                        out.prompt_token_ids, out.finished)
                 for out in self.generate(prompts, params, lora_request)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Each (data_1, data_2) pair's score (vLLM's LLM.score): one text against one or
+        many, or two lists pair by pair. A cross-encoder (config classifier_from_token, e.g.
+        Qwen3-Reranker) runs each pair as one prompt and gives the probability of its last
+        token; any other model gives the cosine similarity of the two texts' embeddings
+        (kvfleet_runtime/pooling.py)."""
+        pairs = score_pairs(data_1, data_2)
+        tok = self.engine.tokenizer
+        if self.engine.pooler.cross_encoder:
+            params = embedding_sampling_params(PoolingParams(task="score"))
+            outs = self.generate([pair_prompt(tok, a, b) for a, b in pairs], params,
+                                 lora_request)
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[0]),
+                                         out.prompt_token_ids, out.finished) for out in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.embed(texts, lora_request=lora_request), strict=True))
+        return [ScoringRequestOutput(
+                    f"{embedded[a].request_id}-{embedded[b].request_id}",
+                    ScoringOutput(cosine(embedded[a].outputs.embedding,
+                                         embedded[b].outputs.embedding)),
+                    embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
+                for a, b in pairs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,

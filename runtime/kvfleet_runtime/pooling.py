@@ -9,23 +9,41 @@ gte-Qwen2, e5-mistral) and what vLLM's `--convert embed` gives a causal LM. A mo
 sentence-transformers' `modules.json` says its pooling there: last-token is served (mean and CLS
 pooling are refused: a prefix-cached prompt's earlier positions are never computed) and its
 `Normalize` module, or its absence, decides the normalisation.
+
+Scoring (vLLM's `score` task: `LLM.score`, the server's `/score` and `/rerank`) takes one of two
+ways, by the model. A cross-encoder made from a causal LM (vLLM's `classifier_from_token`:
+Qwen3-Reranker served with `--hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
+"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'`) scores a
+(query, document) pair run as one prompt from its last position's logits of those tokens:
+sigmoid(logit(yes) - logit(no)) for two, sigmoid(logit) for one. Any other model scores by the
+cosine similarity of the two texts' embeddings.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+TASKS = ("embed", "score")
 
 
 @dataclass
 class PoolingParams:
     """normalize: L2-normalise the embedding (None: the model's pooling config says; default
-    yes). dimensions: keep the first N values (Matryoshka models), then normalise."""
+    yes). dimensions: keep the first N values (Matryoshka models), then normalise. task "score":
+    a cross-encoder's relevance of the prompt (a query and a document run as one), as a
+    one-value output; only for a model whose config names classifier_from_token.
+    classifier_token_ids: set by the engine for such a request (PoolerConfig.resolve)."""
     normalize: bool | None = None
     dimensions: int | None = None
+    task: str = "embed"
+    classifier_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.dimensions is not None and (
                 not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
                 or self.dimensions < 1):
@@ -35,19 +53,26 @@ class PoolingParams:
 @dataclass(frozen=True)
 class PoolerConfig:
     """How a model pools (from its folder): last token only; normalize by default or not;
-    matryoshka: whether `dimensions` may shorten its embeddings; refused: why it cannot embed."""
+    matryoshka: whether `dimensions` may shorten its embeddings; refused: why it cannot embed.
+    classifier_token_ids: a cross-encoder's tokens (its config's classifier_from_token), whose
+    logits score a pair; empty: the model scores by embeddings' cosine similarity.
+    classifier_refused: why its classifier_from_token cannot score."""
     normalize: bool = True
     matryoshka: bool = False
     refused: str | None = None
+    classifier_token_ids: tuple[int, ...] = ()
+    classifier_refused: str | None = None
 
     @classmethod
-    def of(cls, model_dir: str | Path | None, hf_config: dict | None = None) -> PoolerConfig:
+    def of(cls, model_dir: str | Path | None, hf_config: dict | None = None,
+           tokenizer=None) -> PoolerConfig:
         hf_config = hf_config or {}
         matryoshka = bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions"))
+        classifier = _classifier(hf_config.get("classifier_from_token"), tokenizer)
         folder = Path(model_dir) if model_dir else None
         modules_file = folder / "modules.json" if folder is not None and folder.is_dir() else None
         if modules_file is None or not modules_file.exists():
-            return cls(matryoshka=matryoshka)
+            return cls(matryoshka=matryoshka, **classifier)
         modules = json.loads(modules_file.read_text())
         kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
         refused = None
@@ -61,10 +86,24 @@ class PoolerConfig:
                 refused = (f"this model pools by {', '.join(modes) or 'nothing'} "
                            "(sentence-transformers' modules.json); only last-token pooling is "
                            "served")
-        return cls(normalize="Normalize" in kinds, matryoshka=matryoshka, refused=refused)
+        return cls(normalize="Normalize" in kinds, matryoshka=matryoshka, refused=refused,
+                   **classifier)
+
+    @property
+    def cross_encoder(self) -> bool:
+        """Scores a pair run as one prompt (classifier_from_token), not by cosine similarity."""
+        return bool(self.classifier_token_ids) or self.classifier_refused is not None
 
     def check(self, params: PoolingParams, hidden_size: int) -> None:
         """ValueError (naming the field) for what this model cannot give."""
+        if params.task == "score":
+            if self.classifier_refused is not None:
+                raise ValueError(self.classifier_refused)
+            if not self.classifier_token_ids:
+                raise ValueError("task 'score' needs a cross-encoder (its config's "
+                                 "classifier_from_token); this model scores by the cosine "
+                                 "similarity of embeddings")
+            return
         if self.refused is not None:
             raise ValueError(self.refused)
         if params.dimensions is not None:
@@ -77,10 +116,32 @@ class PoolerConfig:
                                  f"({hidden_size}); got {params.dimensions}")
 
     def resolve(self, params: PoolingParams) -> PoolingParams:
-        """params with normalize filled from this config."""
+        """params with normalize (an embedding) or the classifier's tokens (a score) filled from
+        this config."""
+        if params.task == "score":
+            return PoolingParams(task="score", classifier_token_ids=self.classifier_token_ids)
         if params.normalize is not None:
             return params
         return PoolingParams(normalize=self.normalize, dimensions=params.dimensions)
+
+
+def _classifier(tokens, tokenizer) -> dict:
+    """PoolerConfig's classifier fields from a config's classifier_from_token."""
+    if tokens is None:
+        return {}
+    if (not isinstance(tokens, list) or not 1 <= len(tokens) <= 2
+            or not all(isinstance(t, str) for t in tokens)):
+        return {"classifier_refused": "classifier_from_token must list one or two tokens (a "
+                                      f"score from their logits); got {tokens!r}"}
+    if tokenizer is None:
+        return {"classifier_refused": "classifier_from_token needs the model's tokenizer"}
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    unknown = [t for t, i in zip(tokens, ids, strict=True)
+               if i is None or tokenizer.convert_ids_to_tokens(i) != t]
+    if unknown:
+        return {"classifier_refused": f"classifier_from_token: {unknown} not tokens of this "
+                                      "model's vocabulary"}
+    return {"classifier_token_ids": tuple(ids)}
 
 
 def embedding_sampling_params(pooling: PoolingParams):
@@ -90,9 +151,43 @@ def embedding_sampling_params(pooling: PoolingParams):
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=pooling)
 
 
-def pool(hidden, params: PoolingParams) -> list[float]:
-    """One embedding from a last position's hidden state (a 1-D tensor, on any device)."""
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing of score inputs: one text with one or many (1:N), or two lists of one
+    length, pair by pair (N:N). A ValueError names the side that does not fit."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError(f"{'text_1' if not first else 'text_2'} must not be empty")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"text_1 must hold one text or as many as text_2 ({len(second)}); "
+                         f"got {len(first)}")
+    return list(zip(first, second, strict=True))
+
+
+def pair_prompt(tokenizer, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
+    """A cross-encoder's prompt: the two texts as the tokenizer joins a text pair."""
+    return tokenizer(text=first, text_pair=second,
+                     add_special_tokens=add_special_tokens).input_ids
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two embeddings' cosine similarity (an embedding model's score)."""
     import torch
+    return torch.nn.functional.cosine_similarity(torch.tensor(a, dtype=torch.float32),
+                                                 torch.tensor(b, dtype=torch.float32),
+                                                 dim=0).item()
+
+
+def pool(hidden, logits, params: PoolingParams) -> list[float]:
+    """One embedding from a last position's hidden state (a 1-D tensor, on any device), or a
+    cross-encoder's score ([p]) from its logits."""
+    import torch
+    if params.classifier_token_ids:
+        x = logits.float()[list(params.classifier_token_ids)]
+        # two tokens: the softmax over them of the second (Qwen3-Reranker's "yes" over "no")
+        return [torch.sigmoid(x[-1] - x[0] if len(x) == 2 else x[0]).item()]
     x = hidden.float()
     if params.dimensions is not None:
         x = x[:params.dimensions]
@@ -108,6 +203,20 @@ class EmbeddingOutput:
     @property
     def hidden_size(self) -> int:
         return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's: one pair's score (LLM.score)."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass

@@ -32,3 +32,28 @@ def test_two_ranks_embed_as_hf(tp_model_dir):
         assert all_blocks_free(llm.engine)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_score_a_cross_encoder_as_hf(tp_model_dir):
+    # the classifier tokens' logits come from the vocab-parallel lm_head gathered on rank 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = tp_model_dir("llama3-gqa")
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    query, docs = "What is the capital of France?", ["Paris, of course. " * 4, "Rome!"]
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    with torch.no_grad():
+        want = []
+        for d in docs:
+            logits = hf(torch.tensor([tok(text=query, text_pair=d).input_ids])).logits[0, -1]
+            want.append(torch.sigmoid(logits[yes] - logits[no]).item())
+    llm = LLM(model=path, tensor_parallel_size=2, dtype="float32", max_num_batched_tokens=16,
+              num_gpu_blocks=32, hf_overrides={"architectures": ["LlamaForSequenceClassification"],
+                                               "classifier_from_token": ["no", "yes"]})
+    try:
+        got = [out.outputs.score for out in llm.score(query, docs)]
+        assert got == pytest.approx(want, abs=1e-5)
+        assert all_blocks_free(llm.engine)
+    finally:
+        llm.engine.shutdown()

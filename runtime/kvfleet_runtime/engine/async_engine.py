@@ -110,6 +110,7 @@ class AsyncLLMEngine:
             self.engine = LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.pooler = self.engine.pooler        # how the model embeds and scores
         self.served_model_name: str = self.engine.served_model_name
         self.max_queued_requests = max_queued_requests
         self.stat_logger = stat_logger

@@ -88,7 +88,7 @@ class LLMEngine:
         self.in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sync_groups: set[str] = set()
         self.final_only: set[str] = set()
-        self._pooler: PoolerConfig | None = None    # the model's pooling: at the first embedding
+        self._pooler: PoolerConfig | None = None    # the model's pooling (self.pooler)
         self._grammar_backend = None     # structured outputs: made at the first such request
         # cumulative step timings: forward_s is the model + sampler, the rest of step_s is host work
         self.step_totals: dict[str, float] = {"steps": 0, "prepare_s": 0.0, "forward_s": 0.0,
@@ -157,11 +157,17 @@ class LLMEngine:
     def pooling_params(self, params: PoolingParams | None = None) -> PoolingParams:
         """An embedding request's params checked against this model's pooling (a ValueError
         says what it cannot give) and completed (normalize, as the model's config says)."""
-        if self._pooler is None:
-            self._pooler = PoolerConfig.of(self.config.model, self.model_config.hf_config)
         params = params if params is not None else PoolingParams()
-        self._pooler.check(params, self.model_config.hidden_size)
-        return self._pooler.resolve(params)
+        self.pooler.check(params, self.model_config.hidden_size)
+        return self.pooler.resolve(params)
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        """How this model embeds and scores (kvfleet_runtime/pooling.py); read once."""
+        if self._pooler is None:
+            self._pooler = PoolerConfig.of(self.config.model, self.model_config.hf_config,
+                                           self.tokenizer)
+        return self._pooler
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter before any request names it (vLLM's add_lora); a

@@ -72,7 +72,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", engine.config, engine.served_model_name, engine.tokenizer,
-               engine.eos_token_ids))
+               engine.eos_token_ids, engine.pooler))
     # messages go up from a thread of their own, so a step never waits on a parent busy with
     # the last one (a full pipe): the next step launches while this one's outputs are sent, and
     # a parent that lags reads several steps at once (_run_reader coalesces them)
@@ -317,7 +317,8 @@ class EngineProcess:
         if message[0] != "ready":
             self.process.join(10)
             raise EngineProcessError(f"the engine process failed to start: {message[1]}")
-        _, self.config, self.served_model_name, self.tokenizer, self.eos_token_ids = message
+        (_, self.config, self.served_model_name, self.tokenizer, self.eos_token_ids,
+         self.pooler) = message
         self._sender.start()
 
     def _recv_ready(self) -> tuple:

@@ -40,6 +40,10 @@ class ModelConfig:
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM",
                                        "mistral": "MistralForCausalLM"}.get(hf.get("model_type"), "")
+        if arch.endswith("ForSequenceClassification") and "classifier_from_token" in hf:
+            # vLLM's cross-encoder from a causal LM (Qwen3-Reranker's recipe): the checkpoint
+            # is the causal LM's, its score read from the logits of those tokens (pooling.py)
+            arch = arch.removesuffix("ForSequenceClassification") + "ForCausalLM"
         heads = hf["num_attention_heads"]
         # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling
         rope = dict(hf.get("rope_parameters") or {})

@@ -56,6 +56,12 @@ from kvfleet_runtime.server.responses import (
     responses_error,
     usage,
 )
+from kvfleet_runtime.server.scoring import (
+    RerankRequest,
+    ScoreRequest,
+    create_rerank,
+    create_score,
+)
 from kvfleet_runtime.server.tools import (
     OpenAIToolError,
     ToolCall,
@@ -313,18 +319,33 @@ def _add_keyed_routes(router: APIRouter) -> None:
         _state(request).responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    @router.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    async def _pooling_call(request: Request, body: Any, create: Any, prefix: str) -> Response:
         state = _state(request)
         lora_request = _check_model(state, body.model)
         try:
-            result = await _unless_disconnected(request, create_embeddings(
-                state, body, lora_request, p.random_id("embd")))
+            result = await _unless_disconnected(request, create(
+                state, body, lora_request, p.random_id(prefix)))
         except (EngineDeadError, EngineQueueFullError) as e:
             raise _engine_error(e) from None
         if result is None:
             return Response(status_code=499)    # nobody is listening any more
         return JSONResponse(result)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _pooling_call(request, body, create_embeddings, "embd")
+
+    # vLLM's scoring routes (kvfleet_runtime/server/scoring.py)
+    @router.post("/score")
+    @router.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await _pooling_call(request, body, create_score, "score")
+
+    @router.post("/rerank")
+    @router.post("/v1/rerank")
+    @router.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await _pooling_call(request, body, create_rerank, "rerank")
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest, request: Request) -> dict[str, Any]:

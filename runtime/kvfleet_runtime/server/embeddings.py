@@ -45,38 +45,43 @@ class EmbeddingRequest(p._Strict):
         return items
 
 
-async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: Any,
-                            request_id: str) -> dict[str, Any]:
-    """The response body; OpenAIError for a bad request (before anything runs where it can be
-    told from the request alone)."""
+def checked_prompt(state: Any, item: str | list[int], what: str, truncate: int | None,
+                   add_special_tokens: bool = True, param: str = "input") -> list[int]:
+    """One pooling input's token ids, truncated as truncate_prompt_tokens says; an OpenAIError
+    naming `param` for ids out of the vocabulary or a prompt too long (`what` names it)."""
     engine = state.engine
-    tokenizer = engine.tokenizer
     max_len = engine.config.max_model_len
-    vocab = len(tokenizer)
-    prompts = []
-    for i, item in enumerate(body.inputs()):
-        if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
-        else:
-            if any(not 0 <= t < vocab for t in item):
-                raise p.OpenAIError(f"input token ids must be in [0, {vocab})", param="input")
-            ids = list(item)
-        ids = p.truncate_prompt(ids, body.truncate_prompt_tokens, max_len)
-        if len(ids) >= max_len:     # (the engine's one-step request needs a slot past it)
-            raise p.OpenAIError(
-                f"This model's maximum context length is {max_len} tokens; input {i} has "
-                f"{len(ids)} (embeddings take at most {max_len - 1}). Shorten it, or set "
-                "truncate_prompt_tokens.", param="input", code="context_length_exceeded")
-        prompts.append(ids)
-    params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
-    engine.check_admission(len(prompts))    # (EngineDeadError, EngineQueueFullError: the caller's)
+    if isinstance(item, str):
+        ids = engine.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+    else:
+        vocab = len(engine.tokenizer)
+        if any(not 0 <= t < vocab for t in item):
+            raise p.OpenAIError(f"{param} token ids must be in [0, {vocab})", param=param)
+        ids = list(item)
+    ids = p.truncate_prompt(ids, truncate, max_len)
+    if len(ids) >= max_len:     # (the engine's one-step request needs a slot past it)
+        raise p.OpenAIError(
+            f"This model's maximum context length is {max_len} tokens; {what} has {len(ids)} "
+            f"(pooling takes at most {max_len - 1}). Shorten it, or set truncate_prompt_tokens.",
+            param=param, code="context_length_exceeded")
+    return ids
+
+
+async def pool_all(state: Any, prompts: list[list[int]], params: PoolingParams,
+                   lora_request: Any, request_id: str) -> list[list[float]]:
+    """Each prompt's pooled output (an embedding, or a cross-encoder's [score]), run through
+    the engine together. The engine's refusal (the model's pooling, dimensions) is an
+    OpenAIError naming `dimensions` or `model`; EngineDeadError and EngineQueueFullError are
+    the caller's."""
+    engine = state.engine
+    engine.check_admission(len(prompts))
 
     async def one(i: int, ids: list[int]) -> EmbeddingRequestOutput:
         async with contextlib.aclosing(engine.encode(
                 ids, params, request_id=f"{request_id}-{i}", lora_request=lora_request)) as outs:
             async for out in outs:
                 return out
-        raise RuntimeError(f"embedding request {request_id}-{i} gave no output")
+        raise RuntimeError(f"pooling request {request_id}-{i} gave no output")
 
     # one task an input; any failure (or this call cancelled: the client left) cancels the
     # others, whose requests the engine then aborts
@@ -90,9 +95,20 @@ async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: An
     finally:
         for t in tasks:
             t.cancel()
-    data = [{"object": "embedding", "index": i,
-             "embedding": _encode(out.outputs.embedding, body.encoding_format)}
-            for i, out in enumerate(outs)]
+    return [out.outputs.embedding for out in outs]
+
+
+async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: Any,
+                            request_id: str) -> dict[str, Any]:
+    """The response body; OpenAIError for a bad request (before anything runs where it can be
+    told from the request alone)."""
+    prompts = [checked_prompt(state, item, f"input {i}", body.truncate_prompt_tokens,
+                              body.add_special_tokens)
+               for i, item in enumerate(body.inputs())]
+    params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
+    embeddings = await pool_all(state, prompts, params, lora_request, request_id)
+    data = [{"object": "embedding", "index": i, "embedding": _encode(e, body.encoding_format)}
+            for i, e in enumerate(embeddings)]
     tokens = sum(len(ids) for ids in prompts)
     return {"object": "list", "data": data, "model": body.model or state.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1,0 +1,108 @@
+"""Scoring (kvfleet_runtime/pooling.py; vLLM's `score` task): `LLM.score` against HF transformers
+on tiny random checkpoints. A cross-encoder made from a causal LM with vLLM's
+`classifier_from_token` recipe (Qwen3-Reranker's) scores a (query, document) pair run as one
+prompt: sigmoid(logit(yes) - logit(no)) at its last position; any other model scores by the
+cosine similarity of the two texts' embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvfleet_runtime import LLM, PoolingParams
+from kvfleet_runtime.pooling import embedding_sampling_params, score_pairs
+from support.engine_ops import all_blocks_free
+
+QUERY = "What is the capital of France?"
+DOCS = ["The capital of France is Paris.", "Reranking is fun!",
+        "vLLM and kvfleet serve models. " * 6]     # (long: a prefill over several steps)
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+
+
+def hf_pair_logits(path: str, pairs: list[tuple[str, str]], tokens: list[str]) -> list[torch.Tensor]:
+    """The causal LM's last-position logits of `tokens` for each pair, joined as the tokenizer
+    joins a text pair."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok.convert_tokens_to_ids(tokens)
+    with torch.no_grad():
+        return [hf(torch.tensor([tok(text=a, text_pair=b).input_ids])).logits[0, -1, ids]
+                for a, b in pairs]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=64,
+               max_num_batched_tokens=16, max_model_len=256, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_cross_encoder_scores_as_hf_logits_of_its_tokens(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    arch_name = {"qwen3": "Qwen3", "llama": "Llama"}[arch]
+    llm = _llm(path, hf_overrides={**RERANKER,
+                                   "architectures": [f"{arch_name}ForSequenceClassification"]})
+    assert llm.engine.pooler.cross_encoder
+    outs = llm.score(QUERY, DOCS)
+    pairs = [(QUERY, d) for d in DOCS]
+    want = [torch.sigmoid(no_yes[1] - no_yes[0]).item()
+            for no_yes in hf_pair_logits(path, pairs, ["no", "yes"])]
+    got = [out.outputs.score for out in outs]
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(got)) == len(got)            # (distinct pairs, distinct scores)
+    tok = llm.engine.tokenizer
+    assert [out.prompt_token_ids for out in outs] == [tok(text=a, text_pair=b).input_ids
+                                                      for a, b in pairs]
+    assert all_blocks_free(llm.engine)
+
+
+def test_one_classifier_token_scores_its_sigmoid(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    llm = _llm(path, hf_overrides={**RERANKER, "classifier_from_token": ["yes"]})
+    (got,) = llm.score(QUERY, DOCS[0])
+    (logit,) = hf_pair_logits(path, [(QUERY, DOCS[0])], ["yes"])
+    assert got.outputs.score == pytest.approx(torch.sigmoid(logit[0]).item(), abs=1e-5)
+
+
+def test_other_models_score_by_cosine_of_embeddings(tiny_model_dir):
+    path = tiny_model_dir("qwen2")
+    llm = _llm(path)
+    assert not llm.engine.pooler.cross_encoder
+    embedded = {t: torch.tensor(e.outputs.embedding) for t, e in
+                zip([QUERY, *DOCS], llm.embed([QUERY, *DOCS]), strict=True)}
+    outs = llm.score([QUERY, DOCS[1]], [DOCS[0], DOCS[2]])      # pair by pair
+    want = [torch.nn.functional.cosine_similarity(embedded[a], embedded[b], dim=0).item()
+            for a, b in [(QUERY, DOCS[0]), (DOCS[1], DOCS[2])]]
+    assert [o.outputs.score for o in outs] == pytest.approx(want, abs=1e-5)
+    assert all_blocks_free(llm.engine)
+
+
+def test_pairing_follows_vllm():
+    assert score_pairs("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert score_pairs(["q"], "a") == [("q", "a")]
+    assert score_pairs(["q", "r"], ["a", "b"]) == [("q", "a"), ("r", "b")]
+    with pytest.raises(ValueError, match="text_1 must hold one text or as many as text_2"):
+        score_pairs(["q", "r"], ["a", "b", "c"])
+    with pytest.raises(ValueError, match="text_2 must not be empty"):
+        score_pairs("q", [])
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (["no", "zzzqqq"], r"\['zzzqqq'\] not tokens of this model's vocabulary"),
+    (["a", "b", "c"], "must list one or two tokens"),
+    ("yes", "must list one or two tokens"),
+])
+def test_a_bad_classifier_from_token_is_refused_by_name(tiny_model_dir, tokens, message):
+    llm = _llm(tiny_model_dir("qwen3"),
+               hf_overrides={**RERANKER, "classifier_from_token": tokens})
+    with pytest.raises(ValueError, match=message):
+        llm.score(QUERY, DOCS[0])
+    assert all_blocks_free(llm.engine)
+
+
+def test_a_score_request_on_an_embedding_model_says_it_scores_by_cosine(tiny_model_dir):
+    llm = _llm(tiny_model_dir("qwen3"))
+    with pytest.raises(ValueError, match="scores by the cosine similarity"):
+        llm.generate([QUERY], embedding_sampling_params(PoolingParams(task="score")))
+    with pytest.raises(ValueError, match="task must be one of embed, score"):
+        PoolingParams(task="classify")
