@@ -58,6 +58,9 @@ def _positive(name: str, value: int | None) -> None:
 @dataclass
 class EngineConfig:
     model: str = ""
+    # the model as given when it was pulled (a Hub id, hf://..., s3://...): `model` is then its
+    # cache folder (model_source.resolve_config); /v1/models shows this as the root, as vLLM
+    model_source: str | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"

@@ -107,7 +107,7 @@ def resolve_config(config) -> None:
     to transformers, which fetches only the tokenizer.)"""
     path, name = resolve(config.model)
     if name is not None:
-        config.model = path
+        config.model_source, config.model = config.model, path
         config.served_model_name = config.served_model_name or name
 
 

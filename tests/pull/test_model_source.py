@@ -121,7 +121,11 @@ def test_serve_a_hub_revision_under_its_repo_id_with_hub_adapters(hub: HubServer
                             json={"lora_name": "chat", "lora_path": "hf://kvfleet-test/chat-lora"})
         assert loaded.status_code == 200, loaded.text
         client = OpenAI(base_url=server.openai_base_url, api_key="unused")
-        assert [m.id for m in client.models.list().data] == [REPO, "sql", "chat"]
+        cards = client.models.list().data
+        assert [m.id for m in cards] == [REPO, "sql", "chat"]
+        # the roots as given, not their cache folders (vLLM's)
+        assert [m.root for m in cards] == [f"hf://{REPO}@v1", "kvfleet-test/sql-lora",
+                                           "hf://kvfleet-test/chat-lora"]
         texts = {}
         for model in (REPO, "sql", "chat"):
             out = client.completions.create(model=model, prompt="hello", max_tokens=4, temperature=0,
@@ -150,6 +154,7 @@ def test_an_s3_model_is_pulled_and_named_after_its_prefix(s3: S3Server, uploaded
     config = EngineConfig(model=uploaded, max_num_seqs=2, num_gpu_blocks=16)
     model_source.resolve_config(config)
     assert config.model == str(tmp_path / "cache/s3/models/tiny-llama")
+    assert config.model_source == uploaded
     assert config.served_model_name == "tiny-llama"
     assert _greedy(uploaded) == _greedy(str(checkpoint))
 

@@ -31,8 +31,10 @@ def test_every_engine_knob_is_a_flag() -> None:
     register(subparsers)
     usage = subparsers.choices["serve"].format_help()
     for f in dataclasses.fields(EngineConfig):
-        if f.name not in ("served_model_name", "extra"):     # --served-model-name is a list
+        # --served-model-name is a list; model_source is set by the pull, not a flag
+        if f.name not in ("served_model_name", "extra", "model_source"):
             assert "--" + f.name.replace("_", "-") in usage
+    assert "--model-source" not in usage
 
 
 def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

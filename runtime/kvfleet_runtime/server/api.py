@@ -80,9 +80,11 @@ logger = logging.getLogger("kvfleet.serve")
 @dataclass(frozen=True)
 class LoRAAdapter:
     """A --lora-modules adapter: requests naming it as their model run with its LoRARequest;
-    parent: the served name of the base model it adapts (/v1/models)."""
+    parent: the served name of the base model it adapts (/v1/models); root: its path as given
+    (a Hub id, hf://, s3://; None: request.lora_path, the folder read)."""
     request: LoRARequest
     parent: str
+    root: str | None = None
 
     @property
     def name(self) -> str:
@@ -283,13 +285,14 @@ def _add_open_routes(router: APIRouter) -> None:
 def _add_keyed_routes(router: APIRouter) -> None:
     @router.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        # vLLM's cards: the base model's root is its folder; an adapter's is its own folder,
-        # and its parent the served name it adapts
+        # vLLM's cards: the base model's root is the model as given (a Hub id, a remote URL, a
+        # folder); an adapter's is its own path, and its parent the served name it adapts
         state = _state(request)
         config = state.engine.config
-        cards = [p.ModelCard(id=name, root=config.model, max_model_len=config.max_model_len)
+        root = config.model_source or config.model
+        cards = [p.ModelCard(id=name, root=root, max_model_len=config.max_model_len)
                  for name in state.served_model_names]
-        cards += [p.ModelCard(id=a.name, root=a.request.lora_path, parent=a.parent,
+        cards += [p.ModelCard(id=a.name, root=a.root or a.request.lora_path, parent=a.parent,
                               max_model_len=config.max_model_len)
                   for a in state.lora_adapters.values()]
         return {"object": "list", "data": [c.model_dump() for c in cards]}

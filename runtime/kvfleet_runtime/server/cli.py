@@ -87,7 +87,7 @@ _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QU
                                   "attention_backend": ["auto", "triton", "torch"],
                                   "reasoning_parser": list(REASONING_PARSERS)}
 # set by the server's own flags, not as engine flags
-_NOT_ENGINE_FLAGS = {"served_model_name"}
+_NOT_ENGINE_FLAGS = {"served_model_name", "model_source"}
 
 
 def check_kernel_environment() -> None:
@@ -374,6 +374,7 @@ def serve(args: argparse.Namespace) -> int:
         if lora_modules and not config.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         # a Hub id, hf:// or s3:// adapter or model: pulled into the cache now (model_source)
+        given = {m.name: m.path for m in lora_modules}      # (/v1/models shows them)
         lora_modules = [dataclasses.replace(m, path=resolve(m.path)[0]) for m in lora_modules]
         # refused before loading where it can
         lora_adapters(lora_modules, names or None, config.max_lora_rank)
@@ -392,7 +393,8 @@ def serve(args: argparse.Namespace) -> int:
                             engine_process=engine_process)
     names = names or [engine.served_model_name]
     try:        # again, now that the model has named itself; then their weights are read
-        adapters = lora_adapters(lora_modules, names, config.max_lora_rank)
+        adapters = [dataclasses.replace(a, root=given[a.name])
+                    for a in lora_adapters(lora_modules, names, config.max_lora_rank)]
         if adapters:
             asyncio.run(_read_adapters(engine, adapters))
     except ValueError as e:
