@@ -24,6 +24,7 @@ _EXPORTS = {
     "PoolingParams": "kvfleet_runtime.pooling",
     "EmbeddingRequestOutput": "kvfleet_runtime.pooling",
     "ScoringRequestOutput": "kvfleet_runtime.pooling",
+    "ClassificationRequestOutput": "kvfleet_runtime.pooling",
 }
 __all__ = list(_EXPORTS)
 

@@ -12,6 +12,8 @@ from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.model_source import local_lora, resolve_config
 from kvfleet_runtime.outputs import RequestOutput
 from kvfleet_runtime.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
@@ -148,20 +150,33 @@ class LLM:
                                        out.prompt_token_ids, out.finished)
                 for out in self.generate(prompts, params, lora_request)]
 
+    def classify(self, prompts: Prompt | Sequence[Prompt],
+                 lora_request: LoRARequest | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (vLLM's LLM.classify) from a classifier: a
+        sequence-classification checkpoint (its `score` head; labels by config id2label) or a
+        config naming classifier_from_token; softmax over the labels, sigmoid for one."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = embedding_sampling_params(PoolingParams(task="classify"))
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding),
+                                            out.prompt_token_ids, out.finished)
+                for out in self.generate(list(prompts), params, lora_request)]
+
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """Each (data_1, data_2) pair's score (vLLM's LLM.score): one text against one or
-        many, or two lists pair by pair. A cross-encoder (config classifier_from_token, e.g.
-        Qwen3-Reranker) runs each pair as one prompt and gives the probability of its last
-        token; any other model gives the cosine similarity of the two texts' embeddings
-        (kvfleet_runtime/pooling.py)."""
+        many, or two lists pair by pair. A cross-encoder (a sequence-classification checkpoint,
+        or a config naming classifier_from_token, e.g. Qwen3-Reranker) runs each pair as one
+        prompt and gives its last label's probability; any other model gives the cosine
+        similarity of the two texts' embeddings (kvfleet_runtime/pooling.py)."""
         pairs = score_pairs(data_1, data_2)
         tok = self.engine.tokenizer
         if self.engine.pooler.cross_encoder:
             params = embedding_sampling_params(PoolingParams(task="score"))
             outs = self.generate([pair_prompt(tok, a, b) for a, b in pairs], params,
                                  lora_request)
-            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[0]),
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[-1]),
                                          out.prompt_token_ids, out.finished) for out in outs]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         embedded = dict(zip(texts, self.embed(texts, lora_request=lora_request), strict=True))

@@ -145,7 +145,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # g_idx is optional in GPTQ checkpoints (plain grouping when absent)
         expected = {n for n, _ in model.named_parameters() if not n.endswith(".g_idx")}
         missing = sorted(expected - loaded)
-        if missing == ["lm_head.weight"]:
+        if missing == ["lm_head.weight"] and cfg.num_labels:
+            pass                # a sequence classifier: its `score` head, no lm_head
+        elif missing == ["lm_head.weight"]:
             cfg.generates = False
             log.warning("checkpoint %s has no lm_head.weight (an embedding model's): it serves "
                         "embeddings only", config.model)

@@ -10,13 +10,19 @@ sentence-transformers' `modules.json` says its pooling there: last-token is serv
 pooling are refused: a prefix-cached prompt's earlier positions are never computed) and its
 `Normalize` module, or its absence, decides the normalisation.
 
-Scoring (vLLM's `score` task: `LLM.score`, the server's `/score` and `/rerank`) takes one of two
-ways, by the model. A cross-encoder made from a causal LM (vLLM's `classifier_from_token`:
-Qwen3-Reranker served with `--hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
-"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'`) scores a
-(query, document) pair run as one prompt from its last position's logits of those tokens:
-sigmoid(logit(yes) - logit(no)) for two, sigmoid(logit) for one. Any other model scores by the
-cosine similarity of the two texts' embeddings.
+Classifiers (vLLM's `classify` task: `LLM.classify`, the server's `/classify`) give the label
+probabilities of a prompt's last position: softmax over the labels' logits (sigmoid for one).
+A classifier is a sequence-classification checkpoint (`XForSequenceClassification`: X's decoder
+and a `score` head of one row a label, named by its config's id2label; reward models,
+classifiers, rerankers saved so), or a causal LM whose config names `classifier_from_token`
+(vLLM's recipe for Qwen3-Reranker: `--hf-overrides '{"architectures":
+["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+"is_original_qwen3_reranker": true}'`), whose labels' logits are those tokens' from its lm_head.
+
+Scoring (vLLM's `score` task: `LLM.score`, the server's `/score` and `/rerank`): a classifier of
+one or two labels is a cross-encoder, scoring a (query, document) pair run as one prompt by its
+last label's probability (sigmoid(logit(yes) - logit(no)) for Qwen3-Reranker). Any other model
+scores by the cosine similarity of the two texts' embeddings.
 """
 
 from __future__ import annotations
@@ -26,16 +32,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TASKS = ("embed", "score")
+TASKS = ("embed", "score", "classify")
 
 
 @dataclass
 class PoolingParams:
     """normalize: L2-normalise the embedding (None: the model's pooling config says; default
-    yes). dimensions: keep the first N values (Matryoshka models), then normalise. task "score":
-    a cross-encoder's relevance of the prompt (a query and a document run as one), as a
-    one-value output; only for a model whose config names classifier_from_token.
-    classifier_token_ids: set by the engine for such a request (PoolerConfig.resolve)."""
+    yes). dimensions: keep the first N values (Matryoshka models), then normalise. task
+    "classify": a classifier's probabilities of its labels for the prompt (softmax; sigmoid for
+    one label); "score": a cross-encoder's relevance of the prompt (a query and a document run
+    as one), its last label's probability, as a one-value output. Both only for a classifier:
+    a sequence-classification checkpoint or a config naming classifier_from_token.
+    classifier_token_ids: set by the engine for the latter (PoolerConfig.resolve)."""
     normalize: bool | None = None
     dimensions: int | None = None
     task: str = "embed"
@@ -54,21 +62,27 @@ class PoolingParams:
 class PoolerConfig:
     """How a model pools (from its folder): last token only; normalize by default or not;
     matryoshka: whether `dimensions` may shorten its embeddings; refused: why it cannot embed.
-    classifier_token_ids: a cross-encoder's tokens (its config's classifier_from_token), whose
-    logits score a pair; empty: the model scores by embeddings' cosine similarity.
-    classifier_refused: why its classifier_from_token cannot score."""
+    A classifier either way: classifier_token_ids, a causal LM's tokens (its config's
+    classifier_from_token) whose logits are its labels' (classifier_refused: why those cannot
+    be), or labels, a sequence-classification checkpoint's (its `score` head's rows, named by
+    id2label). Neither: the model scores by embeddings' cosine similarity."""
     normalize: bool = True
     matryoshka: bool = False
     refused: str | None = None
     classifier_token_ids: tuple[int, ...] = ()
     classifier_refused: str | None = None
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, model_dir: str | Path | None, hf_config: dict | None = None,
-           tokenizer=None) -> PoolerConfig:
+           tokenizer=None, num_labels: int = 0) -> PoolerConfig:
         hf_config = hf_config or {}
         matryoshka = bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions"))
         classifier = _classifier(hf_config.get("classifier_from_token"), tokenizer)
+        if num_labels:
+            names = hf_config.get("id2label") or {}
+            classifier["labels"] = tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}")))
+                                         for i in range(num_labels))
         folder = Path(model_dir) if model_dir else None
         modules_file = folder / "modules.json" if folder is not None and folder.is_dir() else None
         if modules_file is None or not modules_file.exists():
@@ -91,18 +105,28 @@ class PoolerConfig:
 
     @property
     def cross_encoder(self) -> bool:
-        """Scores a pair run as one prompt (classifier_from_token), not by cosine similarity."""
-        return bool(self.classifier_token_ids) or self.classifier_refused is not None
+        """Scores a pair run as one prompt (a classifier), not by cosine similarity."""
+        return (bool(self.classifier_token_ids or self.labels)
+                or self.classifier_refused is not None)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.classifier_token_ids) or len(self.labels)
 
     def check(self, params: PoolingParams, hidden_size: int) -> None:
         """ValueError (naming the field) for what this model cannot give."""
-        if params.task == "score":
+        if params.task in ("score", "classify"):
             if self.classifier_refused is not None:
                 raise ValueError(self.classifier_refused)
-            if not self.classifier_token_ids:
-                raise ValueError("task 'score' needs a cross-encoder (its config's "
-                                 "classifier_from_token); this model scores by the cosine "
-                                 "similarity of embeddings")
+            if not self.num_labels:
+                raise ValueError(
+                    f"task {params.task!r} needs a classifier (a sequence-classification "
+                    "checkpoint, or a config naming classifier_from_token); this model "
+                    + ("scores by the cosine similarity of embeddings"
+                       if params.task == "score" else "has no labels"))
+            if params.task == "score" and self.num_labels > 2:
+                raise ValueError(f"a score is one label's probability; this classifier has "
+                                 f"{self.num_labels} labels: classify instead")
             return
         if self.refused is not None:
             raise ValueError(self.refused)
@@ -118,8 +142,9 @@ class PoolerConfig:
     def resolve(self, params: PoolingParams) -> PoolingParams:
         """params with normalize (an embedding) or the classifier's tokens (a score) filled from
         this config."""
-        if params.task == "score":
-            return PoolingParams(task="score", classifier_token_ids=self.classifier_token_ids)
+        if params.task in ("score", "classify"):
+            return PoolingParams(task=params.task,
+                                 classifier_token_ids=self.classifier_token_ids or None)
         if params.normalize is not None:
             return params
         return PoolingParams(normalize=self.normalize, dimensions=params.dimensions)
@@ -180,14 +205,17 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
                                                  dim=0).item()
 
 
-def pool(hidden, logits, params: PoolingParams) -> list[float]:
-    """One embedding from a last position's hidden state (a 1-D tensor, on any device), or a
-    cross-encoder's score ([p]) from its logits."""
+def pool(hidden, logits, params: PoolingParams, score_head=None) -> list[float]:
+    """One embedding from a last position's hidden state (a 1-D tensor, on any device); or a
+    classifier's label probabilities (classify) or its last label's ([p]: score), from the
+    logits of its classifier tokens or from its `score_head` (a sequence classifier's)."""
     import torch
-    if params.classifier_token_ids:
-        x = logits.float()[list(params.classifier_token_ids)]
-        # two tokens: the softmax over them of the second (Qwen3-Reranker's "yes" over "no")
-        return [torch.sigmoid(x[-1] - x[0] if len(x) == 2 else x[0]).item()]
+    if params.task in ("score", "classify"):
+        x = (logits.float()[list(params.classifier_token_ids)] if params.classifier_token_ids
+             else score_head(hidden).float())
+        # two labels: the softmax's second is sigmoid(x1 - x0) (Qwen3-Reranker's yes over no)
+        probs = torch.softmax(x, dim=-1) if len(x) > 1 else torch.sigmoid(x)
+        return probs.tolist() if params.task == "classify" else [probs[-1].item()]
     x = hidden.float()
     if params.dimensions is not None:
         x = x[:params.dimensions]
@@ -215,6 +243,24 @@ class ScoringRequestOutput:
     """vLLM's: one pair's score (LLM.score)."""
     request_id: str
     outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's: one prompt's label probabilities (LLM.classify)."""
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
 

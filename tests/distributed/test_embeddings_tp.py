@@ -57,3 +57,24 @@ def test_two_ranks_score_a_cross_encoder_as_hf(tp_model_dir):
         assert all_blocks_free(llm.engine)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_classify_with_a_sequence_classifier_as_hf(tmp_path):
+    # the `score` head is whole on each rank; rank 0 applies it to the whole hidden state
+    from support.tiny_models import make_sequence_classifier
+    from transformers import AutoModelForSequenceClassification
+    path = make_sequence_classifier("qwen3", tmp_path / "seq-cls", 3)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(2, 40))] for _ in range(3)]
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        want = [torch.softmax(hf(torch.tensor([p])).logits[0], -1) for p in prompts]
+    llm = LLM(model=str(path), tensor_parallel_size=2, dtype="float32",
+              max_num_batched_tokens=16, num_gpu_blocks=32)
+    try:
+        for out, w in zip(llm.classify(prompts), want, strict=True):
+            assert out.outputs.probs == pytest.approx(w.tolist(), abs=1e-5)
+        assert all_blocks_free(llm.engine)
+    finally:
+        llm.engine.shutdown()

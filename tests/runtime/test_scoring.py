@@ -1,16 +1,18 @@
-"""Scoring (kvfleet_runtime/pooling.py; vLLM's `score` task): `LLM.score` against HF transformers
-on tiny random checkpoints. A cross-encoder made from a causal LM with vLLM's
-`classifier_from_token` recipe (Qwen3-Reranker's) scores a (query, document) pair run as one
-prompt: sigmoid(logit(yes) - logit(no)) at its last position; any other model scores by the
-cosine similarity of the two texts' embeddings."""
+"""Scoring and classification (kvfleet_runtime/pooling.py; vLLM's `score` and `classify` tasks):
+`LLM.score` and `LLM.classify` against HF transformers on tiny random checkpoints. A cross-encoder
+made from a causal LM with vLLM's `classifier_from_token` recipe (Qwen3-Reranker's) scores a
+(query, document) pair run as one prompt: sigmoid(logit(yes) - logit(no)) at its last position;
+a sequence-classification checkpoint classifies and scores by its own `score` head; any other
+model scores by the cosine similarity of the two texts' embeddings."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kvfleet_runtime import LLM, PoolingParams
+from kvfleet_runtime import LLM, PoolingParams, SamplingParams
 from kvfleet_runtime.pooling import embedding_sampling_params, score_pairs
 from support.engine_ops import all_blocks_free
+from support.tiny_models import make_sequence_classifier
 
 QUERY = "What is the capital of France?"
 DOCS = ["The capital of France is Paris.", "Reranking is fun!",
@@ -104,5 +106,65 @@ def test_a_score_request_on_an_embedding_model_says_it_scores_by_cosine(tiny_mod
     llm = _llm(tiny_model_dir("qwen3"))
     with pytest.raises(ValueError, match="scores by the cosine similarity"):
         llm.generate([QUERY], embedding_sampling_params(PoolingParams(task="score")))
-    with pytest.raises(ValueError, match="task must be one of embed, score"):
-        PoolingParams(task="classify")
+    with pytest.raises(ValueError, match="task must be one of embed, score, classify"):
+        PoolingParams(task="reward")
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    """Tiny sequence-classification checkpoints (HF's own): Qwen3 of three labels, Qwen2 (tied
+    embeddings) of one."""
+    root = tmp_path_factory.mktemp("seq-cls")
+    return {n: str(make_sequence_classifier(arch, root / str(n), n))
+            for n, arch in ((3, "qwen3"), (1, "qwen2"))}
+
+
+def hf_classifier_logits(path: str, prompts: list) -> list[torch.Tensor]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return [hf(torch.tensor([p if isinstance(p, list) else tok(p).input_ids])).logits[0]
+                for p in prompts]
+
+
+def test_a_sequence_classifier_classifies_as_hf(classifier_dir):
+    path = classifier_dir[3]
+    llm = _llm(path)
+    assert llm.engine.pooler.labels == ("negative", "neutral", "positive")
+    prompts = [QUERY, *DOCS]
+    outs = llm.classify(prompts)
+    for out, logits in zip(outs, hf_classifier_logits(path, prompts), strict=True):
+        assert out.outputs.num_classes == 3
+        assert out.outputs.probs == pytest.approx(torch.softmax(logits, -1).tolist(), abs=1e-5)
+    # no lm_head: it does not generate, and a score needs one or two labels
+    with pytest.raises(ValueError, match="not generation"):
+        llm.generate(QUERY, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="this classifier has 3 labels: classify instead"):
+        llm.score(QUERY, DOCS[0])
+    assert all_blocks_free(llm.engine)
+
+
+def test_a_one_label_sequence_classifier_scores_pairs_as_hf(classifier_dir):
+    path = classifier_dir[1]
+    llm = _llm(path)
+    assert llm.engine.pooler.cross_encoder
+    tok = llm.engine.tokenizer
+    pairs = [(QUERY, d) for d in DOCS]
+    want = [torch.sigmoid(x[0]).item() for x in
+            hf_classifier_logits(path, [tok(text=a, text_pair=b).input_ids for a, b in pairs])]
+    assert [o.outputs.score for o in llm.score(QUERY, DOCS)] == pytest.approx(want, abs=1e-5)
+    (one,) = llm.classify(QUERY)
+    assert one.outputs.num_classes == 1
+
+
+def test_classify_needs_a_classifier(tiny_model_dir):
+    llm = _llm(tiny_model_dir("qwen3"))
+    with pytest.raises(ValueError, match="task 'classify' needs a classifier"):
+        llm.classify(QUERY)
+    # a classifier_from_token model classifies over its tokens
+    llm = _llm(tiny_model_dir("qwen3"), hf_overrides=RERANKER)
+    (out,) = llm.classify(QUERY)
+    (score,) = llm.score(QUERY, "")         # (the same prompt: the pair's second text empty)
+    assert out.outputs.num_classes == 2 and sum(out.outputs.probs) == pytest.approx(1.0)
+    assert score.outputs.score == pytest.approx(out.outputs.probs[1], abs=1e-6)

@@ -1,8 +1,9 @@
-"""vLLM's scoring endpoints: `/score` (`/v1/score`) and `/rerank` (`/v1/rerank`, `/v2/rerank`),
-in both engine modes, against HF transformers on the same tiny random checkpoint: a cross-encoder
-made with vLLM's `classifier_from_token` recipe (Qwen3-Reranker's `--hf-overrides`) scores
-sigmoid(logit(yes) - logit(no)) of each (query, document) pair run as one prompt; a model
-without it scores by the cosine similarity of the two texts' embeddings."""
+"""vLLM's scoring endpoints: `/score` (`/v1/score`), `/rerank` (`/v1/rerank`, `/v2/rerank`) and
+`/classify`, in both engine modes, against HF transformers on the same tiny random checkpoint: a
+cross-encoder made with vLLM's `classifier_from_token` recipe (Qwen3-Reranker's `--hf-overrides`)
+scores sigmoid(logit(yes) - logit(no)) of each (query, document) pair run as one prompt; a model
+without it scores by the cosine similarity of the two texts' embeddings; a sequence-classification
+checkpoint classifies by its own head."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 import torch
 from support.server import running_server
-from support.tiny_models import make_tiny_model
+from support.tiny_models import make_sequence_classifier, make_tiny_model
 
 QUERY = "What is the capital of France?"
 DOCS = ["Reranking is fun!", "The capital of France is Paris.", "Paris " * 30]
@@ -153,3 +154,53 @@ def test_a_long_pair_truncated_keeps_its_last_tokens(reranker, hf):
                                    "truncate_prompt_tokens": 50})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 50
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    path = make_sequence_classifier("qwen3", tmp_path_factory.mktemp("seq-cls"), 3)
+    with running_server(path, "--max-model-len", "128", "--dtype", "float32",
+                        "--served-model-name", "sentiment") as s:
+        yield s, path
+
+
+@pytest.mark.parametrize("path", ["/classify", "/v1/classify"])
+def test_a_sequence_classifier_classifies_as_hf(classifier, path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    server, model = classifier
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32)
+    texts = [QUERY, *DOCS]
+    with torch.no_grad():
+        want = [torch.softmax(hf(torch.tensor([tok(t).input_ids])).logits[0], -1) for t in texts]
+    r = _post(server, path, {"model": "sentiment", "input": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("classify-") and body["object"] == "list"
+    names = ["negative", "neutral", "positive"]
+    for item, w in zip(body["data"], want, strict=True):
+        assert item["probs"] == pytest.approx(w.tolist(), abs=1e-4)
+        assert item["num_classes"] == 3 and item["label"] == names[int(w.argmax())]
+    assert [item["index"] for item in body["data"]] == [0, 1, 2, 3]
+    tokens = sum(len(tok(t).input_ids) for t in texts)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
+                             "completion_tokens": 0}
+    # three labels: no score; no lm_head: no completion
+    r = _post(server, "/score", {"text_1": QUERY, "text_2": DOCS[0]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "classify instead" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"prompt": QUERY, "max_tokens": 2})
+    assert r.status_code == 400 and "not generation" in r.json()["error"]["message"], r.text
+    assert server.idle()
+
+
+def test_classify_on_the_reranker_names_its_tokens_and_on_a_plain_model_is_refused(
+        reranker, embedder):
+    r = _post(reranker, "/classify", {"input": QUERY + DOCS[1]})
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["data"]
+    assert item["num_classes"] == 2 and item["label"] in ("no", "yes")
+    assert item["label"] == ("yes" if item["probs"][1] > 0.5 else "no")
+    r = _post(embedder, "/classify", {"input": QUERY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "needs a classifier" in r.json()["error"]["message"]

@@ -77,6 +77,26 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
     return path
 
 
+def make_sequence_classifier(arch: str, path: str | os.PathLike, num_labels: int,
+                             seed: int = 0) -> Path:
+    """A random tiny `arch`ForSequenceClassification checkpoint (HF's: the decoder and a `score`
+    head; no lm_head), labels named in id2label when there are three."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+    path = Path(path)
+    names = ({0: "negative", 1: "neutral", 2: "positive"} if num_labels == 3 else
+             {i: f"LABEL_{i}" for i in range(num_labels)})
+    config = _hf_config(arch, num_labels=num_labels, id2label=names,
+                        label2id={v: k for k, v in names.items()}, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in tokenizer_dir().iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
 def make_thinking_model(path: str | os.PathLike) -> Path:
     """A tiny random Llama whose tokenizer has `<think>` and `</think>` as single tokens (ids
     VOCAB and VOCAB + 1, not special: decoded text keeps them), as Qwen3's and DeepSeek-R1's

@@ -29,8 +29,10 @@ from kvfleet_runtime.structured_outputs import grammar_prefix
 
 log = logging.getLogger(__name__)
 
-_EMBEDDINGS_ONLY = ("this model's checkpoint has no lm_head (an embedding model's): it serves "
-                    "embeddings (/v1/embeddings, LLM.embed), not generation")
+_EMBEDDINGS_ONLY = ("this model's checkpoint has no lm_head (an embedding model's or a "
+                    "sequence classifier's): it serves embeddings, scores and classes "
+                    "(/v1/embeddings, /score, /classify; LLM.embed, .score, .classify), not "
+                    "generation")
 
 
 def _token_ids(prompt: Iterable[int], vocab: int) -> list[int]:
@@ -166,7 +168,7 @@ class LLMEngine:
         """How this model embeds and scores (kvfleet_runtime/pooling.py); read once."""
         if self._pooler is None:
             self._pooler = PoolerConfig.of(self.config.model, self.model_config.hf_config,
-                                           self.tokenizer)
+                                           self.tokenizer, self.model_config.num_labels)
         return self._pooler
 
     def add_lora(self, lora_request: LoRARequest) -> None:

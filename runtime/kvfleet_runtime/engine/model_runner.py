@@ -585,7 +585,8 @@ class ModelRunner:
             for s, row in zip(sampling, layout.sample, strict=True):
                 params = s.request.params.pooling
                 if params is not None:
-                    out.embeddings[s.request.request_id] = pool(hidden[row], logits[row], params)
+                    out.embeddings[s.request.request_id] = pool(
+                        hidden[row], logits[row], params, getattr(self.model, "score", None))
         if sampling:
             last, batch = self._sampling_inputs(logits, layout, sampling)
             batch.grammar_lookup = lambda rows: _grammar_matchers(sampling, rows, None)

@@ -33,6 +33,9 @@ class ModelConfig:
     # False for a checkpoint without lm_head (an embedding model saved from its base model):
     # it serves embeddings only (loader.py)
     generates: bool = True
+    # a sequence classifier's labels (XForSequenceClassification: a `score` head over the last
+    # position's hidden state, no lm_head; it classifies and scores, never generates); 0: none
+    num_labels: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -40,10 +43,14 @@ class ModelConfig:
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM",
                                        "mistral": "MistralForCausalLM"}.get(hf.get("model_type"), "")
-        if arch.endswith("ForSequenceClassification") and "classifier_from_token" in hf:
-            # vLLM's cross-encoder from a causal LM (Qwen3-Reranker's recipe): the checkpoint
-            # is the causal LM's, its score read from the logits of those tokens (pooling.py)
+        num_labels = 0
+        if arch.endswith("ForSequenceClassification"):
+            # the decoder of XForCausalLM; with classifier_from_token (vLLM's cross-encoder
+            # from a causal LM: Qwen3-Reranker's recipe) its lm_head's logits of those tokens
+            # score (pooling.py), else the checkpoint's own `score` head of num_labels rows
             arch = arch.removesuffix("ForSequenceClassification") + "ForCausalLM"
+            if "classifier_from_token" not in hf:
+                num_labels = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 2)
         heads = hf["num_attention_heads"]
         # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling
         rope = dict(hf.get("rope_parameters") or {})
@@ -72,4 +79,6 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             checkpoint_dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or ""),
             hf_config=hf,
+            generates=not num_labels,
+            num_labels=num_labels,
         )

@@ -187,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        if cfg.num_labels:      # a sequence classifier's head (pooling.py), whole on each rank
+            self.score = torch.nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False,
+                                         dtype=dtype)
         for p in self.parameters():
             p.requires_grad_(False)
         self.lm_head_packed: torch.Tensor | None = None    # set by load_weights (CPU bf16)

@@ -57,8 +57,10 @@ from kvfleet_runtime.server.responses import (
     usage,
 )
 from kvfleet_runtime.server.scoring import (
+    ClassificationRequest,
     RerankRequest,
     ScoreRequest,
+    create_classification,
     create_rerank,
     create_score,
 )
@@ -349,6 +351,11 @@ def _add_keyed_routes(router: APIRouter) -> None:
     @router.post("/v2/rerank")
     async def rerank(body: RerankRequest, request: Request) -> Response:
         return await _pooling_call(request, body, create_rerank, "rerank")
+
+    @router.post("/classify")
+    @router.post("/v1/classify")
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        return await _pooling_call(request, body, create_classification, "classify")
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest, request: Request) -> dict[str, Any]:

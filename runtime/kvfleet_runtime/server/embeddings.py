@@ -21,16 +21,20 @@ from kvfleet_runtime.pooling import EmbeddingRequestOutput, PoolingParams
 from kvfleet_runtime.server import protocol as p
 
 
-class EmbeddingRequest(p._Strict):
+class PoolingInputs(p._Strict):
+    """OpenAI's embeddings input (also /classify's), with vLLM's truncation and special-token
+    flags."""
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    # vLLM's
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
-    normalize: bool | None = None
+
+    def prompts(self, state: Any) -> list[list[int]]:
+        """Each input's checked token ids (checked_prompt)."""
+        return [checked_prompt(state, item, f"input {i}", self.truncate_prompt_tokens,
+                               self.add_special_tokens)
+                for i, item in enumerate(self.inputs())]
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input
@@ -43,6 +47,12 @@ class EmbeddingRequest(p._Strict):
         if not items or any(not item for item in items):
             raise p.OpenAIError("input must not be empty, nor hold an empty input", param="input")
         return items
+
+
+class EmbeddingRequest(PoolingInputs):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    normalize: bool | None = None       # vLLM's
 
 
 def checked_prompt(state: Any, item: str | list[int], what: str, truncate: int | None,
@@ -102,9 +112,7 @@ async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: An
                             request_id: str) -> dict[str, Any]:
     """The response body; OpenAIError for a bad request (before anything runs where it can be
     told from the request alone)."""
-    prompts = [checked_prompt(state, item, f"input {i}", body.truncate_prompt_tokens,
-                              body.add_special_tokens)
-               for i, item in enumerate(body.inputs())]
+    prompts = body.prompts(state)
     params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
     embeddings = await pool_all(state, prompts, params, lora_request, request_id)
     data = [{"object": "embedding", "index": i, "embedding": _encode(e, body.encoding_format)}

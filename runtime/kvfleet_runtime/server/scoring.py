@@ -1,10 +1,12 @@
-"""vLLM's scoring endpoints: `POST /score` (`/v1/score`) and `POST /rerank` (`/v1/rerank`,
-`/v2/rerank`: Jina's and Cohere's API, as vLLM serves them), through the engine beside generation.
+"""vLLM's scoring endpoints: `POST /score` (`/v1/score`), `POST /rerank` (`/v1/rerank`,
+`/v2/rerank`: Jina's and Cohere's API, as vLLM serves them) and `POST /classify`, through the
+engine beside generation.
 
-A cross-encoder (a causal LM served with vLLM's `classifier_from_token` recipe, e.g.
-Qwen3-Reranker) runs each (query, document) pair as one prompt, joined as its tokenizer joins a
-text pair, and scores it from its last position's logits of those tokens; any other model scores
-by the cosine similarity of the two texts' embeddings (kvfleet_runtime/pooling.py).
+A cross-encoder (a classifier of one or two labels: a sequence-classification checkpoint, or a
+causal LM served with vLLM's `classifier_from_token` recipe, e.g. Qwen3-Reranker) runs each
+(query, document) pair as one prompt, joined as its tokenizer joins a text pair, and scores it by
+its last label's probability; any other model scores by the cosine similarity of the two texts'
+embeddings (kvfleet_runtime/pooling.py). /classify gives each input's label probabilities.
 
 /score pairs `text_1` with `text_2` as vLLM does: one text with one or many, or two lists pair
 by pair. /rerank scores `query` against each of `documents` and answers them best first, the
@@ -20,7 +22,7 @@ from pydantic import Field
 
 from kvfleet_runtime.pooling import PoolingParams, cosine, pair_prompt, score_pairs
 from kvfleet_runtime.server import protocol as p
-from kvfleet_runtime.server.embeddings import checked_prompt, pool_all
+from kvfleet_runtime.server.embeddings import PoolingInputs, checked_prompt, pool_all
 
 
 class ScoreRequest(p._Strict):
@@ -61,7 +63,7 @@ async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None
             prompts.append(checked_prompt(state, ids, f"pair {i}", truncate, param="text_2"))
         outs = await pool_all(state, prompts, PoolingParams(task="score"), lora_request,
                               request_id)
-        return [out[0] for out in outs], sum(len(ids) for ids in prompts)
+        return [out[-1] for out in outs], sum(len(ids) for ids in prompts)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     prompts = [checked_prompt(state, t, f"text {i}", truncate, add_special_tokens,
                               param="text_2") for i, t in enumerate(texts)]
@@ -102,3 +104,25 @@ async def create_rerank(state: Any, body: RerankRequest, lora_request: Any,
                for i in order]
     return {"id": request_id, "model": body.model or state.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
+
+
+class ClassificationRequest(PoolingInputs):
+    pass
+
+
+async def create_classification(state: Any, body: ClassificationRequest, lora_request: Any,
+                                request_id: str) -> dict[str, Any]:
+    prompts = body.prompts(state)
+    outs = await pool_all(state, prompts, PoolingParams(task="classify"), lora_request,
+                          request_id)
+    pooler = state.engine.pooler
+    # a sequence classifier's id2label, or a causal LM's classifier tokens
+    labels = pooler.labels or tuple(
+        state.engine.tokenizer.convert_ids_to_tokens(list(pooler.classifier_token_ids)))
+    tokens = sum(len(ids) for ids in prompts)
+    return {"id": request_id, "object": "list", "created": int(time.time()),
+            "model": body.model or state.model_name,
+            "data": [{"index": i, "label": labels[max(range(len(probs)), key=probs.__getitem__)],
+                      "probs": probs, "num_classes": len(probs)}
+                     for i, probs in enumerate(outs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
