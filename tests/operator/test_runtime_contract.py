@@ -21,6 +21,7 @@ from kvfleet_operator.resources import (
 )
 from kvfleet_operator.spec import parse_spec
 from kvfleet_runtime.cli import build_parser
+from kvfleet_runtime.server.cli import engine_config_from_args
 from operator_harness import example_llmservices, minimal_llmservice
 
 PARSER = build_parser()
@@ -65,6 +66,10 @@ def test_serve_command_parses_to_the_spec(body):
     if spec.adapters:
         assert (args.max_loras, getattr(args, "max_lora_rank", 16), getattr(args, "max_cpu_loras", None)) == \
             (max_loras(spec), spec.engine.max_lora_rank or 16, spec.engine.max_cpu_loras)
+    # the runtime's own EngineConfig takes them (e.g. the reranker's --hf-overrides JSON)
+    config = engine_config_from_args(args, model="/models/x")
+    if "--hf-overrides" in spec.engine.extra_args:
+        assert config.hf_overrides["classifier_from_token"] == ["no", "yes"]
 
 
 def test_lora_flags_parse_to_the_spec_with_extra_args_after_them():
