@@ -168,3 +168,20 @@ def test_classify_needs_a_classifier(tiny_model_dir):
     (score,) = llm.score(QUERY, "")         # (the same prompt: the pair's second text empty)
     assert out.outputs.num_classes == 2 and sum(out.outputs.probs) == pytest.approx(1.0)
     assert score.outputs.score == pytest.approx(out.outputs.probs[1], abs=1e-6)
+
+
+@pytest.mark.gpu
+def test_scores_and_classes_on_the_gpu_in_bf16(tiny_model_dir, classifier_dir):
+    # the classifier tokens' logits and the score head in bf16 on CUDA (graphs on for the
+    # decode steps beside them), within bf16's reach of HF's fp32
+    path = tiny_model_dir("qwen3")
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", num_gpu_blocks=64,
+              max_model_len=256, hf_overrides=RERANKER)
+    want = [torch.sigmoid(x[1] - x[0]).item()
+            for x in hf_pair_logits(path, [(QUERY, d) for d in DOCS], ["no", "yes"])]
+    assert [o.outputs.score for o in llm.score(QUERY, DOCS)] == pytest.approx(want, abs=3e-2)
+    assert all_blocks_free(llm.engine)
+    path = classifier_dir[3]
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", num_gpu_blocks=64, max_model_len=256)
+    for out, logits in zip(llm.classify(DOCS), hf_classifier_logits(path, DOCS), strict=True):
+        assert out.outputs.probs == pytest.approx(torch.softmax(logits, -1).tolist(), abs=3e-2)
