@@ -33,8 +33,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def vllm_spelling(argv: list[str]) -> list[str]:
+    """Flags spelled with underscores as vLLM's parser takes them (`--max_model_len 4096`,
+    `--hf_overrides=...`) in this parser's spelling (`--max-model-len`); values unchanged."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            key, eq, value = arg.partition("=")
+            arg = key.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = vllm_spelling(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         code = int(args.func(args) or 0)

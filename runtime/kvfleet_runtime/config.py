@@ -24,6 +24,8 @@ DTYPES = {"auto": None, "float32": "float32", "fp32": "float32",
 # KV-cache element type; auto: the compute dtype. fp8 is e4m3 with scale 1.0 (as vLLM without
 # calibrated scales): half the bytes of bf16 per cached token.
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# vLLM's --runner: what the engine serves (EngineConfig.runner)
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -103,6 +105,9 @@ class EngineConfig:
     # vLLM's hf_overrides: keys merged into the checkpoint's config.json as it is read (a JSON
     # object's text, or a dict), e.g. {"is_matryoshka": true} for an embedding model
     hf_overrides: str | dict | None = None
+    # vLLM's --runner (RUNNERS): "pooling" serves embeddings, scores and classes only, refusing
+    # generation; "generate" the reverse; "auto" both (a checkpoint without lm_head: pooling)
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -112,6 +117,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         _positive("max_num_seqs", self.max_num_seqs)

@@ -170,6 +170,21 @@ def test_classify_needs_a_classifier(tiny_model_dir):
     assert score.outputs.score == pytest.approx(out.outputs.probs[1], abs=1e-6)
 
 
+def test_runner_pooling_refuses_generation_and_generate_refuses_pooling(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    llm = _llm(path, runner="pooling")
+    with pytest.raises(ValueError, match="runner 'pooling'"):
+        llm.generate(QUERY, SamplingParams(max_tokens=2))
+    assert len(llm.embed(QUERY)[0].outputs.embedding) == 64
+    llm = _llm(path, runner="generate")
+    with pytest.raises(ValueError, match="runner 'generate'"):
+        llm.embed(QUERY)
+    assert llm.generate(QUERY, SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+    assert all_blocks_free(llm.engine)
+    with pytest.raises(ValueError, match="runner must be one of auto, generate, pooling"):
+        _llm(path, runner="embed")
+
+
 @pytest.mark.gpu
 def test_scores_and_classes_on_the_gpu_in_bf16(tiny_model_dir, classifier_dir):
     # the classifier tokens' logits and the score head in bf16 on CUDA (graphs on for the

@@ -37,6 +37,18 @@ def test_every_engine_knob_is_a_flag() -> None:
     assert "--model-source" not in usage
 
 
+def test_flags_spelled_with_underscores_as_vllm_takes_them() -> None:
+    from kvfleet_runtime.cli import vllm_spelling
+    argv = vllm_spelling(["serve", "m", "--max_model_len", "128", "--hf_overrides={\"a_b\": 1}",
+                          "--runner", "pooling", "--served-model-name", "x_y"])
+    assert argv == ["serve", "m", "--max-model-len", "128", "--hf-overrides={\"a_b\": 1}",
+                    "--runner", "pooling", "--served-model-name", "x_y"]
+    args = build_parser().parse_args(argv)
+    config = engine_config_from_args(args, model="m")
+    assert (config.max_model_len, config.hf_overrides, config.runner) == (128, {"a_b": 1},
+                                                                          "pooling")
+
+
 def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVFLEET_API_KEY", "from-env")
     args = build_parser().parse_args(["serve", "model-dir", "--device", "cpu"])

@@ -50,10 +50,11 @@ def hf(model: Path):
 
 @pytest.fixture(scope="module", params=["thread", "engine-process"])
 def reranker(model: Path, request):
+    # as vLLM's recipe spells it: --runner pooling, --hf_overrides with an underscore
     flags = ["--engine-process"] if request.param == "engine-process" else ["--no-engine-process"]
     with running_server(model, "--max-model-len", "128", "--dtype", "float32",
-                        "--served-model-name", "reranker", "--hf-overrides",
-                        json.dumps(RERANKER), *flags) as s:
+                        "--served-model-name", "reranker", "--runner", "pooling",
+                        "--hf_overrides", json.dumps(RERANKER), *flags) as s:
         yield s
 
 
@@ -192,6 +193,12 @@ def test_a_sequence_classifier_classifies_as_hf(classifier, path):
     r = _post(server, "/v1/completions", {"prompt": QUERY, "max_tokens": 2})
     assert r.status_code == 400 and "not generation" in r.json()["error"]["message"], r.text
     assert server.idle()
+
+
+def test_a_pooling_runner_refuses_generation(reranker):
+    r = _post(reranker, "/v1/completions", {"prompt": QUERY, "max_tokens": 2})
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"], r.text
+    assert reranker.idle()
 
 
 def test_classify_on_the_reranker_names_its_tokens_and_on_a_plain_model_is_refused(

@@ -150,11 +150,24 @@ class LLMEngine:
         self._check_lengths(len(prompt_ids), params.clone())
         if params.structured_outputs is not None:
             self._grammar_matcher(params)      # compiled (and cached) now: errors say so here
+        self._check_runner(params)
         if params.pooling is not None:
             self.pooling_params(params.pooling)
-        elif not self.model_config.generates:
-            raise ValueError(_EMBEDDINGS_ONLY)
         return prompt_ids
+
+    def _check_runner(self, params: SamplingParams) -> None:
+        """ValueError for a request this engine does not serve: generation from a model
+        without lm_head or with runner "pooling"; pooling with runner "generate"."""
+        runner = self.config.runner
+        if params.pooling is None and not self.model_config.generates:
+            raise ValueError(_EMBEDDINGS_ONLY)
+        if params.pooling is None and runner == "pooling":
+            raise ValueError("this engine runs the model for pooling (runner 'pooling', "
+                             "--runner pooling): embeddings, scores and classes "
+                             "(/v1/embeddings, /score, /classify), not generation")
+        if params.pooling is not None and runner == "generate":
+            raise ValueError("this engine runs the model for generation (runner 'generate', "
+                             "--runner generate): no embeddings, scores or classes")
 
     def pooling_params(self, params: PoolingParams | None = None) -> PoolingParams:
         """An embedding request's params checked against this model's pooling (a ValueError
@@ -213,12 +226,11 @@ class LLMEngine:
         if prompt_ids is None:
             prompt_ids = self.tokenize(prompt)
         params = params.clone()
+        self._check_runner(params)
         if params.pooling is not None:
             if params.n != 1:
                 raise ValueError(f"an embedding request has one output; got n={params.n}")
             params.pooling = self.pooling_params(params.pooling)
-        elif not self.model_config.generates:
-            raise ValueError(_EMBEDDINGS_ONLY)
         params.check_token_ids(self.model_config.vocab_size)
         self._check_lengths(len(prompt_ids), params)
         params._eos_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)

@@ -26,6 +26,7 @@ from kvfleet_runtime.config import (
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     REASONING_PARSERS,
+    RUNNERS,
     EngineConfig,
 )
 from kvfleet_runtime.model_source import resolve, resolve_config
@@ -74,6 +75,9 @@ _ENGINE_HELP = {
     "max_loras": "most distinct LoRA adapters in one step (each a slot on the device)",
     "max_lora_rank": "largest LoRA rank an adapter may have (slots are sized for it)",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory (default: max_loras)",
+    "runner": "vLLM's: pooling serves embeddings, scores and classes only (/v1/embeddings, "
+              "/score, /rerank, /classify), refusing generation; generate the reverse; auto "
+              "both (default: auto)",
     "hf_overrides": "a JSON object merged into the model's config.json as it is read (vLLM's), "
                     "e.g. '{\"is_matryoshka\": true}' for an embedding model's dimensions "
                     "(default: none)",
@@ -85,7 +89,8 @@ _ENGINE_HELP = {
 _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
                                   "kv_cache_dtype": list(KV_CACHE_DTYPES),
                                   "attention_backend": ["auto", "triton", "torch"],
-                                  "reasoning_parser": list(REASONING_PARSERS)}
+                                  "reasoning_parser": list(REASONING_PARSERS),
+                                  "runner": list(RUNNERS)}
 # set by the server's own flags, not as engine flags
 _NOT_ENGINE_FLAGS = {"served_model_name", "model_source"}
 
