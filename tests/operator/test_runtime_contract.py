@@ -70,6 +70,7 @@ def test_serve_command_parses_to_the_spec(body):
     config = engine_config_from_args(args, model="/models/x")
     if "--hf-overrides" in spec.engine.extra_args:
         assert config.hf_overrides["classifier_from_token"] == ["no", "yes"]
+        assert config.runner == "pooling"
 
 
 def test_lora_flags_parse_to_the_spec_with_extra_args_after_them():
