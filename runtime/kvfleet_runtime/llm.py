@@ -27,6 +27,9 @@ from kvfleet_runtime.pooling import (
 from kvfleet_runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
+                 "embedding": "pooling", "score": "pooling", "classify": "pooling",
+                 "reward": "pooling"}
 
 
 class LLM:
@@ -36,7 +39,14 @@ class LLM:
     defaults: "auto", the model folder's generation_config.json (as vLLM), "vllm" for
     SamplingParams(), or a folder holding one."""
 
-    def __init__(self, model: str = "", generation_config: str = "auto", **kwargs) -> None:
+    def __init__(self, model: str = "", generation_config: str = "auto",
+                 task: str | None = None, **kwargs) -> None:
+        """task: vLLM's older spelling of runner (LLM(..., task="score") in model cards):
+        generate -> runner "generate", embed / score / classify / reward -> "pooling"."""
+        if task is not None:
+            if task not in _TASK_RUNNERS:
+                raise ValueError(f"task must be one of {', '.join(_TASK_RUNNERS)}; got {task!r}")
+            kwargs.setdefault("runner", _TASK_RUNNERS[task])
         fields = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(kwargs) - fields)
         if unknown:

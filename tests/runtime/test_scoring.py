@@ -183,6 +183,10 @@ def test_runner_pooling_refuses_generation_and_generate_refuses_pooling(tiny_mod
     assert all_blocks_free(llm.engine)
     with pytest.raises(ValueError, match="runner must be one of auto, generate, pooling"):
         _llm(path, runner="embed")
+    # vLLM's older spelling, as model cards write it: LLM(..., task="score")
+    assert _llm(path, task="score").engine.config.runner == "pooling"
+    with pytest.raises(ValueError, match="task must be one of"):
+        _llm(path, task="rerank")
 
 
 @pytest.mark.gpu
