@@ -174,17 +174,21 @@ class LLM:
                 for out in self.generate(list(prompts), params, lora_request)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
-              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+              lora_request: LoRARequest | None = None, *,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """Each (data_1, data_2) pair's score (vLLM's LLM.score): one text against one or
         many, or two lists pair by pair. A cross-encoder (a sequence-classification checkpoint,
         or a config naming classifier_from_token, e.g. Qwen3-Reranker) runs each pair as one
         prompt and gives its last label's probability; any other model gives the cosine
-        similarity of the two texts' embeddings (kvfleet_runtime/pooling.py)."""
+        similarity of the two texts' embeddings (kvfleet_runtime/pooling.py). chat_template: a
+        cross-encoder's score template over the roles query and document (pooling.pair_prompt;
+        Qwen3-Reranker's instruction format), in place of the tokenizer's text pair."""
         pairs = score_pairs(data_1, data_2)
         tok = self.engine.tokenizer
         if self.engine.pooler.cross_encoder:
             params = embedding_sampling_params(PoolingParams(task="score"))
-            outs = self.generate([pair_prompt(tok, a, b) for a, b in pairs], params,
+            outs = self.generate([pair_prompt(tok, a, b, score_template=chat_template)
+                                  for a, b in pairs], params,
                                  lora_request)
             return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[-1]),
                                          out.prompt_token_ids, out.finished) for out in outs]

@@ -191,8 +191,17 @@ def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> lis
     return list(zip(first, second, strict=True))
 
 
-def pair_prompt(tokenizer, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
-    """A cross-encoder's prompt: the two texts as the tokenizer joins a text pair."""
+def pair_prompt(tokenizer, first: str, second: str, add_special_tokens: bool = True,
+                score_template: str | None = None) -> list[int]:
+    """A cross-encoder's prompt: the two texts as the tokenizer joins a text pair; or, with a
+    score template (vLLM's --chat-template for a score model, e.g. Qwen3-Reranker's), that
+    Jinja template rendered over the messages [{"role": "query", "content": first},
+    {"role": "document", "content": second}] (its text carries its own special tokens)."""
+    if score_template is not None:
+        text = tokenizer.apply_chat_template(
+            [{"role": "query", "content": first}, {"role": "document", "content": second}],
+            chat_template=score_template, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer(text=first, text_pair=second,
                      add_special_tokens=add_special_tokens).input_ids
 

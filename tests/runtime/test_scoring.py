@@ -12,7 +12,7 @@ import torch
 from kvfleet_runtime import LLM, PoolingParams, SamplingParams
 from kvfleet_runtime.pooling import embedding_sampling_params, score_pairs
 from support.engine_ops import all_blocks_free
-from support.tiny_models import make_sequence_classifier
+from support.tiny_models import RERANKER_TEMPLATE, make_sequence_classifier, reranker_text
 
 QUERY = "What is the capital of France?"
 DOCS = ["The capital of France is Paris.", "Reranking is fun!",
@@ -34,8 +34,8 @@ def hf_pair_logits(path: str, pairs: list[tuple[str, str]], tokens: list[str]) -
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    return LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=64,
-               max_num_batched_tokens=16, max_model_len=256, **kwargs)
+    return LLM(model=path, **{"device": "cpu", "dtype": "float32", "num_gpu_blocks": 64,
+                              "max_num_batched_tokens": 16, "max_model_len": 256, **kwargs})
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -56,6 +56,24 @@ def test_a_cross_encoder_scores_as_hf_logits_of_its_tokens(tiny_model_dir, arch)
     assert [out.prompt_token_ids for out in outs] == [tok(text=a, text_pair=b).input_ids
                                                       for a, b in pairs]
     assert all_blocks_free(llm.engine)
+
+
+def test_a_score_template_formats_each_pair_as_the_model_card_does(tiny_model_dir):
+    # vLLM's score template: the roles query and document rendered by a chat template; the
+    # pair then scores as the model card's own formatted text, run as one prompt
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = tiny_model_dir("qwen3")
+    llm = _llm(path, hf_overrides=RERANKER, max_model_len=512)
+    outs = llm.score(QUERY, DOCS[:2], chat_template=RERANKER_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    for out, doc in zip(outs, DOCS[:2], strict=True):
+        ids = tok(reranker_text(QUERY, doc), add_special_tokens=False).input_ids
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            x = hf(torch.tensor([ids])).logits[0, -1]
+        assert out.outputs.score == pytest.approx(torch.sigmoid(x[yes] - x[no]).item(), abs=1e-5)
 
 
 def test_one_classifier_token_scores_its_sigmoid(tiny_model_dir):

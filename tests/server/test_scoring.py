@@ -14,7 +14,12 @@ import httpx
 import pytest
 import torch
 from support.server import running_server
-from support.tiny_models import make_sequence_classifier, make_tiny_model
+from support.tiny_models import (
+    RERANKER_TEMPLATE,
+    make_sequence_classifier,
+    make_tiny_model,
+    reranker_text,
+)
 
 QUERY = "What is the capital of France?"
 DOCS = ["Reranking is fun!", "The capital of France is Paris.", "Paris " * 30]
@@ -211,3 +216,27 @@ def test_classify_on_the_reranker_names_its_tokens_and_on_a_plain_model_is_refus
     r = _post(embedder, "/classify", {"input": QUERY})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     assert "needs a classifier" in r.json()["error"]["message"]
+
+
+def test_a_score_template_formats_raw_queries_and_documents(model, tmp_path, hf):
+    # vLLM's --chat-template for a score model: clients send the raw query and documents, the
+    # server renders Qwen3-Reranker's instruction format around them (roles query, document)
+    tok, _, _ = hf
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    want = []
+    for d in DOCS[:2]:
+        with torch.no_grad():
+            x = lm(torch.tensor([tok(reranker_text(QUERY, d), add_special_tokens=False)
+                                 .input_ids])).logits[0, -1]
+        want.append(torch.sigmoid(x[yes] - x[no]).item())
+    template = tmp_path / "qwen3_reranker.jinja"
+    template.write_text(RERANKER_TEMPLATE)
+    with running_server(model, "--max-model-len", "512", "--dtype", "float32", "--runner",
+                        "pooling", "--hf-overrides", json.dumps(RERANKER), "--chat-template",
+                        str(template)) as server:
+        r = _post(server, "/rerank", {"query": QUERY, "documents": DOCS[:2]})
+        assert r.status_code == 200, r.text
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert [got[0], got[1]] == pytest.approx(want, abs=1e-4)

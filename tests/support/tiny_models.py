@@ -77,6 +77,27 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
     return path
 
 
+# Qwen3-Reranker's instruction format as a score template (vLLM's --chat-template for a score
+# model: the roles query and document), and the same text as its model card builds it
+RERANKER_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "
+    "answer the query\n<Query>: {{ (messages | selectattr('role', 'eq', 'query') | first).content }}"
+    "\n<Document>: {{ (messages | selectattr('role', 'eq', 'document') | first).content }}"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n\n")   # (Jinja drops the last \n)
+
+
+def reranker_text(query: str, document: str) -> str:
+    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on "
+              "the Query and the Instruct provided. Note that the answer can only be \"yes\" or "
+              "\"no\".<|im_end|>\n<|im_start|>user\n")
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    instruction = "Given a web search query, retrieve relevant passages that answer the query"
+    return (f"{prefix}<Instruct>: {instruction}\n<Query>: {query}\n"
+            f"<Document>: {document}{suffix}")
+
+
 def make_sequence_classifier(arch: str, path: str | os.PathLike, num_labels: int,
                              seed: int = 0) -> Path:
     """A random tiny `arch`ForSequenceClassification checkpoint (HF's: the decoder and a `score`

@@ -59,7 +59,8 @@ async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None
     if engine.pooler.cross_encoder:
         prompts = []
         for i, (a, b) in enumerate(pairs):
-            ids = pair_prompt(engine.tokenizer, a, b, add_special_tokens)
+            # --chat-template: the score template over the roles query and document
+            ids = pair_prompt(engine.tokenizer, a, b, add_special_tokens, state.chat_template)
             prompts.append(checked_prompt(state, ids, f"pair {i}", truncate, param="text_2"))
         outs = await pool_all(state, prompts, PoolingParams(task="score"), lora_request,
                               request_id)
