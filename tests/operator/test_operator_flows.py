@@ -47,6 +47,12 @@ def condition(obj: dict | None, type_: str) -> dict:
     return {}
 
 
+def wait_degraded(cluster: KubeCluster) -> dict:
+    """The llama-8b service's Degraded condition, once it is True."""
+    return wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
+                    and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+
+
 def create_example(cluster: KubeCluster) -> dict[str, Any]:
     secret, service = example()
     cluster.create(secret, "secrets")
@@ -179,8 +185,7 @@ def test_missing_secret_degrades_without_children_until_it_exists(cluster, opera
     secret, service = example()
     cluster.create(service, "llmservices")
 
-    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
-                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    degraded = wait_degraded(cluster)
     assert degraded["reason"] == "MissingSecret"
     assert "spec.s3.credentialsSecret" in degraded["message"] and "model-store" in degraded["message"]
     events = wait_for(lambda: [e for e in cluster.list("v1", "events", NS)
@@ -200,8 +205,7 @@ def test_invalid_spec_past_the_schema_degrades_and_creates_nothing(cluster, oper
     _, service = example()
     service["spec"]["model"]["uri"] = "hf://meta-llama/Llama-3.1-8B-Instruct"  # s3 block now wrong
     cluster.create(service, "llmservices")
-    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
-                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    degraded = wait_degraded(cluster)
     assert degraded["reason"] == "InvalidSpec"
     assert "spec.s3" in degraded["message"]
     wait_for(lambda: any(e.get("reason") == "InvalidSpec"
@@ -263,8 +267,7 @@ def test_a_secret_without_the_needed_key_is_reported_by_field_and_key(cluster, o
     del secret["stringData"]["AWS_SECRET_ACCESS_KEY"]
     cluster.create(secret, "secrets")
     cluster.create(service, "llmservices")
-    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
-                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    degraded = wait_degraded(cluster)
     assert degraded["message"] == ("spec.s3.credentialsSecret: Secret default/model-store lacks "
                                    "key(s) AWS_SECRET_ACCESS_KEY")
     assert cluster.list(*DEPLOYMENTS, NS) == []
@@ -428,8 +431,7 @@ def test_invalid_adapters_degrade_with_invalid_spec_and_create_nothing(cluster, 
     service["spec"]["adapters"] = adapters
     cluster.create(secret, "secrets")
     cluster.create(service, "llmservices")
-    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
-                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    degraded = wait_degraded(cluster)
     assert degraded["reason"] == "InvalidSpec"
     assert message in degraded["message"]
     assert condition(get(cluster, LLMS), "Ready")["status"] == "False"
@@ -488,8 +490,7 @@ def test_invalid_model_globs_degrade_with_invalid_spec_and_create_nothing(cluste
         service["spec"].pop("s3")
     cluster.create(secret, "secrets")
     cluster.create(service, "llmservices")
-    degraded = wait_for(lambda: condition(get(cluster, LLMS), "Degraded").get("status") == "True"
-                        and condition(get(cluster, LLMS), "Degraded"), what="Degraded=True")
+    degraded = wait_degraded(cluster)
     assert degraded["reason"] == "InvalidSpec"
     assert message in degraded["message"]
     assert cluster.list(*DEPLOYMENTS, NS) == [] and cluster.list(*SERVICES, NS) == []
