@@ -124,6 +124,18 @@ def test_rerank_top_n_documents_as_objects_and_no_documents_back(reranker, hf):
     assert result["index"] == best and "document" not in result
 
 
+def test_rerank_max_tokens_per_doc_scores_each_document_on_its_first_tokens(reranker, hf):
+    tok, rerank, _ = hf
+    cut = [tok.decode(tok(d, add_special_tokens=False).input_ids[:4]) for d in DOCS]
+    r = _post(reranker, "/v2/rerank", {"query": QUERY, "documents": DOCS,
+                                       "max_tokens_per_doc": 4})
+    assert r.status_code == 200, r.text
+    results = {x["index"]: x for x in r.json()["results"]}
+    assert [results[i]["relevance_score"] for i in range(3)] == pytest.approx(
+        [rerank(QUERY, c) for c in cut], abs=1e-4)
+    assert [results[i]["document"]["text"] for i in range(3)] == DOCS    # (whole, as given)
+
+
 def test_other_models_score_by_cosine_of_embeddings(embedder, hf):
     _, _, cos = hf
     want = [cos(QUERY, d) for d in DOCS]
@@ -144,6 +156,8 @@ def test_other_models_score_by_cosine_of_embeddings(embedder, hf):
     ("/score", {"text_1": QUERY, "text_2": DOCS, "model": "nope"}, 404, "model"),
     ("/rerank", {"query": QUERY, "documents": []}, 400, "documents"),
     ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, 400, "top_n"),
+    ("/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 0}, 400,
+     "max_tokens_per_doc"),
     ("/rerank", {"documents": DOCS}, 400, "query"),
 ])
 def test_bad_requests_name_their_field(reranker, path, body, status, param):

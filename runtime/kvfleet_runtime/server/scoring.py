@@ -47,8 +47,8 @@ class RerankRequest(p._Strict):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
     user: str | None = None
-    # Cohere's v2 client sends it; documents are never cut here beyond truncate_prompt_tokens
-    max_tokens_per_doc: int | None = None
+    # Cohere's: each document scored on its first N tokens (the answer keeps its whole text)
+    max_tokens_per_doc: int | None = Field(default=None, ge=1)
 
 
 async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None,
@@ -94,7 +94,12 @@ async def create_rerank(state: Any, body: RerankRequest, lora_request: Any,
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     if not documents:
         raise p.OpenAIError("documents must not be empty", param="documents")
-    scores, tokens = await _scores(state, [(body.query, d) for d in documents],
+    scored = documents
+    if body.max_tokens_per_doc is not None:
+        tok = state.engine.tokenizer
+        scored = [tok.decode(tok.encode(d, add_special_tokens=False)[:body.max_tokens_per_doc])
+                  for d in documents]
+    scores, tokens = await _scores(state, [(body.query, d) for d in scored],
                                    body.truncate_prompt_tokens, body.add_special_tokens,
                                    lora_request, request_id)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
