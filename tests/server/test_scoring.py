@@ -155,6 +155,7 @@ def test_other_models_score_by_cosine_of_embeddings(embedder, hf):
      "truncate_prompt_tokens"),
     ("/score", {"text_1": QUERY, "text_2": DOCS, "model": "nope"}, 404, "model"),
     ("/rerank", {"query": QUERY, "documents": []}, 400, "documents"),
+    ("/rerank", {"query": QUERY, "documents": ["word " * 200]}, 400, "documents"),
     ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, 400, "top_n"),
     ("/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 0}, 400,
      "max_tokens_per_doc"),

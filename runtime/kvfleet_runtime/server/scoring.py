@@ -52,22 +52,23 @@ class RerankRequest(p._Strict):
 
 
 async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None,
-                  add_special_tokens: bool, lora_request: Any,
-                  request_id: str) -> tuple[list[float], int]:
-    """Each pair's score and the prompt tokens run for them."""
+                  add_special_tokens: bool, lora_request: Any, request_id: str,
+                  param: str) -> tuple[list[float], int]:
+    """Each pair's score and the prompt tokens run for them; `param` names the field a prompt
+    too long is blamed on."""
     engine = state.engine
     if engine.pooler.cross_encoder:
         prompts = []
         for i, (a, b) in enumerate(pairs):
             # --chat-template: the score template over the roles query and document
             ids = pair_prompt(engine.tokenizer, a, b, add_special_tokens, state.chat_template)
-            prompts.append(checked_prompt(state, ids, f"pair {i}", truncate, param="text_2"))
+            prompts.append(checked_prompt(state, ids, f"pair {i}", truncate, param=param))
         outs = await pool_all(state, prompts, PoolingParams(task="score"), lora_request,
                               request_id)
         return [out[-1] for out in outs], sum(len(ids) for ids in prompts)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    prompts = [checked_prompt(state, t, f"text {i}", truncate, add_special_tokens,
-                              param="text_2") for i, t in enumerate(texts)]
+    prompts = [checked_prompt(state, t, f"text {i}", truncate, add_special_tokens, param=param)
+               for i, t in enumerate(texts)]
     embedded = dict(zip(texts, await pool_all(state, prompts, PoolingParams(), lora_request,
                                               request_id), strict=True))
     return ([cosine(embedded[a], embedded[b]) for a, b in pairs],
@@ -81,7 +82,7 @@ async def create_score(state: Any, body: ScoreRequest, lora_request: Any,
     except ValueError as e:
         raise p.OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
     scores, tokens = await _scores(state, pairs, body.truncate_prompt_tokens,
-                                   body.add_special_tokens, lora_request, request_id)
+                                   body.add_special_tokens, lora_request, request_id, "text_2")
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": body.model or state.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -101,7 +102,7 @@ async def create_rerank(state: Any, body: RerankRequest, lora_request: Any,
                   for d in documents]
     scores, tokens = await _scores(state, [(body.query, d) for d in scored],
                                    body.truncate_prompt_tokens, body.add_special_tokens,
-                                   lora_request, request_id)
+                                   lora_request, request_id, "documents")
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[:body.top_n]
