@@ -312,3 +312,45 @@ def test_each_request_has_an_access_log_line_by_default(client: openai.OpenAI,
                                                         server: ServerProcess) -> None:
     client.models.list()
     assert '"GET /v1/models HTTP/1.1" 200' in server.log()
+
+
+def test_prompt_logprobs_are_hf_log_softmax_of_each_prompt_token(client, tokenizer,
+                                                                 tiny_llama) -> None:
+    # vLLM's extra: each prompt token's logprob under the positions before it, with its rank
+    # and the top k beside it; the first position None
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = "The quick brown fox jumps"
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0.0,
+                                  extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for pos in range(1, len(ids)):
+        entries = got[pos]
+        token = entries[str(ids[pos])]
+        assert token["logprob"] == pytest.approx(want[pos - 1, ids[pos]].item(), abs=1e-3)
+        assert token["rank"] == int((want[pos - 1] > want[pos - 1, ids[pos]]).sum()) + 1
+        assert token["decoded_token"] == tokenizer.decode([ids[pos]])
+        top = sorted(want[pos - 1].topk(2).indices.tolist())
+        assert set(entries) == {str(t) for t in top} | {str(ids[pos])}
+    # echo's logprobs of 1 beside prompt_logprobs of 2: each keeps its own k
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0.0,
+                                  echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    echoed = r.choices[0].logprobs.top_logprobs[1:len(ids)]
+    assert all(len(top) <= 2 for top in echoed)
+    assert r.choices[0].model_extra["prompt_logprobs"][1:] == got[1:]
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0})
+    lps = chat.model_extra["prompt_logprobs"]
+    assert len(lps) == chat.usage.prompt_tokens and lps[0] is None
+    assert all(len(entry) == 1 for entry in lps[1:])     # k 0: the prompt token alone
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"

@@ -615,6 +615,26 @@ class _GenerationCall:
             halves = self._text_events[index] = (before, after)
         return halves[0] + json.dumps(text, ensure_ascii=False) + halves[1]
 
+    def prompt_logprobs(self, out: RequestOutput) -> p.PromptLogprobs | None:
+        """vLLM's prompt_logprobs of out (completions and chat), when the request asked: each
+        prompt token's entry and the top k beside it, by token id; None at the first."""
+        k = self.body.prompt_logprobs
+        if k is None:
+            return None
+        positions = out.prompt_logprobs or []
+        result: p.PromptLogprobs = []
+        for pos, token_id in enumerate(out.prompt_token_ids):
+            lp = positions[pos] if pos < len(positions) else None
+            if not lp:
+                result.append(None)
+                continue
+            # (the engine may hold more: echo's logprobs asked for a larger k)
+            result.append({str(t): {"logprob": e.logprob, "rank": e.rank,
+                                    "decoded_token": self.token_str(t, lp)}
+                           for t, e in lp.items()
+                           if t == token_id or e.rank is None or e.rank <= k})
+        return result
+
     def token_str(self, token_id: int, lp: PositionLogprobs | None) -> str:
         entry = lp.get(token_id) if lp else None
         if entry is not None and entry.decoded_token is not None:
@@ -671,7 +691,7 @@ class _CompletionCall(_GenerationCall):
             max_tokens = self.max_tokens_for(len(ids), self.body.max_tokens, "max_tokens")
             params = self.body.to_sampling_params(max_tokens, self.state.sampling_defaults)
             if self.body.echo and self.body.logprobs is not None:
-                params.prompt_logprobs = self.body.logprobs
+                params.prompt_logprobs = max(params.prompt_logprobs or 0, self.body.logprobs)
             out.append(_Prompt(ids, text, params))
         return out
 
@@ -722,7 +742,8 @@ class _CompletionCall(_GenerationCall):
                                   len(prefix) + text_start)
         return p.CompletionChoice(index=self.choice_index(prompt_index, c), text=prefix + text,
                                   logprobs=logprobs, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason)
+                                  stop_reason=c.stop_reason,
+                                  prompt_logprobs=self.prompt_logprobs(out) if first else None)
 
     def _append_logprobs(self, result: p.CompletionLogprobs, token_ids: list[int],
                          logprobs: list[PositionLogprobs | None], start: int,
@@ -734,8 +755,11 @@ class _CompletionCall(_GenerationCall):
             chosen = lp.get(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(chosen.logprob if chosen is not None else None)
+            # (the engine may hold more at a prompt position: prompt_logprobs asked a larger k)
+            k = self.body.logprobs
             result.top_logprobs.append({self.token_str(t, lp): e.logprob for t, e in
-                                        sorted(lp.items(), key=lambda kv: -kv[1].logprob)}
+                                        sorted(lp.items(), key=lambda kv: -kv[1].logprob)
+                                        if t == token_id or e.rank is None or e.rank <= k}
                                        or None)
             result.text_offset.append(offset)
             offset += len(token)
@@ -780,7 +804,8 @@ class _ChatCall(_GenerationCall):
                                         stop_reason=c.stop_reason))
         return p.ChatCompletionResponse(id=self.request_id, created=self.created,
                                         model=self.model_name, choices=choices,
-                                        usage=self.usage(finals)).model_dump()
+                                        usage=self.usage(finals),
+                                        prompt_logprobs=self.prompt_logprobs(out)).model_dump()
 
     def parsed(self, c: CompletionOutput) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, tool calls) of a finished choice, by the server's reasoning

@@ -144,11 +144,16 @@ class _SamplingRequest(SamplingExtras):
     guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: all
                                                   # that fit max_model_len)
+    # vLLM's: each prompt token's logprob and the top k beside it (not streamed, as vLLM)
+    prompt_logprobs: int | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError("prompt_logprobs are not available when stream is true",
+                              param="prompt_logprobs")
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                          defaults: dict[str, Any],
@@ -176,7 +181,8 @@ class _SamplingRequest(SamplingExtras):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
             logit_bias=self._logit_bias,
-            allowed_token_ids=self.allowed_token_ids, structured_outputs=structured)
+            allowed_token_ids=self.allowed_token_ids, structured_outputs=structured,
+            prompt_logprobs=self.prompt_logprobs)
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
             if value is None:
@@ -420,12 +426,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt position (the first None) token id -> its entry
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -477,6 +488,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
