@@ -131,9 +131,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               chat_template: str | None = None, cors: CORS | None = None,
               sampling_defaults: dict[str, Any] | None = None,
               tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              tokenizer_info: bool = False) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops.
-    runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    tokenizer_info: serve vLLM's GET /tokenizer_info (--enable-tokenizer-info-endpoint)."""
     state = ServerState(engine=engine,
                         served_model_names=served_model_names or [engine.served_model_name],
                         lora_adapters={a.name: a for a in lora_adapters or []},
@@ -168,6 +170,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     _add_keyed_routes(keyed_routes)
     if runtime_lora_updating:
         _add_lora_routes(keyed_routes)
+    if tokenizer_info:
+        keyed_routes.add_api_route("/tokenizer_info", _tokenizer_info, methods=["GET"])
     app.include_router(open_routes)
     app.include_router(keyed_routes)
     return app
@@ -383,6 +387,23 @@ def _add_keyed_routes(router: APIRouter) -> None:
             raise p.OpenAIError(f"tokens must be ids in [0, {vocab}); got {bad[:5]}",
                                 param="tokens")
         return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+
+
+async def _tokenizer_info(request: Request) -> dict[str, Any]:
+    """vLLM's GET /tokenizer_info: what a client needs to tokenize as the server does (its
+    special tokens, chat template, lengths), e.g. lm-evaluation-harness' remote tokenizer,
+    which then reads /tokenize and /detokenize: no tokenizer download on the client."""
+    state = _state(request)
+    tok = state.engine.tokenizer
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tok, name, None)
+        info[name] = str(value) if value is not None else None
+    info["chat_template"] = state.chat_template or getattr(tok, "chat_template", None)
+    info["model_max_length"] = state.engine.config.max_model_len
+    info["add_bos_token"] = getattr(tok, "add_bos_token", None)
+    info["vocab_size"] = len(tok)
+    return info
 
 
 def runtime_lora_updating_allowed(environ: dict[str, str]) -> bool:

@@ -199,6 +199,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "clients does not hold the engine's steps back on the GIL (default: "
                              "on for one GPU; off on a CPU, and with tensor parallelism until it "
                              "is measured there)")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info (vLLM's: the tokenizer's special tokens "
+                             "and chat template, for clients such as lm-evaluation-harness "
+                             "that then tokenize through /tokenize and /detokenize)")
     server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                         help="the chat template for /v1/chat/completions: a Jinja file, or the "
                              "template itself (default: the tokenizer's)")
@@ -426,7 +430,8 @@ def serve(args: argparse.Namespace) -> int:
                     api_key=args.api_key, registry=registry, chat_template=chat_template,
                     cors=cors, sampling_defaults=sampling_defaults,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                    else None, reasoning_parser=config.reasoning_parser)
+                    else None, reasoning_parser=config.reasoning_parser,
+                    tokenizer_info=args.enable_tokenizer_info_endpoint)
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)
