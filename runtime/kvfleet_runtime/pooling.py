@@ -43,11 +43,14 @@ class PoolingParams:
     one label); "score": a cross-encoder's relevance of the prompt (a query and a document run
     as one), its last label's probability, as a one-value output. Both only for a classifier:
     a sequence-classification checkpoint or a config naming classifier_from_token.
-    classifier_token_ids: set by the engine for the latter (PoolerConfig.resolve)."""
+    classifier_token_ids: set by the engine for the latter (PoolerConfig.resolve).
+    use_activation (vLLM's): False gives classify's raw logits and score's raw logit (the last
+    label's, less the first's for two) in place of probabilities."""
     normalize: bool | None = None
     dimensions: int | None = None
     task: str = "embed"
     classifier_token_ids: tuple[int, ...] | None = None
+    use_activation: bool = True
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -144,7 +147,8 @@ class PoolerConfig:
         this config."""
         if params.task in ("score", "classify"):
             return PoolingParams(task=params.task,
-                                 classifier_token_ids=self.classifier_token_ids or None)
+                                 classifier_token_ids=self.classifier_token_ids or None,
+                                 use_activation=params.use_activation)
         if params.normalize is not None:
             return params
         return PoolingParams(normalize=self.normalize, dimensions=params.dimensions)
@@ -222,6 +226,9 @@ def pool(hidden, logits, params: PoolingParams, score_head=None) -> list[float]:
     if params.task in ("score", "classify"):
         x = (logits.float()[list(params.classifier_token_ids)] if params.classifier_token_ids
              else score_head(hidden).float())
+        if not params.use_activation:
+            return x.tolist() if params.task == "classify" else [(x[-1] - x[0] if len(x) == 2
+                                                                  else x[0]).item()]
         # two labels: the softmax's second is sigmoid(x1 - x0) (Qwen3-Reranker's yes over no)
         probs = torch.softmax(x, dim=-1) if len(x) > 1 else torch.sigmoid(x)
         return probs.tolist() if params.task == "classify" else [probs[-1].item()]

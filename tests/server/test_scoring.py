@@ -124,6 +124,17 @@ def test_rerank_top_n_documents_as_objects_and_no_documents_back(reranker, hf):
     assert result["index"] == best and "document" not in result
 
 
+def test_use_activation_false_gives_the_raw_logit(reranker, hf):
+    # vLLM's use_activation: the raw logit(yes) - logit(no), whose sigmoid is the score
+    _, rerank, _ = hf
+    r = _post(reranker, "/score", {"text_1": QUERY, "text_2": DOCS, "use_activation": False})
+    assert r.status_code == 200, r.text
+    raw = torch.tensor([d["score"] for d in r.json()["data"]])
+    assert torch.sigmoid(raw).tolist() == pytest.approx([rerank(QUERY, d) for d in DOCS],
+                                                        abs=1e-4)
+    assert (raw < 0).any() or (raw > 1).any()        # (not probabilities)
+
+
 def test_rerank_max_tokens_per_doc_scores_each_document_on_its_first_tokens(reranker, hf):
     tok, rerank, _ = hf
     cut = [tok.decode(tok(d, add_special_tokens=False).input_ids[:4]) for d in DOCS]
@@ -206,7 +217,12 @@ def test_a_sequence_classifier_classifies_as_hf(classifier, path):
     tokens = sum(len(tok(t).input_ids) for t in texts)
     assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
                              "completion_tokens": 0}
-    # three labels: no score; no lm_head: no completion
+    r = _post(server, path, {"input": texts, "use_activation": False})
+    with torch.no_grad():
+        logits = [hf(torch.tensor([tok(t).input_ids])).logits[0] for t in texts]
+    for item, w in zip(r.json()["data"], logits, strict=True):
+        assert item["probs"] == pytest.approx(w.tolist(), abs=1e-4)
+        # three labels: no score; no lm_head: no completion
     r = _post(server, "/score", {"text_1": QUERY, "text_2": DOCS[0]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     assert "classify instead" in r.json()["error"]["message"]

@@ -32,6 +32,7 @@ class ScoreRequest(p._Strict):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
     user: str | None = None
+    use_activation: bool = True     # vLLM's: False gives a cross-encoder's raw logit
 
 
 class RerankDocument(p._Strict):
@@ -49,11 +50,12 @@ class RerankRequest(p._Strict):
     user: str | None = None
     # Cohere's: each document scored on its first N tokens (the answer keeps its whole text)
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
+    use_activation: bool = True     # vLLM's: False gives a cross-encoder's raw logit
 
 
 async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None,
                   add_special_tokens: bool, lora_request: Any, request_id: str,
-                  param: str) -> tuple[list[float], int]:
+                  param: str, use_activation: bool) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens run for them; `param` names the field a prompt
     too long is blamed on."""
     engine = state.engine
@@ -63,8 +65,9 @@ async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None
             # --chat-template: the score template over the roles query and document
             ids = pair_prompt(engine.tokenizer, a, b, add_special_tokens, state.chat_template)
             prompts.append(checked_prompt(state, ids, f"pair {i}", truncate, param=param))
-        outs = await pool_all(state, prompts, PoolingParams(task="score"), lora_request,
-                              request_id)
+        outs = await pool_all(state, prompts,
+                              PoolingParams(task="score", use_activation=use_activation),
+                              lora_request, request_id)
         return [out[-1] for out in outs], sum(len(ids) for ids in prompts)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     prompts = [checked_prompt(state, t, f"text {i}", truncate, add_special_tokens, param=param)
@@ -82,7 +85,8 @@ async def create_score(state: Any, body: ScoreRequest, lora_request: Any,
     except ValueError as e:
         raise p.OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
     scores, tokens = await _scores(state, pairs, body.truncate_prompt_tokens,
-                                   body.add_special_tokens, lora_request, request_id, "text_2")
+                                   body.add_special_tokens, lora_request, request_id, "text_2",
+                                   body.use_activation)
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": body.model or state.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -102,7 +106,7 @@ async def create_rerank(state: Any, body: RerankRequest, lora_request: Any,
                   for d in documents]
     scores, tokens = await _scores(state, [(body.query, d) for d in scored],
                                    body.truncate_prompt_tokens, body.add_special_tokens,
-                                   lora_request, request_id, "documents")
+                                   lora_request, request_id, "documents", body.use_activation)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[:body.top_n]
@@ -114,14 +118,15 @@ async def create_rerank(state: Any, body: RerankRequest, lora_request: Any,
 
 
 class ClassificationRequest(PoolingInputs):
-    pass
+    use_activation: bool = True     # vLLM's: False gives the raw logits, not probabilities
 
 
 async def create_classification(state: Any, body: ClassificationRequest, lora_request: Any,
                                 request_id: str) -> dict[str, Any]:
     prompts = body.prompts(state)
-    outs = await pool_all(state, prompts, PoolingParams(task="classify"), lora_request,
-                          request_id)
+    outs = await pool_all(state, prompts,
+                          PoolingParams(task="classify", use_activation=body.use_activation),
+                          lora_request, request_id)
     pooler = state.engine.pooler
     # a sequence classifier's id2label, or a causal LM's classifier tokens
     labels = pooler.labels or tuple(
