@@ -27,6 +27,16 @@ from kvfleet_runtime.pooling import (
 from kvfleet_runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                    and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 _TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
                  "embedding": "pooling", "score": "pooling", "classify": "pooling",
                  "reward": "pooling"}
@@ -82,10 +92,7 @@ class LLM:
         """Complete every prompt (vLLM's LLM.generate). lora_request: the LoRA adapter to run
         them with (LLM(..., enable_lora=True)), one for all or one per prompt (None: the base
         model)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -146,10 +153,7 @@ class LLM:
         """Each prompt's embedding (vLLM's LLM.embed): its last token's final hidden state,
         L2-normalised unless the model's pooling config or pooling_params say otherwise
         (kvfleet_runtime/pooling.py). The prompts run batched and prefix-cached as generate()'s."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params] * len(prompts)
         if len(pooling_params) != len(prompts):
@@ -165,13 +169,10 @@ class LLM:
         """Each prompt's label probabilities (vLLM's LLM.classify) from a classifier: a
         sequence-classification checkpoint (its `score` head; labels by config id2label) or a
         config naming classifier_from_token; softmax over the labels, sigmoid for one."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
         params = embedding_sampling_params(PoolingParams(task="classify"))
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding),
                                             out.prompt_token_ids, out.finished)
-                for out in self.generate(list(prompts), params, lora_request)]
+                for out in self.generate(prompts, params, lora_request)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               lora_request: LoRARequest | None = None, *,
