@@ -100,5 +100,11 @@ def test_fp8_weights_take_adapters(tmp_path):
     ra = LoRARequest("a", 1, str(adapter))
     ours = _run(llm, prompts, [ra] * 4, 6)
     ref = hf_lora_greedy(tmp_path / "rounded", adapter, prompts, 6)
-    assert sum(o[:3] == r[:3] for o, r in zip(ours, ref, strict=True)) >= 3, (ours, ref)
-    assert ours != _run(llm, prompts, None, 6)
+    base = _run(llm, prompts, None, 6)
+    agree = sum(o[:3] == r[:3] for o, r in zip(ours, ref, strict=True))
+    if agree < 3:       # told apart in the message: FP8 rounding (the base strays as much)
+        base_ref = hf_lora_greedy(tmp_path / "rounded", None, prompts, 6)  # or the adapter path
+        base_agree = sum(o[:3] == r[:3] for o, r in zip(base, base_ref, strict=True))
+        pytest.fail(f"with the adapter {agree}/4 prompts' first 3 tokens equal HF + PEFT's; "
+                    f"without it {base_agree}/4 equal HF's: {ours} vs {ref}")
+    assert ours != base
