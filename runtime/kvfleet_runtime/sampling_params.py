@@ -35,6 +35,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: sample only among these ids
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: words never generated (as they start the text or follow a space); a
+    # word of several tokens loses its last token wherever the output ends in the others
+    bad_words: list[str] | None = None
     # a JSON schema, regex, choice or grammar the output must follow (vLLM's field)
     structured_outputs: StructuredOutputsParams | None = None
     # an embedding request (LLM.embed, AsyncLLMEngine.encode, /v1/embeddings): one step that
@@ -42,6 +45,8 @@ class SamplingParams:
     pooling: PoolingParams | None = None
     # filled by the engine: ids that end generation besides stop_token_ids (EOS)
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
+    # filled by the engine from bad_words: each word's token ids (bad_words_token_ids)
+    _bad_words_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +59,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
@@ -63,6 +70,9 @@ class SamplingParams:
             return ValueError(f"{name} must be {rule}; got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
+        if self.bad_words is not None and not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise bad("bad_words", "a list of non-empty strings", self.bad_words)
         if self.temperature < 0:
             raise bad("temperature", ">= 0", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
@@ -151,3 +161,17 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad_words: each word as it starts the text and, where that is
+    other tokens of the same count, as it follows a space; no special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (bare, spaced):
+            if ids and ids not in out and (ids is bare or (len(ids) == len(bare)
+                                                            and ids[0] != bare[0])):
+                out.append(ids)
+    return out

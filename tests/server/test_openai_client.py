@@ -354,3 +354,23 @@ def test_prompt_logprobs_are_hf_log_softmax_of_each_prompt_token(client, tokeniz
         client.completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(client, tiny_llama) -> None:
+    # vLLM's extra, tokenized where the engine runs (its own process too): the answer is the
+    # offline engine's with the same bad_words (which tests/runtime/test_bad_words.py holds
+    # to HF's bad_words_ids)
+    from kvfleet_runtime import LLM, SamplingParams
+    prompt = "Once upon a time"
+    free = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, **FIXED)
+    word = free.choices[0].text.split()[0]
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "bad_words": [word]})
+    llm = LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks=16, max_model_len=256)
+    want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                               bad_words=[word]))[0].outputs[0].text
+    assert out.choices[0].text == want != free.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2,
+                                  extra_body={"bad_words": [""]})
+    assert e.value.body["param"] == "bad_words"

@@ -24,7 +24,7 @@ from kvfleet_runtime.outputs import CompletionOutput, EngineStats, Logprob, Requ
 from kvfleet_runtime.pooling import PoolerConfig, PoolingParams
 from kvfleet_runtime.request import FINISHED_STATUSES as _FINISHED
 from kvfleet_runtime.request import Request, RequestStatus
-from kvfleet_runtime.sampling_params import SamplingParams
+from kvfleet_runtime.sampling_params import SamplingParams, bad_words_token_ids
 from kvfleet_runtime.structured_outputs import grammar_prefix
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,8 @@ class LLMEngine:
             prompt_ids = self.tokenize(prompt)
         params = params.clone()
         self._check_runner(params)
+        if params.bad_words:
+            params._bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.pooling is not None:
             if params.n != 1:
                 raise ValueError(f"an embedding request has one output; got n={params.n}")
@@ -255,7 +257,8 @@ class LLMEngine:
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
         # prompt logprobs' targets are read row by row on the host; a pooling request's hidden
         # state is read in the step that ends its prompt (ModelRunner.execute)
-        if params.prompt_logprobs is not None or params.pooling is not None:
+        if (params.prompt_logprobs is not None or params.pooling is not None
+                or params._bad_words_ids):     # (bad words read the tokens so far on the host)
             self.sync_groups.add(request_id)
         if final_only:
             self.final_only.add(request_id)

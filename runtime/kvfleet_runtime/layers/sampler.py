@@ -217,7 +217,7 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], params: list[Sa
         raise ValueError(f"logits has {logits.shape[0]} rows but the drafts need {num_rows}")
     device = logits.device
     row_params = [p for p, c in zip(params, counts, strict=True) for _ in range(c)]
-    if any(p.needs_penalties or p.min_tokens for p in params):
+    if any(p.needs_penalties or p.min_tokens or p._bad_words_ids for p in params):
         if prompt_token_ids is None or output_token_ids is None:
             raise ValueError("penalties and min_tokens need prompt_token_ids and output_token_ids")
         row_prompts = [ids for ids, c in zip(prompt_token_ids, counts, strict=True)
@@ -316,6 +316,11 @@ def apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             penalized.append(i)
         if p.logit_bias or p.allowed_token_ids is not None or p.structured_outputs is not None:
             masked.append(i)
+        if p._bad_words_ids:    # (synchronous requests: out holds every token so far)
+            for word in p._bad_words_ids:
+                if len(word) == 1 or out[len(out) - len(word) + 1:] == word[:-1]:
+                    mask_rows.append(i)
+                    mask_cols.append(word[-1])
     if not mask_rows and not penalized and not masked:
         return raw
     x = raw.clone() if raw.dtype == torch.float32 else raw.float()

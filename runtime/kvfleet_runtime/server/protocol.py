@@ -113,6 +113,7 @@ class SamplingExtras(_Strict):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -181,7 +182,8 @@ class _SamplingRequest(SamplingExtras):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
             logit_bias=self._logit_bias,
-            allowed_token_ids=self.allowed_token_ids, structured_outputs=structured,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=structured,
             prompt_logprobs=self.prompt_logprobs)
         for name in SAMPLING_DEFAULT_KNOBS:
             value = getattr(self, name)
