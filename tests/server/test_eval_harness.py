@@ -24,7 +24,8 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[ServerProcess]:
     with running_server(tiny_llama, "--served-model-name", "tiny", "--max-model-len", "256",
-                        "--enable-tokenizer-info-endpoint", api_key=API_KEY) as s:
+                        "--enable-tokenizer-info-endpoint", "--return-tokens-as-token-ids",
+                        api_key=API_KEY) as s:
         yield s
 
 
@@ -73,6 +74,8 @@ def test_loglikelihood_requests_score_continuations_as_hf(server, tiny_llama) ->
         want = [lp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids))]
         # parse_logprobs: the continuation's slice [ctxlen:-1] (the last is the new token)
         got = choice["logprobs"]["token_logprobs"][len(ctx):-1]
+        # --return-tokens-as-token-ids: the echoed tokens name the prompt's own ids
+        assert choice["logprobs"]["tokens"][:len(ids)] == [f"token_id:{t}" for t in ids]
         assert got == pytest.approx(want, abs=1e-3)
         greedy = all(t == max(top.values()) for t, top in
                      zip(got, choice["logprobs"]["top_logprobs"][len(ctx):-1], strict=True))

@@ -374,3 +374,23 @@ def test_bad_words_keep_a_word_out_of_the_answer(client, tiny_llama) -> None:
         client.completions.create(model=NAME, prompt=prompt, max_tokens=2,
                                   extra_body={"bad_words": [""]})
     assert e.value.body["param"] == "bad_words"
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, tokenizer) -> None:
+    # vLLM's extra: "token_id:N" in place of each token's text, in the chosen and the top
+    kwargs = dict(model=NAME, prompt="Once upon a time", max_tokens=5, **FIXED)
+    plain = client.completions.create(logprobs=2, **kwargs).choices[0].logprobs
+    kwargs["extra_body"] = {**FIXED["extra_body"], "return_tokens_as_token_ids": True}
+    lp = client.completions.create(logprobs=2, **kwargs).choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    assert [tokenizer.decode([i]) for i in ids] == plain.tokens
+    assert lp.token_logprobs == plain.token_logprobs
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
+        top_logprobs=1, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    for t in chat.choices[0].logprobs.content:
+        assert t.token.startswith("token_id:") and bytes(t.bytes).decode() == t.token
+        assert t.top_logprobs[0].token.startswith("token_id:")

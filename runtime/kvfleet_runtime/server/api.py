@@ -107,6 +107,8 @@ class ServerState:
     # --enable-auto-tool-choice's --tool-call-parser: tool_choice "auto" reads calls with it
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None     # --reasoning-parser
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says
+    return_tokens_as_token_ids: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)    # /v1/responses' store
 
     @property
@@ -132,7 +134,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               sampling_defaults: dict[str, Any] | None = None,
               tool_call_parser: str | None = None,
               reasoning_parser: str | None = None,
-              tokenizer_info: bool = False) -> FastAPI:
+              tokenizer_info: bool = False,
+              return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops.
     runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
     tokenizer_info: serve vLLM's GET /tokenizer_info (--enable-tokenizer-info-endpoint)."""
@@ -145,7 +148,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                         registry=registry or CollectorRegistry(),
                         chat_template=chat_template,
                         sampling_defaults=sampling_defaults or {},
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                        return_tokens_as_token_ids=return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -518,6 +522,10 @@ class _GenerationCall:
         self.done: set[int] = set()                   # choices whose finish was streamed
         self.include_usage = body.include_usage
         self.continuous_usage = body.continuous_usage
+        # vLLM's: logprobs' tokens as "token_id:N" (exact ids, whatever their text)
+        self.tokens_as_ids = (body.return_tokens_as_token_ids
+                              if body.return_tokens_as_token_ids is not None
+                              else state.return_tokens_as_token_ids)
         # choice index -> the SSE event of a text-only chunk, split where its text goes
         self._text_events: dict[int, tuple[str, str]] = {}
 
@@ -651,12 +659,18 @@ class _GenerationCall:
                 continue
             # (the engine may hold more: echo's logprobs asked for a larger k)
             result.append({str(t): {"logprob": e.logprob, "rank": e.rank,
-                                    "decoded_token": self.token_str(t, lp)}
+                                    "decoded_token": self.decoded(t, lp)}
                            for t, e in lp.items()
                            if t == token_id or e.rank is None or e.rank <= k})
         return result
 
     def token_str(self, token_id: int, lp: PositionLogprobs | None) -> str:
+        """A logprobs entry's token: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.decoded(token_id, lp)
+
+    def decoded(self, token_id: int, lp: PositionLogprobs | None) -> str:
         entry = lp.get(token_id) if lp else None
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token

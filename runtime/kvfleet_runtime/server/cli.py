@@ -203,6 +203,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="serve GET /tokenizer_info (vLLM's: the tokenizer's special tokens "
                              "and chat template, for clients such as lm-evaluation-harness "
                              "that then tokenize through /tokenize and /detokenize)")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name their tokens \"token_id:N\" (vLLM's; a request's "
+                             "return_tokens_as_token_ids overrides it)")
     server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                         help="the chat template for /v1/chat/completions: a Jinja file, or the "
                              "template itself (default: the tokenizer's)")
@@ -431,7 +434,8 @@ def serve(args: argparse.Namespace) -> int:
                     cors=cors, sampling_defaults=sampling_defaults,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
                     else None, reasoning_parser=config.reasoning_parser,
-                    tokenizer_info=args.enable_tokenizer_info_endpoint)
+                    tokenizer_info=args.enable_tokenizer_info_endpoint,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)

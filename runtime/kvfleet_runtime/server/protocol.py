@@ -147,6 +147,8 @@ class _SamplingRequest(SamplingExtras):
                                                   # that fit max_model_len)
     # vLLM's: each prompt token's logprob and the top k beside it (not streamed, as vLLM)
     prompt_logprobs: int | None = None
+    # vLLM's: logprobs' tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
