@@ -50,8 +50,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []    # hash chain of this request's full blocks
         self.lora_request = lora_request     # its LoRA adapter (kvfleet_runtime.lora), or None
-        # the hash chain starts from the adapter: its KV differs from the base model's
+        # the hash chain starts from the adapter (its KV differs from the base model's) and the
+        # request's cache_salt (vLLM's: only requests of the same salt share cached blocks)
         self.cache_salt = None if lora_request is None else ("lora", lora_request.lora_int_id)
+        if params.cache_salt is not None:
+            self.cache_salt = (self.cache_salt, "salt", params.cache_salt)
         self.sibling: Request | None = None  # n > 1: wait until this one's prompt is cached
         self.generator: torch.Generator | None = None   # seeded per request by the engine
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None

@@ -38,6 +38,9 @@ class SamplingParams:
     # vLLM's bad_words: words never generated (as they start the text or follow a space); a
     # word of several tokens loses its last token wherever the output ends in the others
     bad_words: list[str] | None = None
+    # vLLM's cache_salt: the prefix cache shares blocks only among requests of the same salt
+    # (a tenant's prompts cannot be timed by another's hits)
+    cache_salt: str | None = None
     # a JSON schema, regex, choice or grammar the output must follow (vLLM's field)
     structured_outputs: StructuredOutputsParams | None = None
     # an embedding request (LLM.embed, AsyncLLMEngine.encode, /v1/embeddings): one step that
@@ -70,6 +73,9 @@ class SamplingParams:
             return ValueError(f"{name} must be {rule}; got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise bad("cache_salt", "a non-empty string", self.cache_salt)
         if self.bad_words is not None and not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words):
             raise bad("bad_words", "a list of non-empty strings", self.bad_words)

@@ -394,3 +394,22 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, tokenizer
     for t in chat.choices[0].logprobs.content:
         assert t.token.startswith("token_id:") and bytes(t.bytes).decode() == t.token
         assert t.top_logprobs[0].token.startswith("token_id:")
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(server, client) -> None:
+    # vLLM's extra: the same prompt hits the cache under its own salt only
+    prompt = "A long shared system prompt for every tenant of this server. " * 4
+
+    def hits_after(salt: str) -> float:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0.0,
+                                  extra_body={"cache_salt": salt})
+        return server.metric("kvfleet_prefix_cache_hits_total")
+
+    before = server.metric("kvfleet_prefix_cache_hits_total")
+    assert hits_after("tenant-a") == before
+    assert hits_after("tenant-b") == before
+    assert hits_after("tenant-a") > before
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"

@@ -114,6 +114,7 @@ class SamplingExtras(_Strict):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None
     structured_outputs: StructuredOutputs | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -185,6 +186,7 @@ class _SamplingRequest(SamplingExtras):
             skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
             logit_bias=self._logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            cache_salt=self.cache_salt,
             structured_outputs=structured,
             prompt_logprobs=self.prompt_logprobs)
         for name in SAMPLING_DEFAULT_KNOBS:
