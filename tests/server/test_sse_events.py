@@ -11,7 +11,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from kvfleet_runtime.outputs import CompletionOutput, RequestOutput
+from kvfleet_runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_runtime.server import api
 from kvfleet_runtime.server import protocol as p
 
@@ -22,7 +22,7 @@ MODEL = 'm"ö'
 
 def call(kind: str, **fields) -> api._GenerationCall:
     state = SimpleNamespace(engine=SimpleNamespace(tokenizer=None), model_name=MODEL,
-                            served_model_names=[MODEL])
+                            served_model_names=[MODEL], return_tokens_as_token_ids=False)
     if kind == "completion":
         return api._CompletionCall(state, None, p.CompletionRequest(model=MODEL, prompt="hi",
                                                                     stream=True, **fields))
@@ -58,7 +58,7 @@ def outputs(texts: list[str], finish: str = "length", n: int = 1) -> list[Reques
         done = step == len(texts)
         outs.append(RequestOutput("r", None, [1, 2], [
             CompletionOutput(i, "".join(texts[:step]), list(range(step)),
-                             logprobs=[{t: SimpleNamespace(logprob=-1.0, decoded_token=texts[t])}
+                             logprobs=[{t: Logprob(logprob=-1.0, decoded_token=texts[t])}
                                        for t in range(step)],
                              finish_reason=finish if done else None)
             for i in reversed(range(n))], finished=done))
