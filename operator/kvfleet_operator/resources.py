@@ -151,6 +151,8 @@ def serve_command(spec: LLMServiceSpec) -> list[str]:
         command += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.admission_headroom:
         command += ["--admission-headroom", str(engine.admission_headroom)]
+    if engine.scheduling_policy is not None:
+        command += ["--scheduling-policy", engine.scheduling_policy]
     command += [
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--tensor-parallel-size", str(engine.tensor_parallel_size),

@@ -24,6 +24,7 @@ DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
 QUANTIZATIONS = ("none", "gptq", "awq", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MODEL_SCHEMES = ("s3://", "hf://", "pvc://", "/")
 # An adapter's name is a DNS-1123 label short enough for its init container's name
 # ("pull-adapter-" + name, at most 63 characters).
@@ -101,6 +102,8 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     admission_headroom: int = 0
+    # `kvfleet serve --scheduling-policy`: fcfs or priority; None leaves the runtime's default (fcfs)
+    scheduling_policy: str | None = None
     # LoRA knobs, used only with spec.adapters; None leaves the choice to serve_command
     max_loras: int | None = None
     max_lora_rank: int | None = None
@@ -220,6 +223,13 @@ def _choice(value: Any, allowed: tuple[Any, ...], path: str) -> Any:
     if value not in allowed:
         raise SpecError(f"{path} must be one of {', '.join(map(str, allowed))}; got {value!r}")
     return value
+
+
+def _optional_choice(obj: Mapping[str, Any], key: str, path: str,
+                     allowed: tuple[str, ...]) -> str | None:
+    """A string field with no default of its own: None when unset, else one of `allowed`."""
+    value = _get(obj, key, path, str)
+    return None if value is None else _choice(value, allowed, f"{path}.{key}")
 
 
 # ---------------------------------------------------------------- sections
@@ -357,6 +367,7 @@ def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
         kv_cache_dtype=_choice(_get(raw, "kvCacheDtype", path, str, defaults.kv_cache_dtype),
                                KV_CACHE_DTYPES, f"{path}.kvCacheDtype"),
         admission_headroom=_int(raw, "admissionHeadroom", path, defaults.admission_headroom, 0),
+        scheduling_policy=_optional_choice(raw, "schedulingPolicy", path, SCHEDULING_POLICIES),
         max_loras=_int(raw, "maxLoras", path, None, 1),
         max_lora_rank=_int(raw, "maxLoraRank", path, None, 1),
         max_cpu_loras=_int(raw, "maxCpuLoras", path, None, 1),

@@ -69,6 +69,7 @@ def test_serve_command_carries_every_engine_flag():
                            "maxModelLen": 2048, "gpuMemoryUtilization": 0.85,
                            "enablePrefixCaching": False, "tensorParallelSize": 2,
                            "kvCacheDtype": "fp8", "admissionHeadroom": 512,
+                           "schedulingPolicy": "priority",
                            "extraArgs": ["--extra", "1"]},
                    resources={"gpus": 2})
     command = serve_command(spec)
@@ -77,7 +78,8 @@ def test_serve_command_carries_every_engine_flag():
                 "--block-size": "32", "--max-num-seqs": "12", "--max-num-batched-tokens": "4096",
                 "--max-model-len": "2048", "--gpu-memory-utilization": "0.85",
                 "--quantization": "awq", "--tensor-parallel-size": "2", "--shutdown-timeout": "30",
-                "--kv-cache-dtype": "fp8", "--admission-headroom": "512"}
+                "--kv-cache-dtype": "fp8", "--admission-headroom": "512",
+                "--scheduling-policy": "priority"}
     assert {name: flag(command, name) for name in expected} == expected
     assert "--no-enable-prefix-caching" in command and "--enable-prefix-caching" not in command
     assert command[-2:] == ["--extra", "1"]
@@ -88,7 +90,14 @@ def test_no_quantization_and_no_max_model_len_add_no_flag():
     command = serve_command(spec_of())
     assert "--quantization" not in command and "--max-model-len" not in command
     assert "--kv-cache-dtype" not in command and "--admission-headroom" not in command
+    assert "--scheduling-policy" not in command
     assert "--enable-prefix-caching" in command
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_set_scheduling_policy_is_passed_as_given(policy):
+    command = serve_command(spec_of(engine={"schedulingPolicy": policy}))
+    assert command.count("--scheduling-policy") == 1 and flag(command, "--scheduling-policy") == policy
 
 
 def test_s3_model_is_pulled_by_an_init_container_with_secret_credentials_and_endpoint():

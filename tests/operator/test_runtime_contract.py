@@ -31,7 +31,7 @@ FULL = minimal_llmservice(
     quantization="gptq",
     engine={"blockSize": 32, "maxNumSeqs": 9, "maxNumBatchedTokens": 1024, "maxModelLen": 512,
             "gpuMemoryUtilization": 0.75, "enablePrefixCaching": False, "tensorParallelSize": 2,
-            "kvCacheDtype": "fp8_e4m3", "admissionHeadroom": 256},
+            "kvCacheDtype": "fp8_e4m3", "admissionHeadroom": 256, "schedulingPolicy": "priority"},
     resources={"gpus": 2})
 LORA = minimal_llmservice(
     model={"uri": "s3://bucket/llama", "name": "llama", "include": ["*.safetensors", "*.json"],
@@ -59,6 +59,7 @@ def test_serve_command_parses_to_the_spec(body):
     assert args.tensor_parallel_size == engine.tensor_parallel_size
     assert getattr(args, "kv_cache_dtype", "auto") == engine.kv_cache_dtype
     assert getattr(args, "admission_headroom", 0) == engine.admission_headroom
+    assert getattr(args, "scheduling_policy", "fcfs") == (engine.scheduling_policy or "fcfs")
     assert getattr(args, "quantization", "none") == spec.quantization
     assert getattr(args, "enable_lora", False) is bool(spec.adapters)
     assert [(m.name, m.path) for m in args.lora_modules or []] == \
@@ -68,6 +69,7 @@ def test_serve_command_parses_to_the_spec(body):
             (max_loras(spec), spec.engine.max_lora_rank or 16, spec.engine.max_cpu_loras)
     # the runtime's own EngineConfig takes them (e.g. the reranker's --hf-overrides JSON)
     config = engine_config_from_args(args, model="/models/x")
+    assert config.scheduling_policy == (engine.scheduling_policy or "fcfs")
     if "--hf-overrides" in spec.engine.extra_args:
         assert config.hf_overrides["classifier_from_token"] == ["no", "yes"]
         assert config.runner == "pooling"

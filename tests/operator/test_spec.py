@@ -110,6 +110,7 @@ def test_bad_specs_raise_errors_naming_the_field(bad: BadSpec):
     ({"metadata": {"name": "ok", "namespace": "d"}}, "spec is required"),
     (minimal_llmservice(replicas=True), "spec.replicas must be an integer; got True"),
     (minimal_llmservice(engine={"extraArgs": [1]}), "spec.engine.extraArgs must be a list of strings"),
+    (minimal_llmservice(engine={"schedulingPolicy": 1}), "spec.engine.schedulingPolicy must be a string; got 1"),
     (minimal_llmservice(model={"uri": "s3://b/m", "include": ["*.json", 7]}),
      "spec.model.include[1] must be a non-empty string (a glob such as '*.safetensors'); got 7"),
     (minimal_llmservice(model={"uri": "s3://b/m", "exclude": ["*"] * 65}),
