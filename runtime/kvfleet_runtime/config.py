@@ -26,6 +26,7 @@ DTYPES = {"auto": None, "float32": "float32", "fp32": "float32",
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 # vLLM's --runner: what the engine serves (EngineConfig.runner)
 RUNNERS = ("auto", "generate", "pooling")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -57,6 +58,16 @@ def _positive(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """A request's priority under the engine's scheduling policy: any int under priority, only
+    0 under fcfs (vLLM's check)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an integer; got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"got priority {priority} but priority scheduling is not enabled: start "
+                         "the engine with --scheduling-policy priority")
+
+
 @dataclass
 class EngineConfig:
     model: str = ""
@@ -81,6 +92,9 @@ class EngineConfig:
     # admit a request only while every running one can still grow this many tokens (up to its
     # max_tokens) in the free blocks: fewer preemptions (recomputes) when the KV cache is full
     admission_headroom: int = 0
+    # vLLM's --scheduling-policy: fcfs, or priority (requests' `priority`, lower first; the
+    # lowest running one is preempted when blocks run out)
+    scheduling_policy: str = "fcfs"
     quantization: str | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -150,6 +164,9 @@ class EngineConfig:
                 raise ValueError(f"hf_overrides must be a JSON object; it is not JSON: {e}") from None
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a JSON object; got {self.hf_overrides!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
         if self.admission_headroom < 0:
             raise ValueError(f"admission_headroom must be >= 0 tokens; got {self.admission_headroom}")
         if self.attention_backend not in ("auto", "triton", "torch"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.config import EngineConfig, check_priority
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.generation_config import load_sampling_defaults
 from kvfleet_runtime.lora import LoRARequest
@@ -88,10 +88,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt (vLLM's LLM.generate). lora_request: the LoRA adapter to run
         them with (LLM(..., enable_lora=True)), one for all or one per prompt (None: the base
-        model)."""
+        model). priority: one per prompt, under LLM(..., scheduling_policy="priority"): lower
+        values are admitted first (all are queued before the first step, then)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -106,9 +107,17 @@ class LLM:
         if len(lora_request) != len(prompts):
             raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompts)} "
                              "prompts; give one or one per prompt")
+        if priority is None:
+            priority = [0] * len(prompts)
+        priority = list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts; "
+                             "give one per prompt")
+        engine = self.engine
+        for value in priority:
+            check_priority(value, engine.config.scheduling_policy)
         # adapters named by a Hub id, hf:// or s3:// path: pulled once (model_source)
         lora_request = [local_lora(r, self._lora_folders) for r in lora_request]
-        engine = self.engine
         # every prompt checked before any is queued: a bad one raises with nothing running
         prompt_ids = [engine.check_request(p, sp, lr) for p, sp, lr in zip(
             prompts, sampling_params, lora_request, strict=True)]
@@ -118,16 +127,17 @@ class LLM:
         # are queued while it runs: the GPU does not wait for the whole batch's host set-up
         # (~0.1 ms a request of 128 tokens). Where no prompt hits the prefix cache, that step
         # takes the requests it would take from the whole queue (FCFS, stopped by its token
-        # budget or max_num_seqs before the queue runs out).
+        # budget or max_num_seqs before the queue runs out). Priorities order the whole queue:
+        # no early step then.
         sched = engine.scheduler
         tokens = seqs = 0
-        started = False
+        started = any(priority)
         added = []
         try:
-            for rid, prompt, params, ids_, lora in zip(ids, prompts, sampling_params, prompt_ids,
-                                                       lora_request, strict=True):
+            for rid, prompt, params, ids_, lora, prio in zip(
+                    ids, prompts, sampling_params, prompt_ids, lora_request, priority, strict=True):
                 engine.add_request(rid, prompt, params, final_only=True, prompt_ids=ids_,
-                                   lora_request=lora)
+                                   lora_request=lora, priority=prio)
                 added.append(rid)
                 tokens += len(ids_)  # n > 1: the samples after the first find the prompt cached
                 seqs += params.n

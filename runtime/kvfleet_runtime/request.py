@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 import torch
@@ -29,13 +30,19 @@ FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENG
                      RequestStatus.FINISHED_ABORTED)
 
 
+_ARRIVALS = itertools.count()
+
+
 class Request:
     """A single sequence. n > 1 fans out into n Requests sharing `group_id`."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, group_id: str | None = None,
-                 index: int = 0, lora_request=None) -> None:
+                 index: int = 0, lora_request=None, priority: int = 0) -> None:
         self.request_id = request_id
+        # the priority scheduling policy's order: lower first; ties by arrival, then creation
+        self.priority = priority
+        self.arrival_seq = next(_ARRIVALS)
         self.group_id = group_id or request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)

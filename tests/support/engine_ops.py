@@ -20,10 +20,12 @@ def _default_params(i: int, max_tokens: int) -> SamplingParams:
 
 
 def run_random_ops(engine: LLMEngine, ops: list[tuple[str, int, int]],
-                   params_for: Callable[[int, int], SamplingParams] = _default_params
+                   params_for: Callable[[int, int], SamplingParams] = _default_params,
+                   priority_for: Callable[[int], int] | None = None
                    ) -> dict[str, RequestOutput]:
-    """Drive `engine` through add/abort/step ops (op i adds with params_for(i, max_tokens));
-    no ref count < 0, every block free at the end. Returns the finished outputs by request id."""
+    """Drive `engine` through add/abort/step ops (op i adds with params_for(i, max_tokens), at
+    priority_for(i) if given); no ref count < 0, every block free at the end. Returns the
+    finished outputs by request id."""
     live: list[str] = []
     finished: dict[str, RequestOutput] = {}
 
@@ -37,7 +39,8 @@ def run_random_ops(engine: LLMEngine, ops: list[tuple[str, int, int]],
         if op == "add":
             rid = f"prop-{i}-{engine.step_totals['steps']}"
             engine.add_request(rid, [(i * 7 + j) % 500 + 3 for j in range(length)],
-                               params_for(i, max_tokens))
+                               params_for(i, max_tokens),
+                               priority=0 if priority_for is None else priority_for(i))
             live.append(rid)
         elif op == "abort" and live:
             engine.abort_request(live.pop(length % len(live)))

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.config import EngineConfig, check_priority
 from kvfleet_runtime.engine.engine_process import EngineProcess, OutputMerger
 from kvfleet_runtime.lora import LoRARequest
 from kvfleet_runtime.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -74,6 +74,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     lora_request: LoRARequest | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -161,17 +162,20 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes (with the LoRA adapter
-        lora_request, where the engine has enable_lora).
+        lora_request, where the engine has enable_lora; priority: its place under the priority
+        scheduling policy, lower first; ValueError for any other than 0 under fcfs).
 
         Outputs that pile up while the consumer is busy are coalesced (they are
         cumulative, so only the latest matters). Leaving the loop early, or
         being cancelled, aborts the request.
         """
         request_id = request_id or uuid.uuid4().hex
+        check_priority(priority, self.config.scheduling_policy)
         lora_request = await self._local_lora(lora_request)
-        stream = self._add(request_id, prompt, params, lora_request)
+        stream = self._add(request_id, prompt, params, lora_request, priority)
         last: RequestOutput | None = None
         try:
             while True:
@@ -193,13 +197,13 @@ class AsyncLLMEngine:
                 self._submit(_Abort([request_id]))
 
     async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, lora_request: LoRARequest | None = None
-                     ) -> AsyncIterator[EmbeddingRequestOutput]:
+                     request_id: str | None = None, lora_request: LoRARequest | None = None,
+                     priority: int = 0) -> AsyncIterator[EmbeddingRequestOutput]:
         """vLLM's encode: the prompt's embedding (kvfleet_runtime/pooling.py), yielded once, when
         the step that ends its prompt has run; batched with the generation requests. A bad
         request raises ValueError (as generate does); an aborted one RuntimeError."""
         params = embedding_sampling_params(pooling_params or PoolingParams())
-        async for out in self.generate(prompt, params, request_id, lora_request):
+        async for out in self.generate(prompt, params, request_id, lora_request, priority):
             if out.finished:
                 if out.embedding is None:
                     raise RuntimeError(f"embedding request {out.request_id} was aborted")
@@ -281,14 +285,14 @@ class AsyncLLMEngine:
                 f"{self.max_queued_requests} queued requests); retry later")
 
     def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-             lora_request: LoRARequest | None = None) -> _Stream:
+             lora_request: LoRARequest | None = None, priority: int = 0) -> _Stream:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self.check_admission()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._submit(_Add(request_id, prompt, params, time.monotonic(), lora_request))
+        self._submit(_Add(request_id, prompt, params, time.monotonic(), lora_request, priority))
         return stream
 
     def _submit(self, command: _Add | _Abort) -> None:
@@ -298,7 +302,7 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 self._merger.expect(command.request_id, command.params)
             self.engine.send(("add", command.request_id, command.prompt, command.params,
-                              command.arrival_time, command.lora_request)
+                              command.arrival_time, command.lora_request, command.priority)
                              if isinstance(command, _Add)
                              else ("abort", command.request_ids))
             return
@@ -395,7 +399,8 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time,
-                                    lora_request=command.lora_request)
+                                    lora_request=command.lora_request,
+                                    priority=command.priority)
         except (ValueError, TypeError) as e:
             self._deliver([(self._pop_stream(command.request_id), e)])
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvfleet_runtime.config import EngineConfig
+from kvfleet_runtime.config import EngineConfig, check_priority
 from kvfleet_runtime.detokenizer import IncrementalDetokenizer, stop_token_unshown
 from kvfleet_runtime.distributed.workers import WorkerDiedError, WorkerGroup
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
@@ -76,7 +76,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.admission_headroom)
+                                   config.enable_chunked_prefill, config.admission_headroom,
+                                   config.scheduling_policy)
         self.scheduler.speculative = config.speculative is not None
         if config.enable_lora:
             self.scheduler.max_loras = config.max_loras
@@ -215,13 +216,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,
                     prompt_ids: list[int] | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         """Queue a request. final_only: step() returns its output once, when it finishes
         (offline generate; as vLLM's FINAL_ONLY), not after every token. prompt_ids:
         check_request's result for this prompt (not tokenized again). lora_request: the LoRA
-        adapter it runs with (enable_lora engines)."""
+        adapter it runs with (enable_lora engines). priority: its place under the priority
+        scheduling policy (lower first; any other value than 0 is refused under fcfs)."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self.config.scheduling_policy)
         self._check_lora(lora_request)
         if prompt_ids is None:
             prompt_ids = self.tokenize(prompt)
@@ -242,7 +245,7 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             r = Request(child_id, prompt_ids, params, arrival_time, group_id=request_id, index=i,
-                        lora_request=lora_request)
+                        lora_request=lora_request, priority=priority)
             if params.seed is not None:
                 r.generator = torch.Generator(device=self.config.torch_device).manual_seed(
                     params.seed + i)

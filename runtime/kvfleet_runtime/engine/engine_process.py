@@ -96,10 +96,10 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
                     return
                 changed = True
                 if command[0] == "add":
-                    _, rid, prompt, params, arrival, lora_request = command
+                    _, rid, prompt, params, arrival, lora_request, priority = command
                     try:
                         engine.add_request(rid, prompt, params, arrival_time=arrival,
-                                           lora_request=lora_request)
+                                           lora_request=lora_request, priority=priority)
                     except (ValueError, TypeError) as e:
                         _post(outbox, ("rejected", rid, e))
                 elif command[0] == "add_lora":

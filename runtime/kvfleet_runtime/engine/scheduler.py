@@ -7,14 +7,22 @@ Running requests go first, in admission order; then waiting ones, FCFS. When
 blocks run out the most recently admitted running request is preempted by
 recompute: its blocks are freed (full ones stay in the prefix cache) and it
 goes back to the front of the queue.
+
+The priority policy (vLLM's `--scheduling-policy priority`): waiting requests are admitted
+by (priority, arrival), lower values first, and the running request preempted when blocks run
+out is the one latest in that order (even if it was scheduled earlier in the step: it gives
+its tokens back). A request of higher priority does not evict running ones to be admitted.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvfleet_runtime.config import SCHEDULING_POLICIES
 from kvfleet_runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet_runtime.request import Request, RequestStatus
 
@@ -54,9 +62,59 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def priority_order(request: Request) -> tuple[int, float, int]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return (request.priority, request.metrics.arrival_time, request.arrival_seq)
+
+
+class PriorityQueue:
+    """The waiting requests of the priority policy, in priority_order: a heap with the deque
+    operations the scheduler uses (a request put back, preempted or skipped, takes its place
+    by its order, not the front)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+
+    def append(self, request: Request) -> None:
+        heapq.heappush(self._heap, (*priority_order(request), request))
+
+    appendleft = append
+
+    def extendleft(self, requests) -> None:
+        for r in requests:
+            self.append(r)
+
+    def popleft(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def __getitem__(self, index: int) -> Request:
+        if index != 0:
+            raise IndexError("a priority queue gives only its first request")
+        return self._heap[0][-1]
+
+    def remove(self, request: Request) -> None:
+        for i, entry in enumerate(self._heap):
+            if entry[-1] is request:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return
+        raise ValueError("request is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap))
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, admission_headroom: int = 0) -> None:
+                 enable_chunked_prefill: bool = True, admission_headroom: int = 0,
+                 policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {policy!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         # tokens of growth per running request (up to its max_tokens) that must still fit in
@@ -64,7 +122,9 @@ class Scheduler:
         self.admission_headroom = admission_headroom
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting: deque[Request] | PriorityQueue = (
+            PriorityQueue() if policy == "priority" else deque())
         self.running: list[Request] = []
         self.num_preemptions = 0
         # speculative decoding: running requests may carry drafts (Request.spec_token_ids)
@@ -105,23 +165,41 @@ class Scheduler:
                     scheduled.append(ScheduledRequest(request, 1 + len(drafts), drafts))
                     budget -= 1 + len(drafts)
                     continue
-            if allocate(request, num_new) is None and not self._allocate_or_preempt(
-                    request, num_new, out):   # (a failed allocation changes nothing)
-                break   # the request preempted itself: nothing below it runs either
+            if allocate(request, num_new) is None:   # (a failed allocation changes nothing)
+                returned = self._allocate_or_preempt(request, num_new, out)
+                if returned is None:
+                    break   # the request preempted itself: nothing below it runs either
+                if self.policy == "priority":   # victims ahead of it may have left the list
+                    budget += returned
+                    i = running.index(request) + 1
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             out: SchedulerOutput) -> int | None:
+        """Preempt running requests until `request` gets its slots: None if it preempted
+        itself, else the tokens the victims already scheduled this step gave back (only the
+        priority policy picks those)."""
+        returned = 0
         while self.kv.allocate_slots(request, num_new) is None:
-            victim = self.running.pop()
+            if self.policy == "priority":
+                victim = max(self.running, key=priority_order)
+                self.running.remove(victim)
+                for j, s in enumerate(out.scheduled):
+                    if s.request is victim:
+                        returned += s.num_new_tokens
+                        del out.scheduled[j]
+                        break
+            else:
+                victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
-                return False
-        return True
+                return None
+        return returned
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -547,6 +547,7 @@ class _GenerationCall:
     async def run(self) -> Response:
         lora_request = _check_model(self.state, self.body.model)
         engine = self.state.engine
+        p.check_priority(engine, self.body.priority)
         self.prompts = self.make_prompts()
         vocab = len(self.tokenizer)
         for prompt in self.prompts:
@@ -560,7 +561,7 @@ class _GenerationCall:
         except (EngineDeadError, EngineQueueFullError) as e:
             raise _engine_error(e) from None
         gens = [engine.generate(pr.token_ids, pr.params, request_id=f"{self.request_id}-{i}",
-                                lora_request=lora_request)
+                                lora_request=lora_request, priority=self.body.priority)
                 for i, pr in enumerate(self.prompts)]
         if self.body.stream:
             return StreamingResponse(self._sse(gens), media_type="text/event-stream",

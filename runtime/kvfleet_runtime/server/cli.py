@@ -27,6 +27,7 @@ from kvfleet_runtime.config import (
     QUANTIZATION_METHODS,
     REASONING_PARSERS,
     RUNNERS,
+    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from kvfleet_runtime.model_source import resolve, resolve_config
@@ -60,6 +61,9 @@ _ENGINE_HELP = {
     "admission_headroom": "tokens of growth per running request (up to its max_tokens) kept "
                           "free when admitting new ones: fewer preemptions when the KV cache "
                           "is full (0: admit while blocks remain, as vLLM)",
+    "scheduling_policy": "fcfs (first come, first served) or priority: requests' priority field "
+                         "orders the queue, lower first, and the lowest running request is "
+                         "preempted when KV blocks run out (vLLM's; default: fcfs)",
     "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)}",
     "enforce_eager": "no CUDA graphs",
     "tensor_parallel_size": "GPUs to shard the model over",
@@ -90,7 +94,8 @@ _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QU
                                   "kv_cache_dtype": list(KV_CACHE_DTYPES),
                                   "attention_backend": ["auto", "triton", "torch"],
                                   "reasoning_parser": list(REASONING_PARSERS),
-                                  "runner": list(RUNNERS)}
+                                  "runner": list(RUNNERS),
+                                  "scheduling_policy": list(SCHEDULING_POLICIES)}
 # set by the server's own flags, not as engine flags
 _NOT_ENGINE_FLAGS = {"served_model_name", "model_source"}
 

@@ -29,6 +29,7 @@ class PoolingInputs(p._Strict):
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
+    priority: int = 0      # vLLM's: the priority scheduling policy's order (lower first)
 
     def prompts(self, state: Any) -> list[list[int]]:
         """Each input's checked token ids (checked_prompt)."""
@@ -78,17 +79,19 @@ def checked_prompt(state: Any, item: str | list[int], what: str, truncate: int |
 
 
 async def pool_all(state: Any, prompts: list[list[int]], params: PoolingParams,
-                   lora_request: Any, request_id: str) -> list[list[float]]:
+                   lora_request: Any, request_id: str, priority: int = 0) -> list[list[float]]:
     """Each prompt's pooled output (an embedding, or a cross-encoder's [score]), run through
     the engine together. The engine's refusal (the model's pooling, dimensions) is an
-    OpenAIError naming `dimensions` or `model`; EngineDeadError and EngineQueueFullError are
-    the caller's."""
+    OpenAIError naming `dimensions` or `model` (`priority` under fcfs: naming it);
+    EngineDeadError and EngineQueueFullError are the caller's."""
     engine = state.engine
+    p.check_priority(engine, priority)
     engine.check_admission(len(prompts))
 
     async def one(i: int, ids: list[int]) -> EmbeddingRequestOutput:
         async with contextlib.aclosing(engine.encode(
-                ids, params, request_id=f"{request_id}-{i}", lora_request=lora_request)) as outs:
+                ids, params, request_id=f"{request_id}-{i}", lora_request=lora_request,
+                priority=priority)) as outs:
             async for out in outs:
                 return out
         raise RuntimeError(f"pooling request {request_id}-{i} gave no output")
@@ -114,7 +117,7 @@ async def create_embeddings(state: Any, body: EmbeddingRequest, lora_request: An
     told from the request alone)."""
     prompts = body.prompts(state)
     params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
-    embeddings = await pool_all(state, prompts, params, lora_request, request_id)
+    embeddings = await pool_all(state, prompts, params, lora_request, request_id, body.priority)
     data = [{"object": "embedding", "index": i, "embedding": _encode(e, body.encoding_format)}
             for i, e in enumerate(embeddings)]
     tokens = sum(len(ids) for ids in prompts)

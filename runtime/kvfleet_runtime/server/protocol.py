@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvfleet_runtime import config
 from kvfleet_runtime.generation_config import SAMPLING_DEFAULT_KNOBS
 from kvfleet_runtime.sampling_params import SamplingParams
 from kvfleet_runtime.server.tools import (
@@ -58,6 +59,15 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 def error_body(message: str, *, err_type: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def check_priority(engine: Any, priority: int) -> None:
+    """A request's priority against the engine's scheduling policy: a 400 naming `priority`
+    under fcfs for any but 0 (vLLM's refusal)."""
+    try:
+        config.check_priority(priority, engine.config.scheduling_policy)
+    except (TypeError, ValueError) as e:
+        raise OpenAIError(str(e), param="priority") from None
 
 
 def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
@@ -115,6 +125,7 @@ class SamplingExtras(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    priority: int = 0      # vLLM's: the priority scheduling policy's order (lower first)
     structured_outputs: StructuredOutputs | None = None
     top_k: int | None = None
     min_p: float | None = None

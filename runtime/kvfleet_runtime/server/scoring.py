@@ -33,6 +33,7 @@ class ScoreRequest(p._Strict):
     add_special_tokens: bool = True
     user: str | None = None
     use_activation: bool = True     # vLLM's: False gives a cross-encoder's raw logit
+    priority: int = 0      # vLLM's: the priority scheduling policy's order (lower first)
 
 
 class RerankDocument(p._Strict):
@@ -51,11 +52,12 @@ class RerankRequest(p._Strict):
     # Cohere's: each document scored on its first N tokens (the answer keeps its whole text)
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
     use_activation: bool = True     # vLLM's: False gives a cross-encoder's raw logit
+    priority: int = 0      # vLLM's: the priority scheduling policy's order (lower first)
 
 
 async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None,
                   add_special_tokens: bool, lora_request: Any, request_id: str,
-                  param: str, use_activation: bool) -> tuple[list[float], int]:
+                  param: str, use_activation: bool, priority: int) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens run for them; `param` names the field a prompt
     too long is blamed on."""
     engine = state.engine
@@ -67,13 +69,13 @@ async def _scores(state: Any, pairs: list[tuple[str, str]], truncate: int | None
             prompts.append(checked_prompt(state, ids, f"pair {i}", truncate, param=param))
         outs = await pool_all(state, prompts,
                               PoolingParams(task="score", use_activation=use_activation),
-                              lora_request, request_id)
+                              lora_request, request_id, priority)
         return [out[-1] for out in outs], sum(len(ids) for ids in prompts)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     prompts = [checked_prompt(state, t, f"text {i}", truncate, add_special_tokens, param=param)
                for i, t in enumerate(texts)]
     embedded = dict(zip(texts, await pool_all(state, prompts, PoolingParams(), lora_request,
-                                              request_id), strict=True))
+                                              request_id, priority), strict=True))
     return ([cosine(embedded[a], embedded[b]) for a, b in pairs],
             sum(len(ids) for ids in prompts))
 
@@ -86,7 +88,7 @@ async def create_score(state: Any, body: ScoreRequest, lora_request: Any,
         raise p.OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
     scores, tokens = await _scores(state, pairs, body.truncate_prompt_tokens,
                                    body.add_special_tokens, lora_request, request_id, "text_2",
-                                   body.use_activation)
+                                   body.use_activation, body.priority)
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": body.model or state.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -106,7 +108,8 @@ async def create_rerank(state: Any, body: RerankRequest, lora_request: Any,
                   for d in documents]
     scores, tokens = await _scores(state, [(body.query, d) for d in scored],
                                    body.truncate_prompt_tokens, body.add_special_tokens,
-                                   lora_request, request_id, "documents", body.use_activation)
+                                   lora_request, request_id, "documents", body.use_activation,
+                                   body.priority)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[:body.top_n]
@@ -126,7 +129,7 @@ async def create_classification(state: Any, body: ClassificationRequest, lora_re
     prompts = body.prompts(state)
     outs = await pool_all(state, prompts,
                           PoolingParams(task="classify", use_activation=body.use_activation),
-                          lora_request, request_id)
+                          lora_request, request_id, body.priority)
     pooler = state.engine.pooler
     # a sequence classifier's id2label, or a causal LM's classifier tokens
     labels = pooler.labels or tuple(
