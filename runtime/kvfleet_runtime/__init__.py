@@ -25,6 +25,8 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "kvfleet_runtime.pooling",
     "ScoringRequestOutput": "kvfleet_runtime.pooling",
     "ClassificationRequestOutput": "kvfleet_runtime.pooling",
+    "BeamSearchParams": "kvfleet_runtime.beam_search",
+    "BeamSearchOutput": "kvfleet_runtime.beam_search",
 }
 __all__ = list(_EXPORTS)
 

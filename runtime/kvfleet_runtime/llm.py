@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from kvfleet_runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvfleet_runtime.config import EngineConfig, check_priority
 from kvfleet_runtime.engine.engine import LLMEngine
 from kvfleet_runtime.generation_config import load_sampling_defaults
@@ -35,6 +36,17 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
                                     and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _beam_prompt(prompt: Prompt | dict) -> Prompt:
+    """vLLM's TextPrompt / TokensPrompt dicts as text / token ids."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
 
 
 _TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
@@ -155,6 +167,40 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
         return [results[rid] for rid in ids]
+
+    def beam_search(self, prompts: Prompt | dict | Sequence[Prompt | dict],
+                    params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (kvfleet_runtime/beam_search.py): each prompt's beam_width
+        best beams, best first, each with its tokens and text (the prompt's included, as
+        vLLM's). Prompts: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids":
+        ...}; every prompt's beams run together each round."""
+        engine = self.engine
+        if isinstance(prompts, dict):
+            prompts = [prompts]
+        searches = []
+        for prompt in [_beam_prompt(x) for x in _prompt_list(prompts)]:
+            # (a prompt of max_tokens must fit: the last round's request ends there)
+            ids = engine.check_request(prompt, SamplingParams(max_tokens=params.max_tokens),
+                                       lora_request)
+            searches.append(BeamSearch(ids, params, set(engine.eos_token_ids)))
+        while live := [s for s in searches if not s.done]:
+            rows = [(s, ids) for s in live for ids in s.requests()]
+            outs = self.generate([ids for _, ids in rows], [s.sampling_params for s, _ in rows],
+                                 lora_request)
+            start = 0
+            for s in live:
+                count = len(s.beams)
+                s.advance(outs[start:start + count])
+                start += count
+        tokenizer = self.get_tokenizer()
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvfleet_runtime.beam_search import BeamSearch, BeamSearchParams
 from kvfleet_runtime.config import EngineConfig, check_priority
 from kvfleet_runtime.engine.engine_process import EngineProcess, OutputMerger
 from kvfleet_runtime.lora import LoRARequest
@@ -209,6 +210,43 @@ class AsyncLLMEngine:
                     raise RuntimeError(f"embedding request {out.request_id} was aborted")
                 yield EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
                                              out.prompt_token_ids)
+
+    async def beam_search(self, prompt: str | list[int], request_id: str,
+                          params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                          priority: int = 0, skip_special_tokens: bool = True
+                          ) -> AsyncIterator[RequestOutput]:
+        """vLLM's beam search (kvfleet_runtime/beam_search.py): yields one finished
+        RequestOutput whose beam_width samples are the best beams, best first (each its
+        generated tokens and their text). Each round's beams run as requests
+        "{request_id}-{round}-{beam}" beside every other request; leaving early, or being
+        cancelled, aborts them. ValueError for a prompt + max_tokens past max_model_len."""
+        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        max_len = self.config.max_model_len
+        if max_len is not None and len(ids) + params.max_tokens > max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.")
+        search = BeamSearch(ids, params, set(self.engine.eos_token_ids))
+
+        async def extend(tokens: list[int], rid: str) -> RequestOutput:
+            async for out in self.generate(tokens, search.sampling_params, rid, lora_request,
+                                           priority):
+                if out.finished and out.outputs[0].finish_reason != "abort":
+                    return out
+            raise RuntimeError(f"beam search request {rid} was aborted")
+
+        while not search.done:
+            tasks = [asyncio.ensure_future(extend(tokens, f"{request_id}-{search.rounds}-{i}"))
+                     for i, tokens in enumerate(search.requests())]
+            try:
+                outs = await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:      # (one failed, or this was cancelled: abort the others)
+                    task.cancel()
+            search.advance(outs)
+        yield search.request_output(request_id, prompt if isinstance(prompt, str) else None,
+                                    self.tokenizer, skip_special_tokens)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check a LoRA adapter now, before any request names it (vLLM's add_lora:

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfleet_runtime.beam_search import BeamSearchParams
 from kvfleet_runtime.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -555,14 +556,23 @@ class _GenerationCall:
                 prompt.params.check_token_ids(vocab)
             except ValueError as e:
                 raise p.OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
+        beams = [self.beam_search_params(pr.params) for pr in self.prompts] \
+            if self.body.use_beam_search else None
         try:
             # refuse before the response starts: a stream's status line cannot change later
-            engine.check_admission(len(self.prompts))
+            # (beam search: each round runs a request a beam)
+            engine.check_admission(len(self.prompts) * (self.body.n if beams else 1))
         except (EngineDeadError, EngineQueueFullError) as e:
             raise _engine_error(e) from None
-        gens = [engine.generate(pr.token_ids, pr.params, request_id=f"{self.request_id}-{i}",
-                                lora_request=lora_request, priority=self.body.priority)
-                for i, pr in enumerate(self.prompts)]
+        if beams is not None:
+            gens = [engine.beam_search(pr.token_ids, f"{self.request_id}-{i}", beam,
+                                       lora_request, self.body.priority,
+                                       pr.params.skip_special_tokens)
+                    for i, (pr, beam) in enumerate(zip(self.prompts, beams, strict=True))]
+        else:
+            gens = [engine.generate(pr.token_ids, pr.params, request_id=f"{self.request_id}-{i}",
+                                    lora_request=lora_request, priority=self.body.priority)
+                    for i, pr in enumerate(self.prompts)]
         if self.body.stream:
             return StreamingResponse(self._sse(gens), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -570,6 +580,34 @@ class _GenerationCall:
         if finals is None:
             return Response(status_code=499)    # nobody is listening any more
         return JSONResponse(self.response(finals))
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
+        """vLLM's use_beam_search: n beams of the prompt's max_tokens; what would change the
+        tokens beyond the model's logprobs (stops besides EOS, penalties, biases, grammars)
+        or report them (logprobs) is refused naming it (sampling knobs change nothing)."""
+        unsupported = [
+            ("stop", params.stop), ("stop_token_ids", params.stop_token_ids),
+            ("logprobs", params.logprobs is not None), ("prompt_logprobs",
+                                                        params.prompt_logprobs is not None),
+            ("bad_words", params.bad_words), ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids), ("min_tokens", params.min_tokens),
+            ("presence_penalty", params.presence_penalty),
+            ("frequency_penalty", params.frequency_penalty),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("response_format" if self.body.response_format is not None
+             else "structured_outputs", params.structured_outputs is not None)]
+        for name, value in unsupported:
+            if value:
+                raise p.OpenAIError(f"{name} is not supported with use_beam_search", param=name)
+        try:
+            return BeamSearchParams(
+                beam_width=self.body.n, max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos, length_penalty=self.body.length_penalty,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise p.OpenAIError(str(e).replace("beam_width", "n (the beam width)", 1),
+                                param="n" if name == "beam_width" else name) from None
 
     def truncated(self, ids: list[int]) -> list[int]:
         return p.truncate_prompt(ids, self.body.truncate_prompt_tokens,

@@ -157,6 +157,10 @@ class _SamplingRequest(SamplingExtras):
     guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: all
                                                   # that fit max_model_len)
+    # vLLM's beam search: n beams (at most 10), ranked by cumulative logprob / length **
+    # length_penalty (kvfleet_runtime/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's: each prompt token's logprob and the top k beside it (not streamed, as vLLM)
     prompt_logprobs: int | None = None
     # vLLM's: logprobs' tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids)
