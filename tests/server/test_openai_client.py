@@ -57,6 +57,8 @@ def test_completion_usage_equals_the_tokenizers_count(client, tokenizer) -> None
     assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
     assert r.usage.completion_tokens == 7
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert r.usage.prompt_tokens_details is None     # (--enable-prompt-tokens-details)
+    assert "prompt_tokens_details" not in r.usage.model_dump(exclude_unset=True)
 
 
 def test_alias_name_and_omitted_max_tokens_default_to_16(client) -> None:

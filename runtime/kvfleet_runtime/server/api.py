@@ -110,6 +110,8 @@ class ServerState:
     reasoning_parser: str | None = None     # --reasoning-parser
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says
     return_tokens_as_token_ids: bool = False
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (vLLM's)
+    enable_prompt_tokens_details: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)    # /v1/responses' store
 
     @property
@@ -136,7 +138,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               tool_call_parser: str | None = None,
               reasoning_parser: str | None = None,
               tokenizer_info: bool = False,
-              return_tokens_as_token_ids: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops.
     runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
     tokenizer_info: serve vLLM's GET /tokenizer_info (--enable-tokenizer-info-endpoint)."""
@@ -150,7 +153,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                         chat_template=chat_template,
                         sampling_defaults=sampling_defaults or {},
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                        return_tokens_as_token_ids=return_tokens_as_token_ids)
+                        return_tokens_as_token_ids=return_tokens_as_token_ids,
+                        enable_prompt_tokens_details=enable_prompt_tokens_details)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -523,6 +527,7 @@ class _GenerationCall:
         self.done: set[int] = set()                   # choices whose finish was streamed
         self.include_usage = body.include_usage
         self.continuous_usage = body.continuous_usage
+        self.prompt_details = state.enable_prompt_tokens_details
         # vLLM's: logprobs' tokens as "token_id:N" (exact ids, whatever their text)
         self.tokens_as_ids = (body.return_tokens_as_token_ids
                               if body.return_tokens_as_token_ids is not None
@@ -634,8 +639,12 @@ class _GenerationCall:
                    self.state.sampling_defaults.get("max_tokens", max_len - prompt_len))
 
     def usage(self, outs: list[RequestOutput]) -> p.UsageInfo:
-        return p.UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs),
-                              sum(len(c.token_ids) for o in outs for c in o.outputs))
+        usage = p.UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs),
+                               sum(len(c.token_ids) for o in outs for c in o.outputs))
+        if self.prompt_details:     # the prompt tokens the prefix cache held
+            usage.prompt_tokens_details = p.PromptTokensDetails(
+                cached_tokens=sum(o.num_cached_tokens for o in outs))
+        return usage
 
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.body.n + c.index

@@ -211,6 +211,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprobs name their tokens \"token_id:N\" (vLLM's; a request's "
                              "return_tokens_as_token_ids overrides it)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="completions and chat usage carry prompt_tokens_details."
+                             "cached_tokens: the prompt tokens found in the prefix cache "
+                             "(vLLM's; OpenAI's field)")
     server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                         help="the chat template for /v1/chat/completions: a Jinja file, or the "
                              "template itself (default: the tokenizer's)")
@@ -440,7 +444,8 @@ def serve(args: argparse.Namespace) -> int:
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
                     else None, reasoning_parser=config.reasoning_parser,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)

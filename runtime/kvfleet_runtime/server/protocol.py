@@ -16,7 +16,7 @@ import uuid
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvfleet_runtime import config
 from kvfleet_runtime.generation_config import SAMPLING_DEFAULT_KNOBS
@@ -417,10 +417,23 @@ class UnloadLoRAAdapterRequest(_Strict):
 
 # ---- responses (plain dataclass-like models; serialized with model_dump) ----
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # --enable-prompt-tokens-details (vLLM's): left out of the JSON when not asked for
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_details(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
