@@ -187,3 +187,20 @@ async def _final(gen):
     outs = [out async for out in gen]
     assert len(outs) == 1
     return outs[0]
+
+
+@pytest.mark.gpu
+def test_beams_on_the_gpu_equal_hf_generate_num_beams(model_dir):
+    # fp32 through the Triton kernels and the decode graphs (each round's one-token requests)
+    path = model_dir("qwen2")
+    llm = LLM(model=path, dtype="float32", block_size=16)
+    hf = _hf(path).cuda()
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    outs = llm.beam_search(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt], device="cuda"), num_beams=4,
+                              num_return_sequences=4, max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False)
+        assert [s.tokens for s in out.sequences] == ref.tolist()
+    assert all_blocks_free(llm.engine)
