@@ -35,9 +35,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tok = llm.get_tokenizer()
     if args.raw or not getattr(tok, "chat_template", None):
-        outs = llm.generate(args.prompts, params)
+        outs = llm.generate(args.prompts, params, use_tqdm=False)
     else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                        use_tqdm=False)
     for out in outs:
         print(out.outputs[0].text.strip())
     return 0

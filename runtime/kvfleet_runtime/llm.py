@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvfleet_runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvfleet_runtime.config import EngineConfig, check_priority
@@ -30,23 +30,58 @@ from kvfleet_runtime.sampling_params import SamplingParams
 Prompt = str | list[int]
 
 
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (text, or token ids) or several, as a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                    and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+def _prompt_list(prompts: Prompt | dict | Sequence[Prompt | dict]) -> list[Prompt]:
+    """One prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}) or
+    several, as a list of texts and token-id lists."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [_as_prompt(p) for p in prompts]
 
 
-def _beam_prompt(prompt: Prompt | dict) -> Prompt:
+def _as_prompt(prompt: Prompt | dict) -> Prompt:
     """vLLM's TextPrompt / TokensPrompt dicts as text / token ids."""
     if not isinstance(prompt, dict):
         return prompt
-    if "prompt_token_ids" in prompt:
+    keys = set(prompt)
+    if keys == {"prompt_token_ids"}:
         return list(prompt["prompt_token_ids"])
-    if "prompt" in prompt:
+    if keys == {"prompt"}:
         return prompt["prompt"]
-    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
+    raise ValueError("a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (token ids), "
+                     f"one of them; got {sorted(keys)}")
+
+
+class _Progress:
+    """vLLM's use_tqdm bar over the finished requests of one call (True: tqdm's; a callable:
+    made by it, as vLLM takes a tqdm factory; False: none), its postfix the call's token
+    rates."""
+
+    def __init__(self, use_tqdm, total: int, desc: str = "Processed prompts") -> None:
+        self.bar = None
+        if use_tqdm:
+            factory = use_tqdm
+            if not callable(factory):
+                from tqdm.auto import tqdm as factory
+            self.bar = factory(total=total, desc=desc, dynamic_ncols=True)
+        self.input_tokens = self.output_tokens = 0
+
+    def done(self, out: RequestOutput) -> None:
+        bar = self.bar
+        if bar is None:
+            return
+        self.input_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = bar.format_dict.get("elapsed") or 0.0
+        if elapsed > 0:
+            bar.set_postfix_str(f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                                f"output: {self.output_tokens / elapsed:.2f} toks/s",
+                                refresh=False)
+        bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 _TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
@@ -100,11 +135,13 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 use_tqdm: bool | Callable = True) -> list[RequestOutput]:
         """Complete every prompt (vLLM's LLM.generate). lora_request: the LoRA adapter to run
         them with (LLM(..., enable_lora=True)), one for all or one per prompt (None: the base
         model). priority: one per prompt, under LLM(..., scheduling_policy="priority"): lower
-        values are admitted first (all are queued before the first step, then)."""
+        values are admitted first (all are queued before the first step, then). use_tqdm: a
+        progress bar over the finished prompts (vLLM's; a callable: the tqdm to make it)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -135,6 +172,7 @@ class LLM:
             prompts, sampling_params, lora_request, strict=True)]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         results: dict[str, RequestOutput] = {}
+        progress = _Progress(use_tqdm, len(ids))
         # the first step is launched once the queue holds more than it can take, and the rest
         # are queued while it runs: the GPU does not wait for the whole batch's host set-up
         # (~0.1 ms a request of 128 tokens). Where no prompt hits the prefix cache, that step
@@ -159,40 +197,49 @@ class LLM:
                     for out in engine.step():
                         if out.finished:
                             results[out.request_id] = out
+                            progress.done(out)
         except ValueError:
             engine.abort_request(added)
+            progress.close()
             raise
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        progress.done(out)
+        finally:
+            progress.close()
         return [results[rid] for rid in ids]
 
     def beam_search(self, prompts: Prompt | dict | Sequence[Prompt | dict],
                     params: BeamSearchParams,
-                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | None = None,
+                    use_tqdm: bool | Callable = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search (kvfleet_runtime/beam_search.py): each prompt's beam_width
         best beams, best first, each with its tokens and text (the prompt's included, as
         vLLM's). Prompts: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids":
-        ...}; every prompt's beams run together each round."""
+        ...}; every prompt's beams run together each round. use_tqdm: a bar over the rounds."""
         engine = self.engine
-        if isinstance(prompts, dict):
-            prompts = [prompts]
         searches = []
-        for prompt in [_beam_prompt(x) for x in _prompt_list(prompts)]:
+        for prompt in _prompt_list(prompts):
             # (a prompt of max_tokens must fit: the last round's request ends there)
             ids = engine.check_request(prompt, SamplingParams(max_tokens=params.max_tokens),
                                        lora_request)
             searches.append(BeamSearch(ids, params, set(engine.eos_token_ids)))
+        progress = _Progress(use_tqdm, params.max_tokens, desc="Beam search")
         while live := [s for s in searches if not s.done]:
             rows = [(s, ids) for s in live for ids in s.requests()]
             outs = self.generate([ids for _, ids in rows], [s.sampling_params for s, _ in rows],
-                                 lora_request)
+                                 lora_request, use_tqdm=False)
             start = 0
             for s in live:
                 count = len(s.beams)
                 s.advance(outs[start:start + count])
                 start += count
+            if progress.bar is not None:
+                progress.bar.update(1)
+        progress.close()
         tokenizer = self.get_tokenizer()
         results = []
         for s in searches:
@@ -205,7 +252,7 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-              ) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool | Callable = True) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (vLLM's LLM.embed): its last token's final hidden state,
         L2-normalised unless the model's pooling config or pooling_params say otherwise
         (kvfleet_runtime/pooling.py). The prompts run batched and prefix-cached as generate()'s."""
@@ -218,21 +265,23 @@ class LLM:
         params = [embedding_sampling_params(pp or PoolingParams()) for pp in pooling_params]
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
                                        out.prompt_token_ids, out.finished)
-                for out in self.generate(prompts, params, lora_request)]
+                for out in self.generate(prompts, params, lora_request, use_tqdm=use_tqdm)]
 
     def classify(self, prompts: Prompt | Sequence[Prompt],
-                 lora_request: LoRARequest | None = None) -> list[ClassificationRequestOutput]:
+                 lora_request: LoRARequest | None = None,
+                 use_tqdm: bool | Callable = True) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities (vLLM's LLM.classify) from a classifier: a
         sequence-classification checkpoint (its `score` head; labels by config id2label) or a
         config naming classifier_from_token; softmax over the labels, sigmoid for one."""
         params = embedding_sampling_params(PoolingParams(task="classify"))
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding),
                                             out.prompt_token_ids, out.finished)
-                for out in self.generate(prompts, params, lora_request)]
+                for out in self.generate(prompts, params, lora_request, use_tqdm=use_tqdm)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               lora_request: LoRARequest | None = None, *,
-              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+              chat_template: str | None = None,
+              use_tqdm: bool | Callable = True) -> list[ScoringRequestOutput]:
         """Each (data_1, data_2) pair's score (vLLM's LLM.score): one text against one or
         many, or two lists pair by pair. A cross-encoder (a sequence-classification checkpoint,
         or a config naming classifier_from_token, e.g. Qwen3-Reranker) runs each pair as one
@@ -246,11 +295,12 @@ class LLM:
             params = embedding_sampling_params(PoolingParams(task="score"))
             outs = self.generate([pair_prompt(tok, a, b, score_template=chat_template)
                                   for a, b in pairs], params,
-                                 lora_request)
+                                 lora_request, use_tqdm=use_tqdm)
             return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[-1]),
                                          out.prompt_token_ids, out.finished) for out in outs]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        embedded = dict(zip(texts, self.embed(texts, lora_request=lora_request), strict=True))
+        embedded = dict(zip(texts, self.embed(texts, lora_request=lora_request,
+                                              use_tqdm=use_tqdm), strict=True))
         return [ScoringRequestOutput(
                     f"{embedded[a].request_id}-{embedded[b].request_id}",
                     ScoringOutput(cosine(embedded[a].outputs.embedding,
@@ -263,7 +313,8 @@ class LLM:
              add_generation_prompt: bool = True, *, chat_template: str | None = None,
              tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None,
-             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | None = None,
+             use_tqdm: bool | Callable = True) -> list[RequestOutput]:
         """Generate for one conversation or several, rendered by the model's chat template (or
         `chat_template`), with `tools` (OpenAI's function definitions) and
         `chat_template_kwargs` (e.g. {"enable_thinking": False}) passed to it, as vLLM's
@@ -277,4 +328,4 @@ class LLM:
                    for c in conversations]
         # the template already carries BOS where the model wants it
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate(prompt_ids, sampling_params, lora_request)
+        return self.generate(prompt_ids, sampling_params, lora_request, use_tqdm=use_tqdm)

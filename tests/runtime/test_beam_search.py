@@ -142,7 +142,7 @@ def test_bad_arguments_are_refused_with_nothing_left_running(model_dir):
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
     with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
         llm.beam_search([list(range(3, 63))], BeamSearchParams(beam_width=2, max_tokens=8))
-    with pytest.raises(ValueError, match="needs 'prompt' or 'prompt_token_ids'"):
+    with pytest.raises(ValueError, match="a prompt dict takes 'prompt'"):
         llm.beam_search([{"text": "hi"}], BeamSearchParams(beam_width=2, max_tokens=8))
     assert not llm.engine.has_unfinished_requests() and all_blocks_free(llm.engine)
 

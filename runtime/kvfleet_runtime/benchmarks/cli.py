@@ -110,16 +110,17 @@ def _kvfleet_throughput(llm, prompts, output_len: int, on_start=None,
         every = len(prompts) / num
         marked = {int(i * every) for i in range(num)}
         params = [grammar if i in marked else params for i in range(len(prompts))]
-        llm.generate(prompts[:1], grammar.clone())      # the vocabulary read, the schema compiled
+        # the vocabulary read, the schema compiled
+        llm.generate(prompts[:1], grammar.clone(), use_tqdm=False)
     warm = min(len(prompts), 4)
     llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True),
-                 lora_request=loras[:warm] if loras else None)
+                 lora_request=loras[:warm] if loras else None, use_tqdm=False)
     # the timed run computes every prompt: none hits the blocks the warm-up left cached
     llm.engine.kv.block_pool.reset_prefix_cache()
     if on_start is not None:
         on_start()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_request=loras)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     elapsed = time.perf_counter() - start
     made = sum(len(o.outputs[0].token_ids) for o in outs)
     if made != len(prompts) * output_len:

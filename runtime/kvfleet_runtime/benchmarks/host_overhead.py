@@ -190,7 +190,7 @@ def _run_once(model: str, num_prompts: int, input_len: int, output_len: int, max
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     t0 = time.perf_counter()
     try:
-        outs = _stream(engine, prompts, params, totals) if stream else llm.generate(prompts, params)
+        outs = _stream(engine, prompts, params, totals) if stream else llm.generate(prompts, params, use_tqdm=False)
     finally:
         if fine:
             engine._restore_detok()

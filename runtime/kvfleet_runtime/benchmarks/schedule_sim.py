@@ -58,7 +58,7 @@ def simulate(model: str, num_blocks: int, num_prompts: int, input_len: int, outp
     rng = random.Random(0)
     vocab = min(engine.model_config.vocab_size, 30000)
     prompts = [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
-    llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True), use_tqdm=False)
     made = num_prompts * output_len
     return {"num_gpu_blocks": num_blocks, "admission_headroom": headroom,
             "steps": totals["steps"], "preemptions": engine.scheduler.num_preemptions,
