@@ -7,4 +7,5 @@ CASES = {
     "llama3-one-kv-head": ("llama3", {"num_key_value_heads": 1}),   # replicated on both ranks
     "qwen2": ("qwen2", {}),                                    # qkv bias, tied embeddings
     "qwen3": ("qwen3", {}),                                    # q/k norm, head_dim 32
+    "phi3": ("phi3", {}),                  # fused qkv / gate_up tensors split, then sharded
 }

@@ -20,7 +20,8 @@ from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "qkv_proj", "gate_up_proj")      # (the last two: Phi-3's fused projections)
 # projections that read the same input, hence get the same act-order from GPTQ
 SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
               "up_proj": "gate_up"}

@@ -117,3 +117,21 @@ def test_gptq_qwen2_with_qkv_bias_and_tied_embeddings_matches_hf(tmp_path):
     assert tokens == ref_tokens
     for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
         torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("args", [dict(method="gptq", group_size=32, desc_act=True),
+                                  dict(method="awq", group_size=32), dict(method="fp8"),
+                                  dict(method="fp8", per_channel=False)],
+                         ids=["gptq", "awq", "fp8", "fp8-per-tensor"])
+def test_phi3_fused_quantized_projections_match_hf(args, tmp_path):
+    # Phi-3 stores qkv_proj and gate_up_proj fused: each quantized tensor (packed along the
+    # output for AWQ's qweight and both formats' qzeros) is split into the pieces on load
+    source = make_tiny_model("phi3", tmp_path / "phi3")
+    quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
+    write_quantized(source, quantized, dequantized, **args)
+    prompts = _prompts()
+    tokens, logprobs = kvfleet_run(quantized, prompts)
+    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
+    assert tokens == ref_tokens
+    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
+        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3")
 VOCAB = 49152
 _CACHE = Path(os.environ.get("KVFLEET_TEST_CACHE", Path(tempfile.gettempdir()) / "kvfleet-test-cache"))
 
@@ -46,11 +46,13 @@ def _hf_config(arch: str, **overrides):
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
     if arch == "mistral":
-        return tf.MistralConfig(**common, sliding_window=None)
+        return tf.MistralConfig(**{"sliding_window": None, **common})
     if arch == "qwen2":        # qkv bias, tied embeddings
         return tf.Qwen2Config(**{**common, "tie_word_embeddings": True})
     if arch == "qwen3":        # q/k norm, explicit head_dim
         return tf.Qwen3Config(**common, head_dim=32)
+    if arch == "phi3":         # the checkpoint's projections fused (qkv_proj, gate_up_proj)
+        return tf.Phi3Config(**common, pad_token_id=0, rope_theta=250000.0)
     raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
 
 

@@ -21,10 +21,13 @@ from kvfleet_runtime.lora import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# the projections an adapter may target: checkpoint name -> (our module, piece)
+# the projections an adapter may target: checkpoint name -> (our module, piece; FUSED: a
+# model that stores the projection fused (Phi-3): one A for all pieces, B's rows split)
+FUSED = "fused"
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "o_proj": ("o_proj", None), "gate_proj": ("gate_up_proj", 0),
-           "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+           "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
+           "qkv_proj": ("qkv_proj", FUSED), "gate_up_proj": ("gate_up_proj", FUSED)}
 # our modules that carry adapter slots, and how many pieces each has
 SLOT_MODULES = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 
@@ -119,12 +122,17 @@ def load_adapter(request: LoRARequest, module_paths: set[str], max_rank: int,
         if target not in module_paths:
             raise _refuse(path, f"{module}: the model has no such module")
         a, b = ab["A"], ab["B"]
-        out_size = output_sizes[target][piece or 0]
+        out_size = (sum(output_sizes[target]) if piece == FUSED
+                    else output_sizes[target][piece or 0])
         if a.dim() != 2 or b.dim() != 2 or a.shape != (rank, input_sizes[target]) \
                 or b.shape != (out_size, rank):
             raise _refuse(path, f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
                                 f"do not fit rank {rank}, {input_sizes[target]} inputs and "
                                 f"{out_size} outputs")
+        if piece == FUSED:      # x @ A^T once a piece (the same A), each piece its B rows
+            for p, b_piece in enumerate(b.float().split(output_sizes[target])):
+                adapter.weights[(target, p)] = (a.float(), b_piece * scaling)
+            continue
         adapter.weights[(target, piece or 0)] = (a.float(), b.float() * scaling)
     return adapter
 

@@ -36,12 +36,26 @@ class ModelConfig:
     # a sequence classifier's labels (XForSequenceClassification: a `score` head over the last
     # position's hidden state, no lm_head; it classifies and scores, never generates); 0: none
     num_labels: int = 0
+    # sliding-window attention (Mistral 7B v0.1, Phi-3-mini-4k): the attention kernels attend to
+    # every earlier token, which equals the window only up to its length, so contexts stop
+    # there (context_limit)
+    sliding_window: int | None = None
+
+    def context_limit(self) -> tuple[int, str]:
+        """The longest context this model runs here, and what sets it (for the error of a
+        larger max_model_len)."""
+        window = self.sliding_window
+        if window is not None and window < self.max_position_embeddings:
+            return window, (f"sliding window ({window} tokens; attention over a window is not "
+                            "supported: contexts stop at its length, where it equals full "
+                            "attention)")
+        return self.max_position_embeddings, "max_position_embeddings"
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                                        "mistral": "MistralForCausalLM"}.get(hf.get("model_type"), "")
         num_labels = 0
         if arch.endswith("ForSequenceClassification"):
@@ -57,6 +71,10 @@ class ModelConfig:
         theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                              else None)
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary over the "
+                             "whole head only)")
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
         return cls(
@@ -81,4 +99,5 @@ class ModelConfig:
             hf_config=hf,
             generates=not num_labels,
             num_labels=num_labels,
+            sliding_window=hf.get("sliding_window") or None,
         )

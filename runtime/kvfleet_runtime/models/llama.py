@@ -174,6 +174,22 @@ class DecoderModel(nn.Module):
         return x
 
 
+def _fused_pieces(name: str, param: torch.Tensor, tensor: torch.Tensor,
+                  sizes: list[int]) -> list[torch.Tensor]:
+    """A fused checkpoint tensor split into its pieces along the parameter's output dim (in
+    packed units where the format packs it); one number, or a tensor with no output dim (a
+    per-tensor scale, GPTQ's g_idx), goes to every piece whole."""
+    dim = getattr(param, "output_dim", None)
+    if dim is None or tensor.numel() == 1:
+        return [tensor] * len(sizes)
+    pack = getattr(param, "output_pack", 1)
+    parts = [size // pack for size in sizes]
+    if tensor.dim() <= dim or tensor.shape[dim] != sum(parts):
+        raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} does not "
+                         f"hold the fused pieces {sizes} along dim {dim}")
+    return list(tensor.split(parts, dim))
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint projection name -> (our fused module, shard id)
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -222,6 +238,16 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, param_name = name.rsplit(".", 1)
             parent, _, proj = module_path.rpartition(".")
+            module = modules.get(module_path)
+            if isinstance(module, Linear) and len(module.output_sizes) > 1:
+                # a checkpoint that stores the projection fused as ours is (Phi-3's qkv_proj,
+                # gate_up_proj): its pieces one by one, as separate tensors would come
+                param = getattr(module, param_name)
+                for shard, piece in enumerate(_fused_pieces(name, param, tensor,
+                                                             module.full_output_sizes)):
+                    module.weight_loader(param, piece, shard)
+                loaded.add(name)
+                continue
             if proj in self.stacked_params:
                 fused, shard = self.stacked_params[proj]
                 target = f"{parent}.{fused}"
@@ -229,7 +255,6 @@ class LlamaForCausalLM(nn.Module):
                 module.weight_loader(getattr(module, param_name), tensor, shard)
                 loaded.add(f"{target}.{param_name}")
                 continue
-            module = modules.get(module_path)
             if module is None or f"{module_path}.{param_name}" not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{self.config.architecture}")
