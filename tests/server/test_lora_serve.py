@@ -303,3 +303,5 @@ def test_metrics_name_the_running_adapters(server, client) -> None:
     labels, value = series[0]
     assert f'running_lora_adapters="{SQL}"' in labels and 'max_lora="2"' in labels
     assert f'model_name="{BASE}"' in labels and abs(float(value) - time.time()) < 60
+    # and under vLLM's own name, as the Inference Extension's endpoint picker reads it
+    assert re.findall(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", body, re.M) == series

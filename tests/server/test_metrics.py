@@ -54,6 +54,26 @@ def test_every_contract_metric_is_exposed_with_model_name(server: ServerProcess)
     assert reasons == {"stop", "length", "abort"}
 
 
+def test_the_engine_series_under_vllms_names_equal_ours(server: ServerProcess) -> None:
+    # what reads a vLLM server's metrics (the Gateway API Inference Extension's endpoint
+    # picker, KEDA rules, dashboards) reads ours: every VLLM_NAMES family, sample by sample
+    from kvfleet_runtime.server.metrics import VLLM_NAMES
+    _complete(server, "warm up", 3)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(server.metrics()) for s in f.samples
+               if not s.name.endswith("_created")}
+    for ours, aliases in VLLM_NAMES.items():
+        mine = {(n, labels): v for (n, labels), v in samples.items()
+                if n == ours or n.startswith(ours + "_")}
+        if ours != "kvfleet_lora_requests_info":    # (a series only with --enable-lora)
+            assert mine, ours
+        for alias in aliases:
+            theirs = {(alias + n[len(ours):], labels): v for (n, labels), v in mine.items()}
+            assert {k: samples.get(k) for k in theirs} == theirs, alias
+    assert samples[("vllm:num_requests_waiting", (("model_name", NAME),))] == 0
+    assert samples[("vllm:generation_tokens_total", (("model_name", NAME),))] >= 3
+
+
 def test_the_process_series_a_prometheus_client_exports_by_default(server: ServerProcess) -> None:
     samples = {s.name: s for f in text_string_to_metric_families(server.metrics())
                for s in f.samples}
@@ -150,6 +170,10 @@ def test_prometheus_computes_generated_tokens_per_second(server: ServerProcess,
             "histogram_quantile(0.5, rate(kvfleet_time_to_first_token_seconds_bucket[10s]))",
             lambda r: bool(r) and float(r[0]["value"][1]) > 0, timeout=30)
         assert float(ttft[0]["value"][1]) < 10
+        # vLLM's names, as the Inference Extension's endpoint picker queries them
+        waiting = prometheus.wait_for(f'vllm:num_requests_waiting{{model_name="{NAME}"}}',
+                                      lambda r: bool(r), timeout=30)
+        assert float(waiting[0]["value"][1]) >= 0
     finally:
         stop.set()
         loader.join()

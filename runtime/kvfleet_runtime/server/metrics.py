@@ -1,6 +1,11 @@
 """Prometheus metrics of one server: the names are a contract with the operator's HPA,
 the dashboard and the alerts (see docs/SERVER.md). Every metric has the label model_name.
 
+The engine's metrics are also exported under vLLM's names (VLLM_NAMES: `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, `vllm:lora_requests_info`, ...), read at each scrape from the same
+series, so that what reads a vLLM server's (the Gateway API Inference Extension's endpoint
+picker, KEDA / HPA rules, Grafana dashboards, vLLM's production-stack router) reads ours.
+
 EngineMetrics is the AsyncLLMEngine's StatLogger: the loop thread calls it after
 every step with the engine's stats snapshot and the step's outputs, from which it
 derives per-request TTFT, ITL, queue time and end-to-end latency.
@@ -32,6 +37,52 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
                   50000, 100000)
 
 
+# kvfleet family -> vLLM's names for it (two where vLLM renamed it and readers of both exist)
+VLLM_NAMES = {
+    "kvfleet_num_requests_running": ("vllm:num_requests_running",),
+    "kvfleet_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kvfleet_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "kvfleet_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "kvfleet_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "kvfleet_num_preemptions": ("vllm:num_preemptions",),
+    "kvfleet_prompt_tokens": ("vllm:prompt_tokens",),
+    "kvfleet_generation_tokens": ("vllm:generation_tokens",),
+    "kvfleet_request_success": ("vllm:request_success",),
+    "kvfleet_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "kvfleet_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                            "vllm:time_per_output_token_seconds"),
+    "kvfleet_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "kvfleet_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "kvfleet_request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "kvfleet_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "kvfleet_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "kvfleet_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "kvfleet_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "kvfleet_lora_requests_info": ("vllm:lora_requests_info",),
+}
+
+
+class _VLLMNames:
+    """A collector of the engine's families again under VLLM_NAMES (same samples, renamed)."""
+
+    def __init__(self, families: dict[str, object], registry: CollectorRegistry) -> None:
+        self._families = families
+        registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []       # (nothing to check at registration: the names are ours to give)
+
+    def collect(self) -> Iterable[Metric]:
+        for name, family in self._families.items():
+            for metric in family.collect():
+                for alias in VLLM_NAMES[name]:
+                    renamed = Metric(alias, metric.documentation, metric.type)
+                    for s in metric.samples:
+                        renamed.add_sample(alias + s.name[len(metric.name):], s.labels, s.value,
+                                           s.timestamp, s.exemplar)
+                    yield renamed
+
+
 @dataclass
 class _RequestTrack:
     arrival_time: float
@@ -40,19 +91,26 @@ class _RequestTrack:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry,
+                 vllm_names: bool = True) -> None:
+        """vllm_names: also export the families under VLLM_NAMES."""
         self.model_name = model_name
         label = ["model_name"]
+        families: dict[str, object] = {}
+
+        def keep(name: str, family):
+            families[name] = family
+            return family
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, label, registry=registry).labels(model_name)
+            return keep(name, Gauge(name, doc, label, registry=registry)).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, label, registry=registry).labels(model_name)
+            return keep(name, Counter(name, doc, label, registry=registry)).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, label, buckets=buckets,
-                             registry=registry).labels(model_name)
+            return keep(name, Histogram(name, doc, label, buckets=buckets,
+                                        registry=registry)).labels(model_name)
 
         self.num_requests_running = gauge("kvfleet_num_requests_running",
                                           "Requests in the running batch.")
@@ -83,8 +141,9 @@ class EngineMetrics:
                                                     "Draft tokens checked.")
         self.spec_decode_num_accepted_tokens = counter("kvfleet_spec_decode_num_accepted_tokens",
                                                        "Draft tokens accepted.")
-        success = Counter("kvfleet_request_success", "Finished requests by finish reason.",
-                          ["model_name", "finished_reason"], registry=registry)
+        success = keep("kvfleet_request_success", Counter(
+            "kvfleet_request_success", "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=registry))
         self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
         self.ttft = histogram("kvfleet_time_to_first_token_seconds",
                               "Time to first token.", _LATENCY_BUCKETS)
@@ -103,9 +162,12 @@ class EngineMetrics:
         # LoRA (vLLM's lora_requests_info, which LoRA-aware routers read): one series whose
         # labels name the adapters of the running and the waiting requests, its value the time
         # they were seen; the previous label set is dropped when they change
-        self.lora_info = Gauge("kvfleet_lora_requests_info", "Running stats on LoRA requests.",
-                               ["model_name", "max_lora", "running_lora_adapters",
-                                "waiting_lora_adapters"], registry=registry)
+        self.lora_info = keep("kvfleet_lora_requests_info", Gauge(
+            "kvfleet_lora_requests_info", "Running stats on LoRA requests.",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=registry))
+        if vllm_names:
+            _VLLMNames({n: f for n, f in families.items() if n in VLLM_NAMES}, registry)
         self._lora_labels: tuple[str, ...] | None = None
         # the engine's counters are cumulative totals: remember the last to add deltas
         self._last_totals = EngineStats()
