@@ -60,6 +60,18 @@ def kvfleet_run(model_dir: Path, prompts: list[list[int]], **engine_args):
     return tokens, logprobs
 
 
+def _assert_matches_hf(quantized: Path, dequantized: Path, **engine_args) -> list:
+    """Our greedy tokens and logprobs of the quantized checkpoint equal HF's on its
+    dequantized weights (fp32); returns our logprobs."""
+    prompts = _prompts()
+    tokens, logprobs = kvfleet_run(quantized, prompts, **engine_args)
+    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
+    assert tokens == ref_tokens
+    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
+        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
+    return logprobs
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
@@ -76,12 +88,8 @@ def test_quantized_tiny_llama_matches_hf_on_dequantized_weights(case, tiny_llama
     args, tolerance = CASES[case]
     quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
     write_quantized(tiny_llama, quantized, dequantized, **args)
-    prompts = _prompts()
-    tokens, logprobs = kvfleet_run(quantized, prompts)
-    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
-    assert tokens == ref_tokens
-    for our_lp, ref_lp, fp32_lp in zip(logprobs, ref_logprobs, fp32_reference, strict=True):
-        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
+    logprobs = _assert_matches_hf(quantized, dequantized)
+    for our_lp, fp32_lp in zip(logprobs, fp32_reference, strict=True):
         # quantization moved the model, but only so far (and it did move it)
         drift = (our_lp - fp32_lp).abs().max().item()
         assert 0 < drift < tolerance, drift
@@ -91,12 +99,7 @@ def test_fp8_quantized_on_load_matches_hf_on_its_rounding(tiny_llama, tmp_path):
     # --quantization fp8 on the fp32 checkpoint: the engine rounds per output channel on load
     dequantized = tmp_path / "dequantized"
     write_quantized(tiny_llama, tmp_path / "fp8", dequantized, method="fp8", per_channel=True)
-    prompts = _prompts()
-    tokens, logprobs = kvfleet_run(tiny_llama, prompts, quantization="fp8")
-    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
-    assert tokens == ref_tokens
-    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
-        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
+    _assert_matches_hf(tiny_llama, dequantized, quantization="fp8")
 
 
 def test_requesting_another_method_than_the_checkpoints_fails(tiny_llama, tmp_path):
@@ -111,12 +114,7 @@ def test_gptq_qwen2_with_qkv_bias_and_tied_embeddings_matches_hf(tmp_path):
     source = make_tiny_model("qwen2", tmp_path / "qwen2")
     quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
     write_quantized(source, quantized, dequantized, method="gptq", group_size=32, desc_act=True)
-    prompts = _prompts()
-    tokens, logprobs = kvfleet_run(quantized, prompts)
-    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
-    assert tokens == ref_tokens
-    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
-        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
+    _assert_matches_hf(quantized, dequantized)
 
 
 @pytest.mark.parametrize("args", [dict(method="gptq", group_size=32, desc_act=True),
@@ -129,9 +127,4 @@ def test_phi3_fused_quantized_projections_match_hf(args, tmp_path):
     source = make_tiny_model("phi3", tmp_path / "phi3")
     quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
     write_quantized(source, quantized, dequantized, **args)
-    prompts = _prompts()
-    tokens, logprobs = kvfleet_run(quantized, prompts)
-    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts)
-    assert tokens == ref_tokens
-    for our_lp, ref_lp in zip(logprobs, ref_logprobs, strict=True):
-        torch.testing.assert_close(our_lp, ref_lp, rtol=0, atol=1e-4)
+    _assert_matches_hf(quantized, dequantized)
