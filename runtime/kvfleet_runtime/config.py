@@ -75,6 +75,14 @@ class EngineConfig:
     # cache folder (model_source.resolve_config); /v1/models shows this as the root, as vLLM
     model_source: str | None = None
     tokenizer: str | None = None
+    # vLLM's revision / tokenizer_revision: the Hub revision (branch, tag or commit) of a model
+    # named by a Hub id, as hf://ORG/NAME@REVISION names it, and of its tokenizer
+    # (model_source.resolve_config; a local or S3 model has none)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    # vLLM's trust_remote_code: the tokenizer may run code of its repo (AutoTokenizer's flag);
+    # the models themselves are always kvfleet's own code
+    trust_remote_code: bool = False
     served_model_name: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"            # auto | fp8 | fp8_e4m3
@@ -133,6 +141,11 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        for name in ("revision", "tokenizer_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a Hub revision (a branch, tag or commit); "
+                                 f"got {value!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size!r}")
         _positive("max_num_seqs", self.max_num_seqs)

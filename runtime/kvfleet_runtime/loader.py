@@ -96,21 +96,26 @@ def _resolve(config: EngineConfig):
         from kvfleet_runtime.gguf_loader import load_gguf
         ckpt = load_gguf(str(src))
         name = src.name.split(".")[0] if ".Q" in src.name else src.stem
-        tokenizer = ckpt.load_tokenizer() if config.tokenizer is None else _hf_tokenizer(config.tokenizer)
+        tokenizer = ckpt.load_tokenizer() if config.tokenizer is None else _hf_tokenizer(config)
         return ckpt.config, ckpt.tensors, tokenizer, None, name
     cfg_file = src / "config.json"
     if not cfg_file.exists():
         raise ValueError(f"model folder {src} has no config.json")
     hf = json.loads(cfg_file.read_text())
     files = _safetensors_files(src) if config.load_format != "dummy" else []
-    tokenizer = _hf_tokenizer(config.tokenizer or str(src))
+    tokenizer = _hf_tokenizer(config, str(src))
     return hf, (lambda: _iter_safetensors(files)), tokenizer, src, src.name
 
 
-def _hf_tokenizer(path: str):
+def _hf_tokenizer(config: EngineConfig, folder: str | None = None):
+    """config.tokenizer's (a Hub id's at config.tokenizer_revision), else the model folder's;
+    with config.trust_remote_code, as vLLM, the tokenizer may run code of its repo."""
     from transformers import AutoTokenizer
+    path = config.tokenizer or folder
+    revision = config.tokenizer_revision if config.tokenizer is not None else None
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, revision=revision,
+                                             trust_remote_code=config.trust_remote_code)
     except Exception as e:   # noqa: BLE001 - transformers raises many kinds here
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
 

@@ -100,12 +100,56 @@ def resolve(model: str) -> tuple[str, str | None]:
     return str(dest), served_name(model)
 
 
+def with_revision(model: str, revision: str | None) -> str:
+    """`model` at the Hub revision `revision` (vLLM's --revision): hf://ORG/NAME@REVISION for a
+    Hub id or hf:// model named without one. ValueError for a model that is not on the Hub, or
+    that names another revision itself."""
+    if revision is None:
+        return model
+    source = remote_source(model)
+    if source is None or not source.startswith("hf://"):
+        where = "an S3 prefix" if source else "a local path"
+        raise ValueError(f"revision {revision!r} is a Hub revision; model {model!r} is {where} "
+                         "(revisions are for a Hub id ORG/NAME or hf://ORG/NAME)")
+    repo, _, named = source.removeprefix("hf://").partition("@")
+    if named and named != revision:
+        raise ValueError(f"model {model!r} names revision {named!r} and revision is "
+                         f"{revision!r}; give one")
+    return f"hf://{repo}@{revision}"
+
+
+def _tokenizer_revision(config, source: str) -> None:
+    """vLLM's tokenizer_revision: transformers fetches a tokenizer named by a Hub id at it; the
+    model's own tokenizer at a revision other than the model's is fetched so too (the model's
+    Hub id becomes config.tokenizer). ValueError where there is no Hub tokenizer to pin."""
+    revision = config.tokenizer_revision
+    if revision is None:
+        return
+    if config.tokenizer is not None:
+        if remote_source(config.tokenizer) != f"hf://{config.tokenizer}":
+            raise ValueError(f"tokenizer_revision {revision!r} is a Hub revision; tokenizer "
+                             f"{config.tokenizer!r} is not a Hub id ORG/NAME")
+        return
+    if not source.startswith("hf://"):
+        raise ValueError(f"tokenizer_revision {revision!r} is a Hub revision; the tokenizer is "
+                         f"model {config.model!r}'s, which is not on the Hub (name a Hub "
+                         "tokenizer with tokenizer)")
+    repo, _, model_revision = source.removeprefix("hf://").partition("@")
+    if revision != (model_revision or "main"):
+        config.tokenizer = repo
+
+
 def resolve_config(config) -> None:
-    """Pull a remote model of `config` (an EngineConfig) and point it at its cache folder, served
-    under served_name() unless the config names one (in place, as EngineConfig.finalize fills
-    the lengths); a local model's config stays as it is. (A tokenizer named by a Hub id is left
-    to transformers, which fetches only the tokenizer.)"""
-    path, name = resolve(config.model)
+    """Pull a remote model of `config` (an EngineConfig) at its revision and point it at its
+    cache folder, served under served_name() unless the config names one (in place, as
+    EngineConfig.finalize fills the lengths); a local model's config stays as it is. Once pulled
+    (model_source set) it is not looked at again. (A tokenizer named by a Hub id is left to
+    transformers, which fetches only the tokenizer, at tokenizer_revision if given.)"""
+    if config.model_source is not None:
+        return
+    source = with_revision(config.model, config.revision)
+    _tokenizer_revision(config, remote_source(source) or source)
+    path, name = resolve(source)
     if name is not None:
         config.model_source, config.model = config.model, path
         config.served_model_name = config.served_model_name or name
