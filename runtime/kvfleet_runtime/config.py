@@ -97,6 +97,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0            # KV pool size on CPU
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's: the most tokens of one prompt a step prefills (0: as many as the step's budget
+    # holds), so that a long prompt shares its steps with the other prompts' prefills
+    long_prefill_token_threshold: int = 0
     # admit a request only while every running one can still grow this many tokens (up to its
     # max_tokens) in the free blocks: fewer preemptions (recomputes) when the KV cache is full
     admission_headroom: int = 0
@@ -177,6 +180,12 @@ class EngineConfig:
                 raise ValueError(f"hf_overrides must be a JSON object; it is not JSON: {e}") from None
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a JSON object; got {self.hf_overrides!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 tokens; got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs "
+                             "chunked prefill (drop --no-enable-chunked-prefill)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                              f"got {self.scheduling_policy!r}")

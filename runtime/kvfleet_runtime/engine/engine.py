@@ -77,7 +77,7 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.admission_headroom,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.long_prefill_token_threshold)
         self.scheduler.speculative = config.speculative is not None
         if config.enable_lora:
             self.scheduler.max_loras = config.max_loras

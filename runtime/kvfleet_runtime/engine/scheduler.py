@@ -111,7 +111,7 @@ class PriorityQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, admission_headroom: int = 0,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", long_prefill_token_threshold: int = 0) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                              f"got {policy!r}")
@@ -122,6 +122,9 @@ class Scheduler:
         self.admission_headroom = admission_headroom
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # vLLM's: a prompt's chunk in one step is at most this many tokens (0: the budget's),
+        # so that one long prompt does not take a whole step from the others' prefills
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.waiting: deque[Request] | PriorityQueue = (
             PriorityQueue() if policy == "priority" else deque())
@@ -153,6 +156,8 @@ class Scheduler:
             pending = request.num_pending
             # a token still being sampled on the device (async scheduling) is this step's input
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
             if num_new > budget:
                 num_new = budget
             if num_new <= 0 or (pending and len(request.output_token_ids) + pending
@@ -242,6 +247,8 @@ class Scheduler:
                 continue
             computed, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
