@@ -23,7 +23,7 @@ MODEL = 'm"ö'
 def call(kind: str, **fields) -> api._GenerationCall:
     state = SimpleNamespace(engine=SimpleNamespace(tokenizer=None), model_name=MODEL,
                             served_model_names=[MODEL], return_tokens_as_token_ids=False,
-                            enable_prompt_tokens_details=False)
+                            enable_prompt_tokens_details=False, options=api.APIOptions())
     if kind == "completion":
         return api._CompletionCall(state, None, p.CompletionRequest(model=MODEL, prompt="hi",
                                                                     stream=True, **fields))

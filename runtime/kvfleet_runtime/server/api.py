@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -94,6 +95,24 @@ class LoRAAdapter:
         return self.request.lora_name
 
 
+@dataclass(frozen=True)
+class APIOptions:
+    """vLLM's server flags of the API's behaviour: response_role (--response-role: the role of
+    chat answers), max_logprobs (--max-logprobs: the most logprobs / top_logprobs /
+    prompt_logprobs a request may ask), force_include_usage (--enable-force-include-usage:
+    streams end with usage even unasked), log_requests (--enable-log-requests: a line a
+    generation request), request_id_headers (--enable-request-id-headers: X-Request-Id on every
+    answer), docs (off: --disable-fastapi-docs), root_path (--root-path: behind a proxy that
+    serves the API under that prefix)."""
+    response_role: str = "assistant"
+    max_logprobs: int = 20
+    force_include_usage: bool = False
+    log_requests: bool = False
+    request_id_headers: bool = False
+    docs: bool = True
+    root_path: str = ""
+
+
 @dataclass
 class ServerState:
     engine: AsyncLLMEngine
@@ -113,6 +132,7 @@ class ServerState:
     # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (vLLM's)
     enable_prompt_tokens_details: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)    # /v1/responses' store
+    options: APIOptions = field(default_factory=APIOptions)
 
     @property
     def model_name(self) -> str:
@@ -139,7 +159,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               reasoning_parser: str | None = None,
               tokenizer_info: bool = False,
               return_tokens_as_token_ids: bool = False,
-              enable_prompt_tokens_details: bool = False) -> FastAPI:
+              enable_prompt_tokens_details: bool = False,
+              options: APIOptions | None = None) -> FastAPI:
     """The app; its lifespan shuts the engine down when the server stops.
     runtime_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
     tokenizer_info: serve vLLM's GET /tokenizer_info (--enable-tokenizer-info-endpoint)."""
@@ -154,14 +175,19 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                         sampling_defaults=sampling_defaults or {},
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         return_tokens_as_token_ids=return_tokens_as_token_ids,
-                        enable_prompt_tokens_details=enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=enable_prompt_tokens_details,
+                        options=options or APIOptions())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan)
+    docs = state.options.docs
+    app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan,
+                  root_path=state.options.root_path, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.kvfleet = state
     if cors is not None and cors.allowed_origins:
         # browsers' cross-origin calls (a web UI on another origin); preflights are answered
@@ -169,6 +195,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
                            allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
                            allow_credentials=cors.allow_credentials)
+    if state.options.request_id_headers:
+        app.add_middleware(_RequestIdMiddleware)
     # added last: the outermost, so that it counts every answer, preflights included
     app.add_middleware(_HTTPMetricsMiddleware,
                        metrics=HTTPMetrics(state.model_name, state.registry))
@@ -274,6 +302,29 @@ class _HTTPMetricsMiddleware:
         finally:
             route = scope.get("route")
             self.metrics.record(scope["method"], getattr(route, "path", "unmatched"), status)
+
+
+class _RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every answer carries X-Request-Id, the request's own
+    when the client sent one, else a fresh id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = next((v for k, v in scope["headers"] if k == b"x-request-id" and v),
+                          uuid.uuid4().hex.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 # ---- open routes ----
@@ -525,8 +576,10 @@ class _GenerationCall:
         self.prompts: list[_Prompt] = []
         self.sent: dict[int, tuple[int, int]] = {}    # choice index -> (chars, tokens) streamed
         self.done: set[int] = set()                   # choices whose finish was streamed
-        self.include_usage = body.include_usage
-        self.continuous_usage = body.continuous_usage
+        # vLLM's --enable-force-include-usage: a stream's usage chunk even when not asked
+        self.include_usage = body.include_usage or state.options.force_include_usage
+        self.continuous_usage = self.include_usage and bool(
+            body.stream_options and body.stream_options.continuous_usage_stats)
         self.prompt_details = state.enable_prompt_tokens_details
         # vLLM's: logprobs' tokens as "token_id:N" (exact ids, whatever their text)
         self.tokens_as_ids = (body.return_tokens_as_token_ids
@@ -555,6 +608,9 @@ class _GenerationCall:
         engine = self.state.engine
         p.check_priority(engine, self.body.priority)
         self.prompts = self.make_prompts()
+        self.check_max_logprobs()
+        if self.state.options.log_requests:
+            self.log_request()
         vocab = len(self.tokenizer)
         for prompt in self.prompts:
             try:
@@ -585,6 +641,23 @@ class _GenerationCall:
         if finals is None:
             return Response(status_code=499)    # nobody is listening any more
         return JSONResponse(self.response(finals))
+
+    def check_max_logprobs(self) -> None:
+        """400 naming the field that asks for more logprobs than --max-logprobs allows."""
+        limit = self.state.options.max_logprobs
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(self.body, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise p.OpenAIError(f"{name} must be at most {limit} (the server's "
+                                    f"--max-logprobs); got {value}", param=name)
+
+    def log_request(self) -> None:
+        """vLLM's --enable-log-requests: the request's id, model and sizes (not its text)."""
+        logger.info("request %s: model %s, prompt tokens %s, max_tokens %s, stream %s",
+                    self.request_id, self.model_name,
+                    ",".join(str(len(pr.token_ids)) for pr in self.prompts),
+                    ",".join(str(pr.params.max_tokens) for pr in self.prompts),
+                    str(self.body.stream).lower())
 
     def beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
         """vLLM's use_beam_search: n beams of the prompt's max_tokens; what would change the
@@ -877,7 +950,7 @@ class _ChatCall(_GenerationCall):
         choices = []
         for c in _sorted_outputs(out):
             reasoning, content, calls = self.parsed(c)
-            message = p.ChatResponseMessage(content=content, tool_calls=calls)
+            message = p.ChatResponseMessage(role=self.role, content=content, tool_calls=calls)
             if self.reasoning_parser is not None and self.body.include_reasoning:
                 message.reasoning = message.reasoning_content = reasoning
             finish_reason = (self._tool_finish_reason(c, bool(calls)) if self.tools.active
@@ -889,6 +962,14 @@ class _ChatCall(_GenerationCall):
                                         model=self.model_name, choices=choices,
                                         usage=self.usage(finals),
                                         prompt_logprobs=self.prompt_logprobs(out)).model_dump()
+
+    @property
+    def role(self) -> str:
+        """The answer's role: the message it continues' (continue_final_message), else the
+        server's --response-role (vLLM's)."""
+        if self.body.continue_final_message and self.body.messages:
+            return self.body.messages[-1].role
+        return self.state.options.response_role
 
     def parsed(self, c: CompletionOutput) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, tool calls) of a finished choice, by the server's reasoning
@@ -918,8 +999,8 @@ class _ChatCall(_GenerationCall):
             text, _, tokens, first = delta
             usage = (len(out.prompt_token_ids), len(c.token_ids))
             if first:
-                events.append(self.event(self._chunk(c.index, p.DeltaMessage(role="assistant",
-                                                                              content="")),
+                events.append(self.event(self._chunk(c.index, p.DeltaMessage(role=self.role,
+                                                                            content="")),
                                          (usage[0], 0)))
             if self.body.logprobs:
                 if text or tokens < len(c.token_ids):
@@ -942,8 +1023,8 @@ class _ChatCall(_GenerationCall):
             text, _, _, first = delta
             usage = (len(out.prompt_token_ids), len(c.token_ids))
             if first:
-                events.append(self.event(self._chunk(c.index, p.DeltaMessage(role="assistant",
-                                                                              content="")),
+                events.append(self.event(self._chunk(c.index, p.DeltaMessage(role=self.role,
+                                                                            content="")),
                                          (usage[0], 0)))
             deltas, called = self.parsed_deltas(c, text)
             for d in deltas:

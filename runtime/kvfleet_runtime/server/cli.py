@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from kvfleet_runtime.config import (
@@ -42,7 +43,16 @@ logger = logging.getLogger("kvfleet.serve")
 
 _ENGINE_HELP = {
     "model": "HF folder or .gguf file (default: SmolLM2-135M-Instruct GGUF)",
-    "tokenizer": "tokenizer folder, when it is not the model's",
+    "tokenizer": "tokenizer folder (or Hub id), when it is not the model's",
+    "revision": "the Hub revision (branch, tag or commit) of a model named by a Hub id ORG/NAME "
+                "or hf://ORG/NAME, as hf://ORG/NAME@REVISION names it (vLLM's; with both, they "
+                "must agree; a local or S3 model has none) (default: main)",
+    "tokenizer_revision": "the Hub revision of the tokenizer: --tokenizer's Hub id's, or the "
+                          "model's own tokenizer's, fetched at it when it is not the model's "
+                          "revision (vLLM's) (default: the model's)",
+    "trust_remote_code": "let the tokenizer run code of its repo (transformers' "
+                         "trust_remote_code, vLLM's flag); the models are always kvfleet's own "
+                         "code, never a checkpoint's (default: off)",
     "dtype": "compute dtype (auto: the checkpoint's, bf16 for fp32 ones, on a GPU; on a CPU bf16 "
              "for half/quantized checkpoints where the CPU has native bf16, else fp32)",
     "kv_cache_dtype": "KV-cache element type: auto (the compute dtype) or fp8 / fp8_e4m3 "
@@ -98,6 +108,9 @@ _CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QU
                                   "scheduling_policy": list(SCHEDULING_POLICIES)}
 # set by the server's own flags, not as engine flags
 _NOT_ENGINE_FLAGS = {"served_model_name", "model_source"}
+# vLLM's other spellings of engine flags
+_ALIASES = {"num_gpu_blocks": ("--num-gpu-blocks-override",),
+            "tensor_parallel_size": ("-tp",)}
 
 
 def check_kernel_environment() -> None:
@@ -149,7 +162,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if f.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[f.name]
                 kwargs.pop("metavar")
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        group.add_argument("--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ()), **kwargs)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -244,7 +257,185 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(parser)
+    _add_vllm_args(parser)
     parser.set_defaults(func=serve)
+
+
+def _add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags that a copied `vllm serve` command line carries: each does here what it does
+    there, or, where it cannot change anything here, takes only the value that matches what
+    kvfleet does and refuses any other, naming itself."""
+    vllm = parser.add_argument_group(
+        "vLLM's flags", "as vLLM's where they mean something here; where they cannot change "
+                        "anything, only the value that matches what kvfleet does")
+    vllm.add_argument("--config", metavar="FILE.yaml",
+                      help="vLLM's YAML file of flags: keys are flag names without the leading "
+                           "-- (with - or _), values scalars or lists, true or false for a "
+                           "switch; the command line overrides the file")
+    no_code = _refused("kvfleet runs no model code from the Hub (its models are its own "
+                       "code): there is no code revision to pin; drop the flag")
+    vllm.add_argument("--code-revision", metavar="REV", type=no_code,
+                      help="refused: kvfleet runs no model code from the Hub (its models are its "
+                           "own code)")
+    vllm.add_argument("--download-dir", metavar="DIR",
+                      help="where models and LoRA adapters named by a Hub id, hf:// or s3:// are "
+                           "pulled and cached ($KVFLEET_CACHE_DIR for this server; default: "
+                           "$KVFLEET_CACHE_DIR, else ~/.cache/kvfleet); a --tokenizer Hub id "
+                           "stays in transformers' cache")
+    vllm.add_argument("--enable-log-requests", action="store_true",
+                      help="log one line a generation request (completions, chat, responses): "
+                           "its id, model, prompt tokens, max_tokens and stream, never its text")
+    vllm.add_argument("--disable-log-requests", action="store_true",
+                      help="accepted, changes nothing: requests are logged only with "
+                           "--enable-log-requests (vLLM's deprecated flag)")
+    vllm.add_argument("--disable-log-stats", action="store_true",
+                      help="accepted, changes nothing: kvfleet logs no periodic engine stats "
+                           "(they are on /metrics, which stays served)")
+    vllm.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
+                      help="uvicorn's log level (default: --log-level)")
+    vllm.add_argument("--root-path", default="", metavar="PATH",
+                      help="the path prefix a proxy serves the API under (FastAPI's root_path): "
+                           "requests are answered with or without it, and the OpenAPI document "
+                           "names it")
+    vllm.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS: the server's key")
+    vllm.add_argument("--ssl-certfile", metavar="FILE",
+                      help="serve HTTPS: the server's certificate (and key, if it holds it)")
+    vllm.add_argument("--ssl-ca-certs", metavar="FILE",
+                      help="CA certificates clients' certificates are checked against (with "
+                           "--ssl-cert-reqs 1 or 2)")
+    vllm.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
+                      help="client certificates: 0 not asked, 1 checked if given, 2 required "
+                           "(Python's ssl.CERT_*; default: 0)")
+    vllm.add_argument("--disable-fastapi-docs", action="store_true",
+                      help="no /docs, /redoc or /openapi.json")
+    vllm.add_argument("--response-role", default="assistant", metavar="ROLE",
+                      help="the role of chat completions' answers (message, first delta), "
+                           "unless the request continues its final message: that message's "
+                           "(default: assistant)")
+    vllm.add_argument("--enable-request-id-headers", action="store_true",
+                      help="every answer carries an X-Request-Id header: the request's own if "
+                           "the client sent one, else a fresh id")
+    vllm.add_argument("--task", type=_task, metavar="TASK",
+                      help="vLLM's older spelling of --runner: generate; embed, embedding, "
+                           "score, classify or reward (--runner pooling); auto")
+    vllm.add_argument("--convert", choices=["auto", "none", "embed", "classify"], default="auto",
+                      help="auto, none: the model as it is; embed: a causal LM serves its last "
+                           "token's embeddings (--runner pooling); classify: --runner pooling "
+                           "for a model that is a classifier here (a sequence-classification "
+                           "checkpoint, or a config naming classifier_from_token, e.g. through "
+                           "--hf-overrides); any other is refused once loaded, as no untrained "
+                           "head is added (default: auto)")
+    vllm.add_argument("--guided-decoding-backend", metavar="auto|xgrammar", type=_xgrammar,
+                      help="only auto or xgrammar: structured outputs run on xgrammar")
+    vllm.add_argument("--structured-outputs-config", metavar="JSON",
+                      type=_structured_outputs_config,
+                      help='only \'{"backend": "auto"}\' or \'{"backend": "xgrammar"}\': '
+                           "structured outputs run on xgrammar")
+    mp = _only(("mp",), "tensor-parallel workers are processes of this host")
+    vllm.add_argument("--distributed-executor-backend", metavar="mp", type=mp,
+                      help="only mp: tensor-parallel workers are processes of this host")
+    one_stage = _only((1,), "no pipeline parallelism: shard the model with "
+                            "--tensor-parallel-size", int)
+    vllm.add_argument("--pipeline-parallel-size", "-pp", metavar="1", type=one_stage,
+                      help="only 1: no pipeline parallelism (--tensor-parallel-size shards)")
+    one_replica = _only((1,), "no data parallelism: run a server a replica; shard the model "
+                              "with --tensor-parallel-size", int)
+    vllm.add_argument("--data-parallel-size", "-dp", metavar="1", type=one_replica,
+                      help="only 1: no data parallelism (a server a replica; "
+                           "--tensor-parallel-size shards)")
+    vllm.add_argument("--swap-space", type=_gib, metavar="GiB",
+                      help="accepted (a number >= 0), not used: a preempted request is "
+                           "recomputed, not swapped to CPU memory (as vLLM V1); logged at start")
+    vllm.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS, metavar="N",
+                      help="the most logprobs, top_logprobs or prompt_logprobs a request may ask "
+                           "for (more: a 400 naming the field); at most 20, the most the engine "
+                           "returns a token (default: 20)")
+    vllm.add_argument("--enable-force-include-usage", action="store_true",
+                      help="streamed completions and chats end with their usage chunk even "
+                           "without stream_options.include_usage (answers not streamed always "
+                           "carry usage)")
+
+
+# uvicorn's log levels (--uvicorn-log-level)
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+# the most logprobs a token that SamplingParams takes (its logprobs and prompt_logprobs)
+MAX_LOGPROBS = 20
+
+
+def _only(allowed: tuple[Any, ...], why: str, kind: type = str) -> Callable[[str], Any]:
+    """An argparse type for a vLLM flag that cannot change anything here: the values that match
+    what kvfleet does pass, any other is refused saying why."""
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(
+                f"only {' or '.join(map(str, allowed))} here ({why}); got {text!r}")
+        return value
+    return check
+
+
+def _refused(why: str) -> Callable[[str], Any]:
+    """An argparse type refusing every value of a vLLM flag that asks for what kvfleet lacks."""
+    def refuse(text: str) -> Any:
+        raise argparse.ArgumentTypeError(f"{why}; got {text!r}")
+    return refuse
+
+
+# vLLM's structured-outputs backends: only the one kvfleet's are
+_xgrammar = _only(("auto", "xgrammar"), "structured outputs run on xgrammar")
+
+
+def _task(text: str) -> str:
+    """vLLM's --task: one of LLM's tasks (llm.py's, which imports torch: only when given)."""
+    from kvfleet_runtime.llm import _TASK_RUNNERS
+    if text not in _TASK_RUNNERS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(_TASK_RUNNERS)}; "
+                                         f"got {text!r}")
+    return text
+
+
+def _structured_outputs_config(text: str) -> dict[str, str]:
+    """vLLM's --structured-outputs-config: only a backend kvfleet's structured outputs are
+    (xgrammar, or auto)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"backend\": "
+                                         f"\"xgrammar\"}}'; got {text!r}")
+    for key in value:
+        if key != "backend":
+            raise argparse.ArgumentTypeError(
+                f"only backend may be set here; got {key!r} (a request's structured_outputs "
+                "carries its own options, e.g. disable_any_whitespace)")
+    _xgrammar(str(value.get("backend", "auto")))
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of GiB >= 0; got {text!r}")
+    return value
+
+
+def _max_logprobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [0, {MAX_LOGPROBS}] (the engine returns at most "
+            f"{MAX_LOGPROBS} logprobs a token); got {text!r}")
+    return value
 
 
 def _json_list(text: str) -> list[str]:
@@ -368,7 +559,12 @@ def serve(args: argparse.Namespace) -> int:
     from kvfleet_runtime.engine.engine_process import EngineProcess
     from kvfleet_runtime.engine.gc_tuning import gc_threshold, tune_gc
     from kvfleet_runtime.generation_config import load_sampling_defaults
-    from kvfleet_runtime.server.api import CORS, build_app, runtime_lora_updating_allowed
+    from kvfleet_runtime.server.api import (
+        CORS,
+        APIOptions,
+        build_app,
+        runtime_lora_updating_allowed,
+    )
     from kvfleet_runtime.server.metrics import EngineMetrics, add_process_metrics
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -381,6 +577,9 @@ def serve(args: argparse.Namespace) -> int:
         print("kvfleet serve: error: --enable-auto-tool-choice needs --tool-call-parser "
               f"({' or '.join(TOOL_CALL_PARSERS)})", file=sys.stderr)
         return 2
+    if args.swap_space is not None:
+        logger.info("--swap-space %g GiB: not used; a preempted request is recomputed, not "
+                    "swapped to CPU memory (as vLLM V1)", args.swap_space)
     names = args.served_model_name or []
     overrides: dict[str, Any] = {}
     if args.model_positional:
@@ -388,6 +587,10 @@ def serve(args: argparse.Namespace) -> int:
     if names:
         overrides["served_model_name"] = names[0]
     try:
+        check_vllm_args(args)
+        if args.download_dir is not None:      # the cache of every pull below, and of adapters
+            os.environ["KVFLEET_CACHE_DIR"] = os.path.abspath(os.path.expanduser(
+                args.download_dir))
         chat_template = (None if args.chat_template is None
                          else load_chat_template(args.chat_template))
         config = engine_config_from_args(args, **overrides)
@@ -418,6 +621,8 @@ def serve(args: argparse.Namespace) -> int:
                     for a in lora_adapters(lora_modules, names, config.max_lora_rank)]
         if adapters:
             asyncio.run(_read_adapters(engine, adapters))
+        if args.convert == "classify":
+            check_classifier(engine.pooler)
     except ValueError as e:
         print(f"kvfleet serve: error: {e}", file=sys.stderr)
         asyncio.run(engine.shutdown())
@@ -445,14 +650,17 @@ def serve(args: argparse.Namespace) -> int:
                     else None, reasoning_parser=config.reasoning_parser,
                     tokenizer_info=args.enable_tokenizer_info_endpoint,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    options=APIOptions(
+                        response_role=args.response_role, max_logprobs=args.max_logprobs,
+                        force_include_usage=args.enable_force_include_usage,
+                        log_requests=args.enable_log_requests,
+                        request_id_headers=args.enable_request_id_headers,
+                        docs=not args.disable_fastapi_docs, root_path=args.root_path))
     if sampling_defaults:
         logger.info("requests' unset sampling knobs default to the model's generation config: "
                     "%s (--generation-config vllm: the API's defaults)", sampling_defaults)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout))))
+    server = uvicorn.Server(uvicorn_config(app, args))
     # uvicorn drains on SIGTERM, then re-raises the signal to the handler it found:
     # a no-op one lets the drained process exit 0 instead of dying by the signal
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -465,6 +673,57 @@ def serve(args: argparse.Namespace) -> int:
     if died.is_set():
         _exit_dead(engine)
     return 0
+
+
+def check_vllm_args(args: argparse.Namespace) -> None:
+    """vLLM's flags that only make sense together, refused before any model loads (ValueError
+    naming them); --task and --convert set args.runner, as --runner would."""
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{name.replace('_', '-')}: no file {path!r}")
+    if (args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile "
+                         "(the server's certificate)")
+    asked = {}      # flag as given -> the runner it asks for
+    if hasattr(args, "runner"):
+        asked[f"--runner {args.runner}"] = args.runner
+    if args.task is not None:
+        from kvfleet_runtime.llm import _TASK_RUNNERS
+        asked[f"--task {args.task}"] = _TASK_RUNNERS[args.task]
+    if args.convert in ("embed", "classify"):
+        asked[f"--convert {args.convert}"] = "pooling"
+    runners = {runner for runner in asked.values() if runner != "auto"}
+    if len(runners) > 1:
+        raise ValueError(f"{' and '.join(asked)} ask for different runners "
+                         f"({', '.join(sorted(runners))})")
+    if runners:
+        args.runner = runners.pop()
+
+
+def check_classifier(pooler) -> None:
+    """--convert classify: the model must be a classifier here (its PoolerConfig has labels);
+    kvfleet adds no untrained classification head to a causal LM."""
+    if not pooler.num_labels:
+        raise ValueError("--convert classify: this model is not a classifier here (a "
+                         "sequence-classification checkpoint, or a config naming "
+                         "classifier_from_token, e.g. through --hf-overrides); no untrained "
+                         "head is added" + (f": {pooler.classifier_refused}"
+                                            if pooler.classifier_refused else ""))
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """uvicorn's Config of the server's flags (host, port, log level, access log, graceful
+    shutdown, TLS)."""
+    import uvicorn
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 ENGINE_WATCH_S = 0.2     # how often the server looks at the engine's health
