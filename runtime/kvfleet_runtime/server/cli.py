@@ -68,6 +68,9 @@ _ENGINE_HELP = {
     "cpu_kv_cache_gb": "KV-cache size on CPU in GiB",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prefills across steps",
+    "long_prefill_token_threshold": "the most tokens of one prompt a step prefills, so that a "
+                                    "long prompt shares its steps with the other prompts' "
+                                    "prefills (vLLM's; default: 0, the step's whole budget)",
     "admission_headroom": "tokens of growth per running request (up to its max_tokens) kept "
                           "free when admitting new ones: fewer preemptions when the KV cache "
                           "is full (0: admit while blocks remain, as vLLM)",
