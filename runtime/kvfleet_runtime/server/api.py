@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -331,6 +332,8 @@ class _RequestIdMiddleware:
 
 def _add_open_routes(router: APIRouter) -> None:
     @router.get("/health")
+    @router.get("/ping")            # SageMaker's health check (vLLM serves it too)
+    @router.post("/ping")
     async def health(request: Request) -> Response:
         reason = _state(request).engine.death_reason
         if reason is not None:
@@ -347,6 +350,10 @@ def _add_open_routes(router: APIRouter) -> None:
 
 
 # ---- keyed routes ----
+
+# /invocations: the keys that tell a body's kind, in the order they are tried
+_INVOCATION_KINDS = [({"messages"}, "chat"), ({"prompt"}, "completion"), ({"input"}, "embed"),
+                     ({"text_1"}, "score"), ({"query", "documents"}, "rerank")]
 
 def _add_keyed_routes(router: APIRouter) -> None:
     @router.get("/v1/models")
@@ -420,6 +427,39 @@ def _add_keyed_routes(router: APIRouter) -> None:
     @router.post("/v1/classify")
     async def classify(body: ClassificationRequest, request: Request) -> Response:
         return await _pooling_call(request, body, create_classification, "classify")
+
+    @router.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one inference route (vLLM's): the body's kind picks the API, as its
+        own route would take it: messages -> chat, prompt -> completions, input ->
+        embeddings (a classifier's: classify), text_1 -> score, query + documents -> rerank."""
+        try:
+            raw = await request.json()
+        except ValueError as e:
+            raise p.OpenAIError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise p.OpenAIError("the request body must be a JSON object")
+        pooler = _state(request).engine.pooler
+        kind = next((kind for keys, kind in _INVOCATION_KINDS if keys <= raw.keys()), None)
+        if kind is None:
+            raise p.OpenAIError(
+                "/invocations takes a chat completion (messages), a completion (prompt), an "
+                "embeddings or classification request (input), a score request (text_1, "
+                "text_2) or a rerank request (query, documents)")
+        if kind == "embed" and (pooler.labels or pooler.classifier_token_ids):
+            kind = "classify"
+        model, call = invocation_calls[kind]
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await call(body, request)
+
+    invocation_calls = {
+        "chat": (p.ChatCompletionRequest, chat_completions),
+        "completion": (p.CompletionRequest, completions),
+        "embed": (EmbeddingRequest, embeddings), "classify": (ClassificationRequest, classify),
+        "score": (ScoreRequest, score), "rerank": (RerankRequest, rerank)}
 
     @router.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest, request: Request) -> dict[str, Any]:
