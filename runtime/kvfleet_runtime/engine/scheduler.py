@@ -148,6 +148,7 @@ class Scheduler:
         scheduled = out.scheduled
         allocate = self.kv.allocate_slots
         speculative = self.speculative
+        threshold = self.long_prefill_token_threshold      # (0: prompts chunked by the budget)
         i = 0
         # this loop runs for every running request every step: attributes read directly
         while i < len(running) and budget > 0:
@@ -156,8 +157,8 @@ class Scheduler:
             pending = request.num_pending
             # a token still being sampled on the device (async scheduling) is this step's input
             num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
-            if 0 < self.long_prefill_token_threshold < num_new:
-                num_new = self.long_prefill_token_threshold
+            if threshold and num_new > threshold:
+                num_new = threshold
             if num_new > budget:
                 num_new = budget
             if num_new <= 0 or (pending and len(request.output_token_ids) + pending
