@@ -415,3 +415,21 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(server, client) -> N
         client.completions.create(model=NAME, prompt=prompt, max_tokens=1,
                                   extra_body={"cache_salt": ""})
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_the_response_id_follows_x_request_id_or_the_bodys_request_id(server, client) -> None:
+    # vLLM's: the client's X-Request-Id, else the body's request_id, names the response
+    r = client.completions.create(model=NAME, prompt="hi", max_tokens=2,
+                                  extra_headers={"X-Request-Id": "trace-42"})
+    assert r.id == "cmpl-trace-42"
+    r = client.chat.completions.create(model=NAME, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"request_id": "mine-7"})
+    assert r.id == "chatcmpl-mine-7"
+    scored = httpx.post(server.base_url + "/score", headers={
+        "X-Request-Id": "s-1", "Authorization": f"Bearer {API_KEY}"},
+        json={"model": NAME, "text_1": "a", "text_2": "b"}, timeout=60)
+    assert scored.json()["id"] == "score-s-1"
+    first = client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    second = client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    assert first.id.startswith("cmpl-") and first.id != second.id

@@ -400,7 +400,7 @@ def _add_keyed_routes(router: APIRouter) -> None:
         lora_request = _check_model(state, body.model)
         try:
             result = await _unless_disconnected(request, create(
-                state, body, lora_request, p.random_id(prefix)))
+                state, body, lora_request, p.request_id(prefix, request)))
         except (EngineDeadError, EngineQueueFullError) as e:
             raise _engine_error(e) from None
         if result is None:
@@ -609,7 +609,7 @@ class _GenerationCall:
         self.state = state
         self.request = request
         self.body = body
-        self.request_id = p.random_id(self.id_prefix)
+        self.request_id = p.request_id(self.id_prefix, request, body.request_id)
         self.created = int(time.time())
         self.tokenizer = state.engine.tokenizer
         self.model_name = body.model or state.model_name

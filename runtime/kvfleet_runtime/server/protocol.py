@@ -85,6 +85,14 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_id(prefix: str, request: Any, given: str | None = None) -> str:
+    """A request's id, vLLM's way: the client's X-Request-Id header, else the body's
+    request_id, else a random one, after the API's prefix (cmpl-, chatcmpl-, ...); it names
+    the engine's requests too, so one id runs once at a time."""
+    header = request.headers.get("x-request-id") if request is not None else None
+    return f"{prefix}-{header or given or uuid.uuid4().hex}"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -157,6 +165,7 @@ class _SamplingRequest(SamplingExtras):
     guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: all
                                                   # that fit max_model_len)
+    request_id: str | None = None   # vLLM's: the response's id (after its prefix); X-Request-Id wins
     # vLLM's beam search: n beams (at most 10), ranked by cumulative logprob / length **
     # length_penalty (kvfleet_runtime/beam_search.py)
     use_beam_search: bool = False
