@@ -294,18 +294,21 @@ def test_adapters_on_quantized_weights_equal_hf_with_peft_on_the_dequantized_wei
                           + hf_lora_greedy(dequantized, None, prompts, 12))
 
 
-def test_make_lora_writes_an_adapter_peft_reads_and_we_serve_alike(tiny_model_dir, tmp_path,
+@pytest.mark.parametrize("arch, projections", [("qwen3", 3), ("phi3", 2)])
+def test_make_lora_writes_an_adapter_peft_reads_and_we_serve_alike(arch, projections,
+                                                                   tiny_model_dir, tmp_path,
                                                                    capsys):
     # `kvfleet make-lora` (the benchmarks' adapters): PEFT loads the folder as its own, with
-    # the same tensors, and HF + PEFT's greedy outputs are ours
+    # the same tensors, and HF + PEFT's greedy outputs are ours (Phi-3: q and v on its fused
+    # qkv_proj)
     from kvfleet_runtime.cli import main
     from safetensors.torch import load_file
-    path = tiny_model_dir("qwen3")
+    path = tiny_model_dir(arch)
     out = tmp_path / "made"
     assert main(["make-lora", "--model", path, "--out", str(out), "--rank", "4", "--targets",
                  "q_proj,v_proj,down_proj", "--dtype", "float32", "--seed", "5"]) == 0
     written = load_file(str(out / "adapter_model.safetensors"))
-    assert len(written) == 2 * 3 * 2            # A and B, 3 projections, 2 layers
+    assert len(written) == 2 * projections * 2      # A and B, the projections, 2 layers
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), out)
@@ -336,9 +339,9 @@ def test_bench_throughput_and_latency_with_an_adapter(tiny_model_dir, tmp_path, 
     seen = []
     generate = LLM.generate
 
-    def recording(self, prompts, params=None, lora_request=None):
+    def recording(self, prompts, params=None, lora_request=None, **kwargs):
         seen.append(lora_request)
-        return generate(self, prompts, params, lora_request)
+        return generate(self, prompts, params, lora_request, **kwargs)
     monkeypatch.setattr(LLM, "generate", recording)
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--model", path, "--num-prompts", "8", "--input-len",

@@ -23,9 +23,8 @@ def make_lora_adapter(model_dir: str | os.PathLike, out: str | os.PathLike, rank
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if base.config.model_type == "phi3":    # its projections are fused: q/k/v, gate/up
-        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-        targets = tuple(dict.fromkeys(fused.get(t, t) for t in targets))
+        from kvfleet_runtime.lora.adapter import FUSED_NAMES
+        targets = tuple(dict.fromkeys(FUSED_NAMES.get(t, t) for t in targets))
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
                         init_lora_weights=False, use_rslora=use_rslora)

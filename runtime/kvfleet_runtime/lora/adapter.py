@@ -28,6 +28,11 @@ TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "o_proj": ("o_proj", None), "gate_proj": ("gate_up_proj", 0),
            "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
            "qkv_proj": ("qkv_proj", FUSED), "gate_up_proj": ("gate_up_proj", FUSED)}
+# the seven projections as most checkpoints name them, and the fused names a model that fuses
+# them (Phi-3) uses instead
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_NAMES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 # our modules that carry adapter slots, and how many pieces each has
 SLOT_MODULES = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 

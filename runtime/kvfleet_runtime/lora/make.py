@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvfleet_runtime.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE
+from kvfleet_runtime.lora.adapter import CONFIG_FILE, FUSED_NAMES, PROJECTIONS, WEIGHTS_FILE
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -29,21 +29,29 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
     return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv),
             "v_proj": (hidden, kv), "o_proj": (heads * head_dim, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
+            "down_proj": (inter, hidden),
+            "qkv_proj": (hidden, heads * head_dim + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}
+
+
+def _fuses_projections(config: dict) -> bool:
+    """Whether the model's checkpoint (and so its adapters) names q/k/v and gate/up fused."""
+    return config.get("model_type") == "phi3" or "Phi3ForCausalLM" in (
+        config.get("architectures") or [])
 
 
 def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float | None = None,
-              targets: tuple[str, ...] = tuple(TARGETS), seed: int = 0,
+              targets: tuple[str, ...] = PROJECTIONS, seed: int = 0,
               dtype: str = "bfloat16") -> Path:
     """Write a random adapter of `rank` on `targets` of every layer of the model `model` (an HF
-    folder's config.json, or a .gguf file's metadata) to `out` (a new or empty folder)."""
+    folder's config.json, or a .gguf file's metadata) to `out` (a new or empty folder); on a
+    model whose projections are fused (Phi-3) q/k/v and gate/up become its fused names."""
     from safetensors.torch import save_file
     model, out = Path(model), Path(out)
     if rank < 1:
         raise ValueError(f"rank must be a positive integer; got {rank}")
-    unknown = sorted(set(targets) - set(TARGETS))
+    unknown = sorted(set(targets) - set(PROJECTIONS))
     if unknown or not targets:
-        raise ValueError(f"targets must be some of {', '.join(TARGETS)}; got {list(targets)}")
+        raise ValueError(f"targets must be some of {', '.join(PROJECTIONS)}; got {list(targets)}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
     if model.suffix == ".gguf":
@@ -60,11 +68,14 @@ def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float |
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty")
     shapes = projection_shapes(config)
+    if _fuses_projections(config):
+        targets = tuple(dict.fromkeys(FUSED_NAMES.get(t, t) for t in targets))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for proj in targets:
-            parent = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            parent = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                             "qkv_proj") else "mlp"
             name = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
             fan_in, fan_out = shapes[proj]
             # A as PEFT's kaiming init; B small instead of PEFT's zeros (a no-op adapter)
@@ -93,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="a new or empty folder")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: 2 x rank)")
-    p.add_argument("--targets", default=",".join(TARGETS),
+    p.add_argument("--targets", default=",".join(PROJECTIONS),
                    help="comma-separated projections (default: all seven)")
     p.add_argument("--dtype", default="bfloat16", choices=list(_DTYPES))
     p.add_argument("--seed", type=int, default=0)
