@@ -10,6 +10,7 @@ import pytest
 from kvfleet_runtime.cli import build_parser, main
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.server.cli import engine_config_from_args, register
+from support.server import serve_exit_code
 
 
 def test_every_engine_knob_is_a_flag() -> None:
@@ -85,11 +86,7 @@ def test_flags_not_given_keep_engine_config_defaults(monkeypatch: pytest.MonkeyP
 ])
 def test_bad_values_exit_2_naming_the_flag(flags: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        code = main(["serve", "x.gguf", "--device", "cpu", *flags])
-    except SystemExit as e:         # argparse's own refusals
-        code = e.code
-    assert code == 2 and message in capsys.readouterr().err
+    assert serve_exit_code(flags) == 2 and message in capsys.readouterr().err
 
 
 def test_a_bad_gc_threshold_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch,

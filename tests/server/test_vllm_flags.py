@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from kvfleet_runtime import loader, model_source
-from kvfleet_runtime.cli import build_parser, main
+from kvfleet_runtime.cli import build_parser
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.pooling import PoolerConfig
 from kvfleet_runtime.server.cli import (
@@ -26,7 +26,7 @@ from kvfleet_runtime.server.cli import (
     uvicorn_config,
 )
 from support.hub import HubServer, folder_files
-from support.server import ServerProcess, running_server
+from support.server import ServerProcess, running_server, serve_exit_code
 
 SECRET = "zebra quartz lantern"     # a prompt whose text must never reach the log
 REPO = "kvfleet-test/tiny-llama"
@@ -122,11 +122,7 @@ def test_the_flags_that_change_nothing_here_take_the_values_that_match() -> None
 ])
 def test_other_values_exit_2_naming_the_flag(flags: list[str], message: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        code = main(["serve", "x.gguf", "--device", "cpu", *flags])
-    except SystemExit as e:         # argparse's own refusals
-        code = e.code
-    assert code == 2 and message in capsys.readouterr().err
+    assert serve_exit_code(flags) == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "runner"), [

@@ -182,3 +182,13 @@ def leave_mid_stream(server: ServerProcess, path: str, body: dict, lines: int) -
     idle = time.monotonic() - left
     assert server.metric("kvfleet_request_success_total", finished_reason="abort") == aborted + 1
     return LeftStream(got, running, usage, idle)
+
+
+def serve_exit_code(flags: list[str]) -> int:
+    """`kvfleet serve x.gguf --device cpu FLAGS` run in this process, as far as it goes with a
+    model that does not exist: its exit code (argparse's own refusals included)."""
+    from kvfleet_runtime.cli import main
+    try:
+        return main(["serve", "x.gguf", "--device", "cpu", *flags])
+    except SystemExit as e:
+        return e.code
