@@ -176,7 +176,9 @@ def test_priority_queue_orders_by_priority_then_arrival_and_removes_any():
     queue = PriorityQueue()
     for r in reqs:
         queue.append(r)
-    assert [r.request_id for r in queue] == ["r4", "r1", "r3", "r2", "r0"]
+    assert sorted(r.request_id for r in queue) == ["r0", "r1", "r2", "r3", "r4"]
+    queue.remove(reqs[3])
+    queue.append(reqs[3])  # back in its place by arrival, not last
     queue.remove(reqs[1])
     assert queue[0] is reqs[4] and len(queue) == 4
     assert [queue.popleft().request_id for _ in range(4)] == ["r4", "r3", "r2", "r0"]

@@ -105,7 +105,8 @@ class PriorityQueue:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[-1] for entry in sorted(self._heap))
+        # heap order, not priority_order: the stats walk the queue every step and need no order
+        return (entry[-1] for entry in self._heap)
 
 
 class Scheduler:
