@@ -97,11 +97,13 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        max_query_len: int | None = None) -> torch.Tensor:
+                        max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     query: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
     Computed in fp32; GQA by repeating KV heads. The reference the kernels are tested against.
+    window > 0: sliding-window attention (Mistral's, HF's mask): a query at position p sees the
+    keys at positions p - window + 1 .. p only.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -110,7 +112,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if max_query_len == 1 and len(lens) > 1:
-        return _decode_batched_ref(query, k_cache, v_cache, block_tables, lens, scale)
+        return _decode_batched_ref(query, k_cache, v_cache, block_tables, lens, scale, window)
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
@@ -126,6 +128,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] > q_pos[:, None]
+        if window:
+            mask |= k_pos[None, :] <= q_pos[:, None] - window
         scores.masked_fill_(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
@@ -133,7 +137,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+                        block_tables: torch.Tensor, lens: list[int], scale: float,
+                        window: int = 0) -> torch.Tensor:
     """One query token per sequence: gather all contexts padded, one masked softmax."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -147,7 +152,10 @@ def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bshd->bhgs", q.float(), k.float()) * scale
     seq_lens = torch.tensor(lens, device=query.device)
-    mask = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]   # [B, S]
+    k_pos = torch.arange(max_len, device=query.device)[None, :]
+    mask = k_pos >= seq_lens[:, None]                                   # [B, S]
+    if window:
+        mask |= k_pos < seq_lens[:, None] - window
     scores.masked_fill_(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
@@ -334,8 +342,9 @@ def _load_tile(k_cache_ptr, v_cache_ptr, table, start, hi, kv_head, stride_kb, s
 
 @triton.jit
 def _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK: tl.constexpr,
-               K_BY_ROWS: tl.constexpr):
+               K_BY_ROWS: tl.constexpr, q_lo, SLIDING: tl.constexpr):
     # One online-softmax step of the rows of q over the loaded tile of keys n (_load_kv).
+    # SLIDING: keys below each row's q_lo are hidden too (its window's first position).
     # An fp8 cache is read back in the query's dtype (exact: e4m3 fits in fp16/bf16/fp32).
     # With a cache already in that dtype, .to() returns its input: no extra op.
     k = k.to(q.dtype)
@@ -347,10 +356,17 @@ def _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK: tl.co
         qk = tl.where((n < kv_end)[None, :], qk, float("-inf"))
     if MASK == _MASK_CAUSAL:
         qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
-    # Every row sees at least one key in its first tile, so m_new is finite from the start.
+    if SLIDING:
+        qk = tl.where(n[None, :] >= q_lo[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if SLIDING:
+        # a row may see no key of a tile (all below its window): its sums stay 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # every row sees at least one key in its first tile, so m_new is finite from the start
+        m_use = m_new
+    p = tl.exp2(qk - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
@@ -361,7 +377,8 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
                  k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+                 MASK: tl.constexpr, K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
+                 q_lo, SLIDING: tl.constexpr):
     # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
     # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
     # K_BY_ROWS loads K as the [N, D] rows it is stored in and transposes it for the dot;
@@ -372,7 +389,8 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
     k, v = _load_tile(k_cache_ptr, v_cache_ptr, table, start, kv_end, kv_head, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
                       BLOCK_SIZE, masked, K_BY_ROWS, V_TOKEN_MAJOR)
-    return _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK, K_BY_ROWS)
+    return _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK, K_BY_ROWS,
+                      q_lo, SLIDING)
 
 
 # Integer arguments that change from step to step are no specialisation keys: Triton would
@@ -383,9 +401,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     query_start_loc_ptr, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    window,
                     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    DOT_FP16: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr = False):
+                    DOT_FP16: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr = False,
+                    SLIDING: tl.constexpr = False):
     # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
@@ -418,26 +438,38 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     kv_full = (num_cached + first_tok) // BLOCK_N * BLOCK_N
     kv_end = num_cached + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
     table = block_tables_ptr + seq * stride_bt
+    # SLIDING: a row sees keys from q_pos - window + 1 on; none below the tile's first row's
+    kv_lo = 0
+    q_lo = q_pos
+    if SLIDING:
+        q_lo = q_pos - window + 1
+        kv_lo = tl.maximum(num_cached + first_tok - window + 1, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, kv_full, BLOCK_N):
+    for start in range(kv_lo, kv_full, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, True,
-                                     V_TOKEN_MAJOR)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING)
     for start in range(kv_full, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True,
-                                     V_TOKEN_MAJOR)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _window_base(lo, BLOCK_N: tl.constexpr):
+    # where decode's partitions start: the first tile holding key lo
+    return lo // BLOCK_N * BLOCK_N
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -445,11 +477,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                   partition_size, num_splits,
+                   partition_size, num_splits, window,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
-                   PRELOAD: tl.constexpr = False, V_TOKEN_MAJOR: tl.constexpr = False):
+                   PRELOAD: tl.constexpr = False, V_TOKEN_MAJOR: tl.constexpr = False,
+                   SLIDING: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
@@ -461,6 +494,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     # the first tile's keys older than this step's (earlier steps wrote them; the newest, which
     # the kernel right before writes, is read after the wait). Every program waits, those with
     # nothing to do too, before it returns.
+    # SLIDING: the query sees the last `window` keys only; the partitions start at the tile
+    # holding the first of them (_window_base), keys below it in that tile masked.
     if not PRELOAD:
         pdl_wait(PDL)
     seq = tl.program_id(0)
@@ -469,7 +504,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = split * partition_size
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    part_start = _window_base(lo, BLOCK_N) + split * partition_size
     part_end = tl.minimum(part_start + partition_size, seq_len)
     table = block_tables_ptr + seq * stride_bt
     if PRELOAD:
@@ -520,10 +558,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    q_lo = tl.zeros([GROUP_PAD], tl.int32) + lo
     loop_start = part_start
     if PRELOAD:
         m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k, v, n, first_end, q_start, scale_log2,
-                                   _MASK_END, K_BY_ROWS)
+                                   _MASK_END, K_BY_ROWS, q_lo, SLIDING)
         loop_start = part_start + BLOCK_N
     full_end = part_start + (part_end - part_start) // BLOCK_N * BLOCK_N
     for start in range(loop_start, full_end, BLOCK_N):
@@ -531,13 +570,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS,
-                                     V_TOKEN_MAJOR)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING)
     if (full_end >= loop_start) & (full_end < part_end):    # the last, partial tile
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS,
-                                     V_TOKEN_MAJOR)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING)
 
     out = acc / l_i[:, None]
     if num_splits == 1:
@@ -552,9 +591,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 @triton.jit
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
                           stride_ot, stride_oh,
-                          partition_size, num_splits, NUM_HEADS: tl.constexpr,
+                          partition_size, num_splits, window, NUM_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, SLIDING: tl.constexpr = False,
+                          BLOCK_N: tl.constexpr = 1):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
     # Partitions past the sequence's end were never written, so they are masked, not read.
     # The batch's metadata (host copies) is read before the PDL wait.
@@ -567,7 +607,10 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
     if q_len != 1:      # as _decode_kernel: its partitions were never written
         return
     s = tl.arange(0, SPLITS_PAD)
-    s_valid = s < tl.cdiv(seq_len, partition_size)
+    base = 0
+    if SLIDING:     # as _decode_kernel's partitions (BLOCK_N: its tiles')
+        base = _window_base(tl.maximum(seq_len - window, 0), BLOCK_N)
+    s_valid = s < tl.cdiv(seq_len - base, partition_size)
     part = (seq * NUM_HEADS + head) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=s_valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
@@ -643,6 +686,17 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, MIN_PARTITION_TOKENS)))
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     return DecodeSplit(partition_size=partition_size, num_splits=triton.cdiv(max_seq_len, partition_size))
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int, on_gpu: bool,
+                fp8_cache: bool, device: torch.device) -> tuple[TileConfig, DecodeSplit]:
+    """Decode's tiles and partitions for a batch (paged_attention's; the warm-up's keys). Under
+    a sliding window decode reads the window's keys from the tile holding its first: tiles
+    chosen for the window's length, partitions over at most window + block_n - 1 keys."""
+    read = min(max_seq_len, window) if window else max_seq_len
+    cfg = decode_config(on_gpu, fp8_cache, read, num_seqs * num_kv_heads)
+    span = min(max_seq_len, window + cfg.block_n - 1) if window else max_seq_len
+    return cfg, decode_split(num_seqs, num_kv_heads, span, cfg.block_n, device)
 
 
 @dataclass(frozen=True)
@@ -759,7 +813,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     *, out: torch.Tensor | None = None,
                     plan_num_seqs: int | None = None,
-                    min_query_len: int | None = None) -> torch.Tensor:
+                    min_query_len: int | None = None, window: int = 0) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same layout and result; v_cache may be
     token_major_v's view).
 
@@ -772,7 +826,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Decode cuts contexts into partitions planned for plan_num_seqs sequences (default: the
     batch's own count) and max_seq_len: a result depends on that partitioning (the order of its
     fp32 sums), so two calls planned alike give the same bits whatever their batch sizes.
+    window > 0: sliding-window attention (the reference's); decode then reads and plans for the
+    last `window` keys of each context only.
     """
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: full attention); got {window}")
     _check_attention_args(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -804,18 +862,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
         _prefill_kernel[grid](
             query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
-            *strides, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
+            *strides, window, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, V_TOKEN_MAJOR=v_token_major,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SLIDING=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if min_query_len is not None and min_query_len > 1:
             return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    cfg = decode_config(on_gpu, fp8_cache, max_seq_len, (plan_num_seqs or num_seqs) * num_kv_heads)
-    split = decode_split(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, cfg.block_n,
-                         query.device)
+    cfg, split = decode_plan(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, window,
+                             on_gpu, fp8_cache, query.device)
     if split.num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
                                dtype=torch.float32, device=query.device)
@@ -825,19 +882,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         part_out = part_lse = out
     _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
-        query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits,
+        query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits, window,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        V_TOKEN_MAJOR=v_token_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, head_dim,
+        V_TOKEN_MAJOR=v_token_major, SLIDING=window > 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, head_dim,
                                k_cache.element_size()),
         **pdl_args(query.device),
     )
     if split.num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-            split.partition_size, split.num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            SPLITS_PAD=triton.next_power_of_2(split.num_splits), **pdl_args(query.device),
+            split.partition_size, split.num_splits, window, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(split.num_splits), SLIDING=window > 0,
+            BLOCK_N=cfg.block_n, **pdl_args(query.device),
         )
     return out

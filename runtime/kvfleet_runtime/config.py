@@ -232,15 +232,14 @@ class EngineConfig:
         """The KV cache's element type: the compute dtype unless kv_cache_dtype picks fp8."""
         return torch_dtype(KV_CACHE_DTYPES[self.kv_cache_dtype]) or compute_dtype
 
-    def finalize(self, model_max_len: int, limit: str = "max_position_embeddings") -> None:
+    def finalize(self, model_max_len: int) -> None:
         """Fill the lengths that depend on the model once it is known (model_max_len: its
-        longest context, set by `limit`: ModelConfig.context_limit)."""
+        max_position_embeddings)."""
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
-                             f"{limit}" + ("" if limit.startswith("sliding") else
-                                           f" ({model_max_len})"))
+                             f"max_position_embeddings ({model_max_len})")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -172,6 +172,13 @@ CASES = {
     # split contexts merged by their last partition: a CTA barrier, then an acq_rel count
     "prefill_fp8_fp16_dots": (_paged_attention("_prefill_kernel", DOT_FP16=True),
                               ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    # sliding-window attention (per-row window bounds; decode's partitions from the window's tile)
+    "prefill_fp8_sliding": (_paged_attention("_prefill_kernel", DOT_FP16=True, SLIDING=True),
+                            ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    "decode_fp8_sliding": (_paged_attention("_decode_kernel", DOT_FP16=True, SLIDING=True,
+                                            PRELOAD=True), ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    "decode_reduce_sliding": (_paged_attention("_decode_reduce_kernel", SLIDING=True,
+                                               BLOCK_N=64), ["ex2.approx"]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,

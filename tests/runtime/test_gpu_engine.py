@@ -52,6 +52,20 @@ def test_each_architecture_runs_on_gpu_and_matches_hf_fp32(tiny_model_dir, arch)
     assert _greedy(LLM(model=path, dtype="float32"), prompts, 12) == hf_greedy(path, prompts, 12)
 
 
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(sliding_window=37)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=50, max_window_layers=1))])
+def test_sliding_window_models_match_hf_fp32_past_the_window(tmp_path, arch, overrides):
+    # prompts up to 200 tokens, windows of 37 and 50 (Qwen2's second layer only): the decode
+    # graphs' and the prefill kernel's window bounds
+    from support.tiny_models import make_tiny_model
+    path = make_tiny_model(arch, tmp_path / arch, **overrides)
+    prompts = _prompts(8)
+    llm = LLM(model=str(path), dtype="float32", max_num_seqs=8)
+    assert any(llm.engine.runner.model_config.sliding_windows)
+    assert _greedy(llm, prompts, 16) == hf_greedy(path, prompts, 16)
+
+
 def test_kv_cache_is_sized_from_memory_utilization(case):
     path, _ = case
     llm = LLM(model=path, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024)

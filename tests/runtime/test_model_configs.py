@@ -1,37 +1,92 @@
-"""Architecture switches read from config.json: a sliding window caps the context at its length
-(where it equals full attention: HF's outputs within it), and what our model code does not do
-(partial rotary, longrope) is refused when the model loads."""
+"""Architecture switches read from config.json: sliding-window attention as HF applies it (each
+layer's window; HF's greedy outputs past the window on both attention paths), and what our model
+code does not do (partial rotary, longrope) is refused when the model loads."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime.models.config import layer_windows
+from support.hf_reference import greedy_of, hf_greedy
 from support.tiny_models import make_tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+
+# (arch, config overrides, the layers' windows): every layer windowed (Mistral, Phi-3), Qwen2's
+# layers from max_window_layers on, Qwen3's as layer_types names them
+WINDOWED = [
+    ("mistral", dict(sliding_window=9), (9, 9)),
+    ("phi3", dict(sliding_window=13), (13, 13)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=11, max_window_layers=1), (0, 11)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=7,
+                   layer_types=["sliding_attention", "full_attention"]), (7, 0)),
+]
 
 
-@pytest.mark.parametrize("arch, window", [("mistral", 64), ("phi3", 47)])
-def test_a_sliding_window_caps_the_context_and_matches_hf_within_it(arch, window, tmp_path):
-    path = make_tiny_model(arch, tmp_path / arch, sliding_window=window)
-    llm = LLM(model=str(path), num_gpu_blocks=32)
-    assert llm.engine.config.max_model_len == window
-    prompt = [(7 * i) % 4000 + 3 for i in range(window - 12)]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False)[0, len(prompt):].tolist()
-    assert out == ref
-    with pytest.raises(ValueError, match=rf"max_model_len \({window + 1}\) is larger than the "
-                                         rf"model's sliding window \({window} tokens"):
-        LLM(model=str(path), num_gpu_blocks=32, max_model_len=window + 1)
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 49152) for _ in range(35)]      # a prefix the cache shares
+    return [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (2, 20, 37)] + [
+        [rng.randrange(3, 49152) for _ in range(6)]]
 
 
-def test_a_window_as_long_as_the_positions_caps_nothing(tmp_path):
-    path = make_tiny_model("mistral", tmp_path / "m", sliding_window=1024)
-    assert LLM(model=str(path), num_gpu_blocks=16).engine.config.max_model_len == 1024
+@pytest.mark.parametrize("arch, overrides, windows", WINDOWED, ids=[c[0] for c in WINDOWED])
+def test_sliding_window_attention_matches_hf_past_the_window(arch, overrides, windows, tmp_path,
+                                                             monkeypatch):
+    path = make_tiny_model(arch, tmp_path / arch, **overrides)
+    prompts = _prompts()
+    ref = hf_greedy(path, prompts, 12)
+    # the window changes these outputs: the same weights with full attention give others
+    config = AutoConfig.from_pretrained(path)
+    config.sliding_window, config.layer_types = None, ["full_attention"] * config.num_hidden_layers
+    hf_full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, config=config)
+    assert greedy_of(hf_full, prompts, 12) != ref
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+
+    def generate(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    # the torch path: whole prompts, then 8-token chunks (windows across chunks), and again
+    # with the prompts' shared blocks from the prefix cache
+    llm = LLM(model=str(path), num_gpu_blocks=64)
+    assert llm.engine.config.max_model_len == 1024      # the window caps no context
+    assert llm.engine.runner.model_config.sliding_windows == windows
+    assert generate(llm) == ref
+    chunked = LLM(model=str(path), num_gpu_blocks=64, max_num_batched_tokens=8, max_num_seqs=2)
+    assert generate(chunked) == ref
+    hits = chunked.engine.kv.prefix_cache_hits
+    assert generate(chunked) == ref and chunked.engine.kv.prefix_cache_hits > hits
+    # the Triton kernels (in the interpreter): prefill, mixed and decode steps
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model=str(path), attention_backend="triton", num_gpu_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    try:
+        assert generate(llm) == ref
+    finally:
+        llm.engine.shutdown()
+        from kvfleet_runtime.layers.backend import set_backend
+        set_backend("auto")
+
+
+@pytest.mark.parametrize("arch, hf, windows", [
+    ("MistralForCausalLM", dict(sliding_window=4096, max_position_embeddings=32768), (4096,) * 3),
+    ("MistralForCausalLM", dict(sliding_window=4096, max_position_embeddings=4096), ()),
+    ("MistralForCausalLM", dict(sliding_window=None), ()),
+    ("Phi3ForCausalLM", dict(sliding_window=2047, max_position_embeddings=4096), (2047,) * 3),
+    ("LlamaForCausalLM", dict(sliding_window=16), ()),
+    ("Qwen2ForCausalLM", dict(sliding_window=32768, use_sliding_window=False), ()),
+    ("Qwen2ForCausalLM", dict(sliding_window=64, use_sliding_window=True), ()),    # 28 full
+    ("Qwen2ForCausalLM", dict(sliding_window=64, use_sliding_window=True, max_window_layers=2),
+     (0, 0, 64)),
+    ("Qwen3ForCausalLM", dict(sliding_window=64, use_sliding_window=True,
+                              layer_types=["full_attention", "sliding_attention"] * 2), (0, 64) * 2),
+])
+def test_each_layers_window_is_read_as_hf_applies_it(arch, hf, windows):
+    config = {"num_hidden_layers": 4 if arch == "Qwen3ForCausalLM" else 3,
+              "max_position_embeddings": 32768, **hf}
+    assert layer_windows(config, arch) == windows
 
 
 def test_partial_rotary_is_refused(tmp_path):

@@ -115,7 +115,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connect
         set_backend(config.attention_backend)
         torch.manual_seed(config.seed)
         loaded = load_model(config)
-        config.finalize(*loaded.config.context_limit())
+        config.finalize(loaded.config.max_position_embeddings)
         runner = ModelRunner(config, loaded)
     except BaseException:
         conn.send(WorkerFailed(rank, traceback.format_exc()))

@@ -63,7 +63,7 @@ class LLMEngine:
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         try:
             loaded = load_model(config)
-            config.finalize(*loaded.config.context_limit())
+            config.finalize(loaded.config.max_position_embeddings)
             self.runner = ModelRunner(config, loaded)
             if self.workers is not None:
                 self.workers.wait_ready()

@@ -295,9 +295,9 @@ class ModelRunner:
         """(decode rows, their context, prompt chunk) of the warm-up's steps: a prefill alone,
         then one mixed step for each launch of the decode kernels that differs in its compiled
         constants (tiles, preloading, the reduce's padded split count and whether that count is
-        a multiple of 16), as decode_config and decode_split choose them for the eager steps'
+        a multiple of 16), as decode_plan chooses them for the eager steps'
         batches (the decode graphs compiled theirs)."""
-        from kvfleet_kernels.paged_attention import decode_config, decode_preload, decode_split
+        from kvfleet_kernels.paged_attention import decode_plan, decode_preload, decode_split
         cfg = self.config
         chunk = max(1, min(17, cfg.max_model_len - 1, cfg.max_num_batched_tokens - 1))
         shapes = [(0, 0, max(1, min(32, cfg.max_model_len - 1, cfg.max_num_batched_tokens)))]
@@ -321,14 +321,19 @@ class ModelRunner:
         while contexts[-1] * 1.25 < cfg.max_model_len - 1:
             contexts.append(int(contexts[-1] * 1.25))
         contexts.append(cfg.max_model_len - 1)
+        # the layers' attention windows (0: full) launch differently at one context
+        windows = sorted(set(self.model_config.sliding_windows)) or [0]
+
+        def launch(seqs: int, context: int, window: int) -> tuple:
+            tile, split = decode_plan(seqs, heads, context, window, True, fp8, self.device)
+            splits = split.num_splits if seqs in split_counts else 1
+            return (tile, decode_preload(seqs * heads, tile.block_n, head_dim, elem),
+                    triton.next_power_of_2(splits), splits % 16 == 0)
+
         seen = set()
         for seqs in sorted(counts | split_counts):
             for context in contexts:
-                tile = decode_config(True, fp8, context, seqs * heads)
-                splits = (decode_split(seqs, heads, context, tile.block_n, self.device).num_splits
-                          if seqs in split_counts else 1)
-                key = (tile, decode_preload(seqs * heads, tile.block_n, head_dim, elem),
-                       triton.next_power_of_2(splits), splits % 16 == 0)
+                key = tuple(launch(seqs, context, window) for window in windows)
                 if key not in seen:
                     seen.add(key)
                     shapes.append((seqs - 1, context, chunk))

@@ -42,12 +42,15 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 window: int = 0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # sliding-window attention: a token sees the last `window` positions (itself included)
+        self.window = window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -71,10 +74,10 @@ class Attention(nn.Module):
             out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, self.scale, meta.max_query_len,
                                      meta.max_seq_len, plan_num_seqs=meta.plan_num_seqs,
-                                     min_query_len=meta.min_query_len)
+                                     min_query_len=meta.min_query_len, window=self.window)
         else:
             k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
@@ -118,21 +121,22 @@ def _context(cache: torch.Tensor, table: torch.Tensor, seq_len: int,
 
 def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float) -> torch.Tensor:
+                          scale: float, window: int = 0) -> torch.Tensor:
     """SDPA over runs of fresh prompts of one length (prefill), one sequence at a time over
-    its cached context (chunked prefill, prefix hits), or batched over padded contexts (decode)."""
+    its cached context (chunked prefill, prefix hits), or batched over padded contexts (decode).
+    window > 0: each token attends to the last `window` positions only."""
     lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     starts = (meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None
               else meta.query_start_loc.tolist())
     if meta.max_query_len == 1:
-        return _decode(q, k_cache, v_cache, meta.block_tables, lens, scale)
+        return _decode(q, k_cache, v_cache, meta.block_tables, lens, scale, window)
     out = torch.empty_like(q)
     i, num_seqs = 0, len(lens)
     while i < num_seqs:
         seq_len = lens[i]
         s, e = starts[i], starts[i + 1]
         q_len = e - s
-        if q_len == seq_len:
+        if q_len == seq_len and not (window and seq_len > window):
             # nothing cached before: attend over the new tokens only, as one batch with the
             # next sequences that are fresh prompts of the same length (one SDPA, not n)
             n = 1
@@ -152,7 +156,10 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ki = _context(k_cache, meta.block_tables[i], seq_len, q.dtype)
         vi = _context(v_cache, meta.block_tables[i], seq_len, q.dtype)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos[:, None]
+        if window:
+            allowed &= k_pos > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale,
                                            enable_gqa=True)
         out[s:e] = o.transpose(0, 1)
@@ -160,7 +167,8 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float,
+            window: int = 0) -> torch.Tensor:
     """One query token per sequence over padded contexts: two batched matmuls and a softmax.
 
     Plain matmuls, not SDPA: with a padding mask SDPA takes its slow math path on a CPU
@@ -180,9 +188,12 @@ def _decode(q, k_cache, v_cache, block_tables, lens: list[int], scale: float) ->
     vs = vs[:, :max_len].transpose(1, 2).to(q.dtype)
     q4 = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)   # [B, Hkv, G, D]
     scores = torch.matmul(q4, ks.transpose(-1, -2)).float() * scale   # [B, Hkv, G, S]
-    if min(lens) < max_len:
+    if min(lens) < max_len or (window and max_len > window):
         seq_lens = torch.tensor(lens, device=q.device)
-        padding = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]   # [B, S]
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+        k_pos = torch.arange(max_len, device=q.device)[None, :]
+        hidden = k_pos >= seq_lens[:, None]                                  # [B, S] padding
+        if window:
+            hidden |= k_pos < seq_lens[:, None] - window
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, vs).reshape(num_seqs, num_heads, head_dim)

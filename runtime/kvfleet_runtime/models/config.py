@@ -36,20 +36,15 @@ class ModelConfig:
     # a sequence classifier's labels (XForSequenceClassification: a `score` head over the last
     # position's hidden state, no lm_head; it classifies and scores, never generates); 0: none
     num_labels: int = 0
-    # sliding-window attention (Mistral 7B v0.1, Phi-3-mini-4k): the attention kernels attend to
-    # every earlier token, which equals the window only up to its length, so contexts stop
-    # there (context_limit)
-    sliding_window: int | None = None
+    # sliding-window attention, a window a layer (0: full attention): Mistral 7B v0.1 and
+    # Phi-3-mini-4k window every layer; Qwen2/Qwen3 with use_sliding_window those that their
+    # layer_types name "sliding_attention" (by default the layers from max_window_layers on).
+    # A window as long as the positions is full attention: 0. (layer_windows)
+    sliding_windows: tuple[int, ...] = ()
 
-    def context_limit(self) -> tuple[int, str]:
-        """The longest context this model runs here, and what sets it (for the error of a
-        larger max_model_len)."""
-        window = self.sliding_window
-        if window is not None and window < self.max_position_embeddings:
-            return window, (f"sliding window ({window} tokens; attention over a window is not "
-                            "supported: contexts stop at its length, where it equals full "
-                            "attention)")
-        return self.max_position_embeddings, "max_position_embeddings"
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of decoder layer `layer`, 0 for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -99,5 +94,28 @@ class ModelConfig:
             hf_config=hf,
             generates=not num_labels,
             num_labels=num_labels,
-            sliding_window=hf.get("sliding_window") or None,
+            sliding_windows=layer_windows(hf, arch),
         )
+
+
+def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as HF's model code applies it (0: full attention); () when
+    no layer has one."""
+    window = hf.get("sliding_window") or 0
+    layers = hf["num_hidden_layers"]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # the window only under use_sliding_window; then the layers layer_types names, by
+        # default those from max_window_layers on
+        if not hf.get("use_sliding_window"):
+            return ()
+        types = hf.get("layer_types") or [
+            "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+            for i in range(layers)]
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        types = ["sliding_attention"] * layers
+    else:       # HF's Llama has no window
+        return ()
+    if not window or window >= hf.get("max_position_embeddings", 4096):
+        return ()
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()

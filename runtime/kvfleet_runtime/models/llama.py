@@ -51,7 +51,7 @@ def _heads_per_rank(cfg: ModelConfig) -> tuple[int, int, int]:
 
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, kv_replicas = _heads_per_rank(cfg)
         self.head_dim = cfg.head_dim
@@ -71,7 +71,8 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
         self.rotary_emb = rotary_emb       # one cos/sin cache shared by every layer
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5,
+                              window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -124,10 +125,10 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, dtype, quant_config, f"{prefix}.self_attn",
-                                          rotary_emb)
+                                          rotary_emb, window=cfg.layer_window(layer))
         self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -154,7 +155,7 @@ class DecoderModel(nn.Module):
                                      cfg.rope_theta, cfg.rope_scaling)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}", rotary_emb)
+            DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}", rotary_emb, layer=i)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # under tensor parallelism each row-parallel projection's all-reduce may run fused
