@@ -688,7 +688,7 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     return DecodeSplit(partition_size=partition_size, num_splits=triton.cdiv(max_seq_len, partition_size))
 
 
-def decode_plan(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int, on_gpu: bool,
+def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, window: int, on_gpu: bool,
                 fp8_cache: bool, device: torch.device) -> tuple[TileConfig, DecodeSplit]:
     """Decode's tiles and partitions for a batch (paged_attention's; the warm-up's keys). Under
     a sliding window decode reads the window's keys from the tile holding its first: tiles
@@ -871,8 +871,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    cfg, split = decode_plan(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, window,
-                             on_gpu, fp8_cache, query.device)
+    cfg, split = decode_launch(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, window,
+                               on_gpu, fp8_cache, query.device)
     if split.num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
                                dtype=torch.float32, device=query.device)

@@ -295,9 +295,9 @@ class ModelRunner:
         """(decode rows, their context, prompt chunk) of the warm-up's steps: a prefill alone,
         then one mixed step for each launch of the decode kernels that differs in its compiled
         constants (tiles, preloading, the reduce's padded split count and whether that count is
-        a multiple of 16), as decode_plan chooses them for the eager steps'
+        a multiple of 16), as decode_launch chooses them for the eager steps'
         batches (the decode graphs compiled theirs)."""
-        from kvfleet_kernels.paged_attention import decode_plan, decode_preload, decode_split
+        from kvfleet_kernels.paged_attention import decode_launch, decode_preload, decode_split
         cfg = self.config
         chunk = max(1, min(17, cfg.max_model_len - 1, cfg.max_num_batched_tokens - 1))
         shapes = [(0, 0, max(1, min(32, cfg.max_model_len - 1, cfg.max_num_batched_tokens)))]
@@ -325,7 +325,7 @@ class ModelRunner:
         windows = sorted(set(self.model_config.sliding_windows)) or [0]
 
         def launch(seqs: int, context: int, window: int) -> tuple:
-            tile, split = decode_plan(seqs, heads, context, window, True, fp8, self.device)
+            tile, split = decode_launch(seqs, heads, context, window, True, fp8, self.device)
             splits = split.num_splits if seqs in split_counts else 1
             return (tile, decode_preload(seqs * heads, tile.block_n, head_dim, elem),
                     triton.next_power_of_2(splits), splits % 16 == 0)
