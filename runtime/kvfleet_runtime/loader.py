@@ -135,6 +135,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.hf_overrides:
         hf = merged(hf, config.hf_overrides)
     cfg = ModelConfig.from_hf(hf)
+    cfg.rope_context = config.max_model_len or cfg.max_position_embeddings
     cls = get_model_class(cfg)
     dtype = config.resolve_dtype(cfg.checkpoint_dtype)
     quant_config = get_quant_config(hf, str(folder) if folder else None, config.quantization)

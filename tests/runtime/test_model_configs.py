@@ -1,6 +1,7 @@
 """Architecture switches read from config.json: sliding-window attention as HF applies it (each
 layer's window; HF's greedy outputs past the window on both attention paths), and what our model
-code does not do (partial rotary, longrope) is refused when the model loads."""
+code does not do is refused when the model loads; partial rotary and longrope (Phi-3.5-mini,
+Phi-4-mini) as HF runs them."""
 
 from __future__ import annotations
 
@@ -89,16 +90,74 @@ def test_each_layers_window_is_read_as_hf_applies_it(arch, hf, windows):
     assert layer_windows(config, arch) == windows
 
 
-def test_partial_rotary_is_refused(tmp_path):
-    path = make_tiny_model("phi3", tmp_path / "p", partial_rotary_factor=0.75)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
-        LLM(model=str(path), num_gpu_blocks=16)
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_longrope_is_refused(tmp_path):
-    path = make_tiny_model("phi3", tmp_path / "p", rope_scaling={
-        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 256})
+def _on_triton(path, monkeypatch, **kwargs) -> LLM:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return LLM(model=str(path), attention_backend="triton", num_gpu_blocks=64, **kwargs)
+
+
+def _back_to_auto(llm: LLM) -> None:
+    llm.engine.shutdown()
+    from kvfleet_runtime.layers.backend import set_backend
+    set_backend("auto")
+
+
+def test_partial_rotary_matches_hf(tmp_path, monkeypatch):
+    # Phi-4-mini rotates 0.75 of each head; here half of the tiny model's 16 dims (weights drawn
+    # wide: attention sharp enough that positions move the greedy tokens)
+    path = make_tiny_model("phi3", tmp_path / "p", partial_rotary_factor=0.5,
+                           initializer_range=0.3)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 30, 61)]
+    ref = hf_greedy(path, prompts, 12)
+    config = AutoConfig.from_pretrained(path)
+    config.rope_parameters["partial_rotary_factor"] = config.partial_rotary_factor = 1.0
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, config=config)
+    assert greedy_of(whole, prompts, 12) != ref          # the partial rotation matters here
+    llm = LLM(model=str(path), num_gpu_blocks=64)
+    assert llm.engine.runner.model_config.rotary_dim == 8
+    assert _greedy(llm, prompts) == ref
+    llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
+    try:
+        assert _greedy(llm, prompts) == ref
+    finally:
+        _back_to_auto(llm)
+
+
+def test_longrope_takes_its_factors_by_max_model_len_and_matches_hf(tmp_path, monkeypatch):
+    # Phi-3.5-mini / Phi-4-mini's scaling (with Phi-4-mini's partial rotary): the short factors
+    # for an engine whose contexts stay within original_max_position_embeddings (HF's for any
+    # sequence that does), the long ones beyond (HF's for a prompt longer than it)
+    rng = random.Random(1)
+    short = [round(1 + rng.random(), 3) for _ in range(4)]
+    long = [round(30 + 60 * rng.random(), 3) for _ in range(4)]
+    path = make_tiny_model("phi3", tmp_path / "p", partial_rotary_factor=0.5,
+                           rope_scaling={"rope_type": "longrope", "short_factor": short,
+                                         "long_factor": long},
+                           original_max_position_embeddings=64)
+    within = [[rng.randrange(3, 49152) for _ in range(n)] for n in (10, 40, 25, 33)]
+    beyond = [[rng.randrange(3, 49152) for _ in range(n)] for n in (70, 100)]
+    ref_within, ref_beyond = hf_greedy(path, within, 12), hf_greedy(path, beyond, 12)
+    short_llm = LLM(model=str(path), max_model_len=64, num_gpu_blocks=64)
+    assert _greedy(short_llm, within) == ref_within
+    long_llm = LLM(model=str(path), num_gpu_blocks=64)           # max_model_len 1024
+    assert _greedy(long_llm, beyond) == ref_beyond
+    # the set matters: under the long factors the short prompts are not HF's (vLLM's rule too)
+    assert _greedy(long_llm, within) != ref_within
+    llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
+    try:
+        assert _greedy(llm, beyond) == ref_beyond
+    finally:
+        _back_to_auto(llm)
+
+
+def test_an_unknown_rope_scaling_is_refused(tmp_path):
+    path = make_tiny_model("llama", tmp_path / "p", rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="rope_scaling type must be one of default, linear, "
-                                         "llama3; got 'longrope'"):
+                                         "llama3, longrope; got 'dynamic'"):
         LLM(model=str(path), num_gpu_blocks=16)

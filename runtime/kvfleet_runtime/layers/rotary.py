@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate_half style), with llama3 and linear scaling."""
+"""Rotary position embedding (neox / rotate_half style), with llama3, linear and longrope
+scaling, over the whole head or its first rot_dim dims (partial rotary)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from torch import nn
 from kvfleet_runtime.layers.backend import use_triton
 
 
-def _inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+def _inv_freq(rot_dim: int, base: float, scaling: dict | None, max_position: int = 0,
+              context: int = 0) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos and sin are multiplied by (longrope's)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in ("default", None):
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "longrope":
+        return _longrope(rot_dim, base, scaling, max_position, context)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -27,22 +32,51 @@ def _inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type must be one of default, linear, llama3; got {kind!r}")
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope_scaling type must be one of default, linear, llama3, longrope; "
+                     f"got {kind!r}")
+
+
+def _longrope(rot_dim: int, base: float, scaling: dict, max_position: int,
+              context: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): per-frequency factors, the
+    long ones for an engine whose contexts may pass original_max_position_embeddings (`context`:
+    its max_model_len), else the short ones, for every position (vLLM's rule: one set for every
+    sequence, so no cached K changes meaning as a sequence grows past the original length; HF
+    switches per forward call, by its longest position: the same result for a prompt beyond
+    the original length under the long set, and for a whole sequence within it under the
+    short). cos and sin are scaled by sqrt(1 + ln(factor) / ln(original)), factor =
+    max_position_embeddings / original unless given, or by attention_factor if given."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if context > original else scaling["short_factor"]
+    if len(factors) != rot_dim // 2:
+        raise ValueError(f"longrope factors must number rotary_dim / 2 = {rot_dim // 2}; "
+                         f"got {len(factors)}")
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    factor = scaling.get("factor") or max_position / original
+    mscale = scaling.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(mscale)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, rot_dim: int, max_position: int, base: float,
-                 scaling: dict | None = None) -> None:
+                 scaling: dict | None = None, context: int = 0) -> None:
+        # context: the longest context the engine serves (longrope picks its factors by it;
+        # 0: max_position)
         super().__init__()
         self.head_size = head_size
         self.rot_dim = rot_dim
-        inv_freq = _inv_freq(rot_dim, base, scaling)
+        inv_freq, mscale = _inv_freq(rot_dim, base, scaling, max_position, context or max_position)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = t[:, None] * inv_freq[None, :]                           # [P, rot/2]
         # [P, rot]: cos half then sin half (the layout the Triton kernel reads)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
-                             persistent=False)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if mscale != 1.0:
+            cos_sin = cos_sin * mscale
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 tables: tuple[torch.Tensor, torch.Tensor] | None = None):

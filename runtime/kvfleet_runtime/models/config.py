@@ -41,6 +41,12 @@ class ModelConfig:
     # layer_types name "sliding_attention" (by default the layers from max_window_layers on).
     # A window as long as the positions is full attention: 0. (layer_windows)
     sliding_windows: tuple[int, ...] = ()
+    # the dims of a head that rotary rotates (head_dim unless partial_rotary_factor < 1); 0:
+    # head_dim
+    rotary_dim: int = 0
+    # the longest context the engine serves (its max_model_len, set at load): longrope picks
+    # its long or short factors by it (layers.rotary._longrope); 0: max_position_embeddings
+    rope_context: int = 0
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of decoder layer `layer`, 0 for full attention."""
@@ -66,10 +72,12 @@ class ModelConfig:
         theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                              else None)
+        if scaling and "original_max_position_embeddings" in hf:
+            # Phi-3's checkpoints (transformers 4) keep longrope's original length beside it
+            scaling = {"original_max_position_embeddings": hf["original_max_position_embeddings"],
+                       **scaling}
+        # partial rotary (Phi-4-mini: 0.75): the first rotary_dim dims of each head rotate
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary over the "
-                             "whole head only)")
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
         return cls(
@@ -80,7 +88,8 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=(head_dim := hf.get("head_dim") or hf["hidden_size"] // heads),
+            rotary_dim=int(head_dim * partial),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,

@@ -151,8 +151,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype,
                                                    replicated=True)
-        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
-                                     cfg.rope_theta, cfg.rope_scaling)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim or cfg.head_dim,
+                                     cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                     context=cfg.rope_context)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, quant_config, f"model.layers.{i}", rotary_emb, layer=i)
