@@ -259,17 +259,39 @@ def _kv_rows(table, n, mask, kv_head, stride_kb, stride_ks, stride_kh, stride_vb
 
 
 @triton.jit
+def _and_dims(mask, dims, D_REAL: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # mask, and, where the head's D_REAL dims are padded to the tile's HEAD_DIM (a power of
+    # two: 96 -> 128), dims < D_REAL: the pad reads as 0 and is never written (D_REAL 0: none)
+    DIMS: tl.constexpr = D_REAL if D_REAL > 0 else HEAD_DIM
+    if DIMS < HEAD_DIM:
+        mask = mask & (dims < DIMS)
+    return mask
+
+
+@triton.jit
 def _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM: tl.constexpr,
-             MASKED: tl.constexpr, K_BY_ROWS: tl.constexpr, LOAD_V: tl.constexpr = True):
+             MASKED: tl.constexpr, K_BY_ROWS: tl.constexpr, LOAD_V: tl.constexpr = True,
+             D_REAL: tl.constexpr = 0):
     # a K/V tile in the cache's dtype: V as [N, D], K as [N, D] (K_BY_ROWS) or gathered [D, N];
-    # keys outside mask (MASKED) read as 0. LOAD_V=False: K only (v is K, unused)
+    # keys outside mask (MASKED) read as 0. LOAD_V=False: K only (v is K, unused). D_REAL (0:
+    # HEAD_DIM): the head's dims, the tile's others read as 0
     d = tl.arange(0, HEAD_DIM)
     v_ptrs = v_cache_ptr + row_v[:, None] + d[None, :]
     if K_BY_ROWS:
         k_ptrs = k_cache_ptr + row_k[:, None] + d[None, :]
     else:
         k_ptrs = k_cache_ptr + row_k[None, :] + d[:, None]
-    if not MASKED:
+    DIMS: tl.constexpr = D_REAL if D_REAL > 0 else HEAD_DIM
+    if DIMS < HEAD_DIM:
+        keys = mask if MASKED else tl.full(mask.shape, 1, tl.int1)
+        if K_BY_ROWS:
+            k = tl.load(k_ptrs, mask=keys[:, None] & (d < DIMS)[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=keys[None, :] & (d < DIMS)[:, None], other=0.0)
+        v = k
+        if LOAD_V:
+            v = tl.load(v_ptrs, mask=keys[:, None] & (d < DIMS)[None, :], other=0.0)
+    elif not MASKED:
         k = tl.load(k_ptrs)
         v = k
         if LOAD_V:
@@ -293,7 +315,7 @@ def _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb, strid
                         BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
     # Where the V tile of keys [start, start + BLOCK_N) lies in a token-major cache (a block's
     # values [kv_heads, head_dim, block_size]): pointers [D, NB, SEG] (NB runs of SEG adjacent
-    # keys, one block each) and those keys' positions [1, NB, SEG]. Each block's id is read once
+    # keys, one block each), those keys' positions [1, NB, SEG] and dims [D, 1, 1]. Each block's id is read once
     # (a scalar per run, not per key; MASKED: block 0 from hi on), so the compiler sees SEG
     # adjacent keys: 16-byte copies into shared memory, then ldmatrix into the P @ V operand.
     # start is a multiple of BLOCK_N.
@@ -309,7 +331,7 @@ def _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb, strid
     ptrs = (v_cache_ptr + kv_head * stride_vh + block[None, :, None] * stride_vb
             + (first % BLOCK_SIZE)[None, :, None] + d[:, None, None] * BLOCK_SIZE
             + j[None, None, :])
-    return ptrs, first[None, :, None] + j[None, None, :]
+    return ptrs, first[None, :, None] + j[None, None, :], d[:, None, None]
 
 
 @triton.jit
@@ -322,19 +344,23 @@ def _v_rows(v, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 def _load_tile(k_cache_ptr, v_cache_ptr, table, start, hi, kv_head, stride_kb, stride_ks,
                stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-               K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+               K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, D_REAL: tl.constexpr):
     # The K and V tiles of keys [start, start + BLOCK_N) through the block table (_load_kv's
-    # shapes); keys from hi on read as 0 (MASKED).
+    # shapes); keys from hi on read as 0 (MASKED), dims from D_REAL on too.
     n = start + tl.arange(0, BLOCK_N)
     row_k, row_v = _kv_rows(table, n, n < hi, kv_head, stride_kb, stride_ks, stride_kh,
                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE, MASKED)
     k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, n < hi, HEAD_DIM, MASKED, K_BY_ROWS,
-                    not V_TOKEN_MAJOR)
+                    not V_TOKEN_MAJOR, D_REAL)
     if V_TOKEN_MAJOR:
-        v_ptrs, n3 = _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb,
-                                         stride_vh, BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED)
+        v_ptrs, n3, d3 = _v_token_major_ptrs(v_cache_ptr, table, start, hi, kv_head, stride_vb,
+                                             stride_vh, BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED)
         if MASKED:
-            v = _v_rows(tl.load(v_ptrs, mask=n3 < hi, other=0.0), BLOCK_N, HEAD_DIM)
+            v = _v_rows(tl.load(v_ptrs, mask=_and_dims(n3 < hi, d3, D_REAL, HEAD_DIM), other=0.0),
+                        BLOCK_N, HEAD_DIM)
+        elif (D_REAL if D_REAL > 0 else HEAD_DIM) < HEAD_DIM:
+            v = _v_rows(tl.load(v_ptrs, mask=_and_dims(n3 >= 0, d3, D_REAL, HEAD_DIM), other=0.0),
+                        BLOCK_N, HEAD_DIM)
         else:
             v = _v_rows(tl.load(v_ptrs), BLOCK_N, HEAD_DIM)
     return k, v
@@ -378,7 +404,7 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
                  stride_vb, stride_vs, stride_vh,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  MASK: tl.constexpr, K_BY_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-                 q_lo, SLIDING: tl.constexpr):
+                 q_lo, SLIDING: tl.constexpr, D_REAL: tl.constexpr):
     # One online-softmax step of the rows of q over keys [start, start + BLOCK_N).
     # Returns the updated running max m_i, denominator l_i and unnormalised output acc.
     # K_BY_ROWS loads K as the [N, D] rows it is stored in and transposes it for the dot;
@@ -388,7 +414,7 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
     masked: tl.constexpr = MASK != _MASK_NONE
     k, v = _load_tile(k_cache_ptr, v_cache_ptr, table, start, kv_end, kv_head, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
-                      BLOCK_SIZE, masked, K_BY_ROWS, V_TOKEN_MAJOR)
+                      BLOCK_SIZE, masked, K_BY_ROWS, V_TOKEN_MAJOR, D_REAL)
     return _attend_kv(q, m_i, l_i, acc, k, v, n, kv_end, q_pos, scale_log2, MASK, K_BY_ROWS,
                       q_lo, SLIDING)
 
@@ -405,8 +431,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     DOT_FP16: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr = False,
-                    SLIDING: tl.constexpr = False):
-    # Program = (query tile, kv head, sequence). The tile's BLOCK_M rows are
+                    SLIDING: tl.constexpr = False, D_REAL: tl.constexpr = 0):
+    # Program = (query tile, kv head, sequence). HEAD_DIM: a power of two, the head's D_REAL
+    # dims padded up to it (0: HEAD_DIM itself). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
     # Tiles run last-first: late tiles see the most keys, and starting them first evens out
@@ -429,7 +456,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     row_valid = (rows < TOKENS_PER_TILE * GROUP) & (tok < q_len)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_valid[:, None], other=0.0)
+                mask=_and_dims(row_valid[:, None], d[None, :], D_REAL, HEAD_DIM), other=0.0)
     if DOT_FP16:
         q = _to_fp16(q)
     q_pos = num_cached + tok              # [BLOCK_M] position in the context (causal limit)
@@ -453,17 +480,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, True,
-                                     V_TOKEN_MAJOR, q_lo, SLIDING)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
     for start in range(kv_full, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True,
-                                     V_TOKEN_MAJOR, q_lo, SLIDING)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+             out.to(out_ptr.dtype.element_ty),
+             mask=_and_dims(row_valid[:, None], d[None, :], D_REAL, HEAD_DIM))
 
 
 @triton.jit
@@ -482,7 +510,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
                    PRELOAD: tl.constexpr = False, V_TOKEN_MAJOR: tl.constexpr = False,
-                   SLIDING: tl.constexpr = False):
+                   SLIDING: tl.constexpr = False, D_REAL: tl.constexpr = 0):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
@@ -519,12 +547,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                                 stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, True)
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v,
                         n < tl.minimum(first_end, seq_len - 1), HEAD_DIM, True, K_BY_ROWS,
-                        not V_TOKEN_MAJOR)
+                        not V_TOKEN_MAJOR, D_REAL)
         if V_TOKEN_MAJOR:     # kept [D, NB, SEG] until this step's key is in
-            v_ptrs, n3 = _v_token_major_ptrs(v_cache_ptr, table, part_start, first_end, kv_head,
-                                             stride_vb, stride_vh, BLOCK_N, HEAD_DIM,
-                                             BLOCK_SIZE, True)
-            v3 = tl.load(v_ptrs, mask=n3 < tl.minimum(first_end, seq_len - 1), other=0.0)
+            v_ptrs, n3, d3 = _v_token_major_ptrs(v_cache_ptr, table, part_start, first_end,
+                                                 kv_head, stride_vb, stride_vh, BLOCK_N,
+                                                 HEAD_DIM, BLOCK_SIZE, True)
+            v3 = tl.load(v_ptrs, mask=_and_dims(n3 < tl.minimum(first_end, seq_len - 1), d3,
+                                                D_REAL, HEAD_DIM), other=0.0)
         pdl_wait(PDL)
     # only sequences of one query: padding rows have none, a mixed batch's prompt chunks more
     if (q_len != 1) | (part_start >= seq_len):
@@ -533,14 +562,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         if seq_len - 1 < first_end:     # the first tile holds this step's key
             newest = n == seq_len - 1
             k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, newest, HEAD_DIM,
-                                    True, K_BY_ROWS, not V_TOKEN_MAJOR)
+                                    True, K_BY_ROWS, not V_TOKEN_MAJOR, D_REAL)
             if K_BY_ROWS:
                 k = tl.where(newest[:, None], k_new, k)
             else:
                 k = tl.where(newest[None, :], k_new, k)
             if V_TOKEN_MAJOR:
                 v3 = tl.where(n3 == seq_len - 1,
-                              tl.load(v_ptrs, mask=n3 == seq_len - 1, other=0.0), v3)
+                              tl.load(v_ptrs, mask=_and_dims(n3 == seq_len - 1, d3, D_REAL,
+                                                             HEAD_DIM), other=0.0), v3)
             else:
                 v = tl.where(newest[:, None], v_new, v)
         if V_TOKEN_MAJOR:
@@ -551,7 +581,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     g_valid = g < GROUP
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=g_valid[:, None], other=0.0)
+                mask=_and_dims(g_valid[:, None], d[None, :], D_REAL, HEAD_DIM), other=0.0)
     if DOT_FP16:
         q = _to_fp16(q)
 
@@ -570,18 +600,19 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_NONE, K_BY_ROWS,
-                                     V_TOKEN_MAJOR, q_lo, SLIDING)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
     if (full_end >= loop_start) & (full_end < part_end):    # the last, partial tile
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, full_end, part_end, q_start, table, kv_head,
                                      scale_log2, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks,
                                      stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS,
-                                     V_TOKEN_MAJOR, q_lo, SLIDING)
+                                     V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
 
     out = acc / l_i[:, None]
     if num_splits == 1:
         tl.store(out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+                 out.to(out_ptr.dtype.element_ty),
+                 mask=_and_dims(g_valid[:, None], d[None, :], D_REAL, HEAD_DIM))
     else:
         part = (seq * NUM_HEADS + head) * num_splits + split                             # [G]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=g_valid[:, None])
@@ -594,7 +625,7 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
                           partition_size, num_splits, window, NUM_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
                           PDL: tl.constexpr = False, SLIDING: tl.constexpr = False,
-                          BLOCK_N: tl.constexpr = 1):
+                          BLOCK_N: tl.constexpr = 1, D_REAL: tl.constexpr = 0):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
     # Partitions past the sequence's end were never written, so they are masked, not read.
     # The batch's metadata (host copies) is read before the PDL wait.
@@ -618,7 +649,8 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None],
                     other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=_and_dims(d >= 0, d, D_REAL, HEAD_DIM))
 
 
 @dataclass(frozen=True)
@@ -796,8 +828,9 @@ def check_v_cache_strides(v_cache: torch.Tensor) -> None:
 def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16 (16, 32, 64, 128, 256); got {head_dim}")
+    if not 16 <= head_dim <= 256 or head_dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 in 16..256 (e.g. 64, 96, 128); "
+                         f"got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
@@ -836,6 +869,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    # tiles span a power of two of dims (96 -> 128: Phi-3-mini's heads), the pad masked
+    dims = triton.next_power_of_2(head_dim)
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
@@ -863,9 +898,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _prefill_kernel[grid](
             query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
             *strides, window, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size,
             DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, V_TOKEN_MAJOR=v_token_major,
-            SLIDING=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SLIDING=window > 0, D_REAL=head_dim, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if min_query_len is not None and min_query_len > 1:
             return out
@@ -874,7 +910,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     cfg, split = decode_launch(plan_num_seqs or num_seqs, num_kv_heads, max_seq_len, window,
                                on_gpu, fp8_cache, query.device)
     if split.num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, split.num_splits, head_dim,
+        part_out = torch.empty(num_seqs, num_heads, split.num_splits, dims,
                                dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, split.num_splits,
                                dtype=torch.float32, device=query.device)
@@ -884,17 +920,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
         query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits, window,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size, D_REAL=head_dim,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
         V_TOKEN_MAJOR=v_token_major, SLIDING=window > 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, head_dim,
+        num_stages=cfg.num_stages,
+        PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, dims,
                                k_cache.element_size()),
         **pdl_args(query.device),
     )
     if split.num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-            split.partition_size, split.num_splits, window, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            split.partition_size, split.num_splits, window, NUM_HEADS=num_heads, HEAD_DIM=dims,
+            D_REAL=head_dim,
             SPLITS_PAD=triton.next_power_of_2(split.num_splits), SLIDING=window > 0,
             BLOCK_N=cfg.block_n, **pdl_args(query.device),
         )

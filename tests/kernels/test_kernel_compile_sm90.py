@@ -179,6 +179,12 @@ CASES = {
                                             PRELOAD=True), ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "decode_reduce_sliding": (_paged_attention("_decode_reduce_kernel", SLIDING=True,
                                                BLOCK_N=64), ["ex2.approx"]),
+    # heads of 96 dims (Phi-3-mini) in tiles of 128, the pad masked
+    "prefill_fp8_96_dims": (_paged_attention("_prefill_kernel", DOT_FP16=True, D_REAL=96),
+                            ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    "decode_fp8_96_dims": (_paged_attention("_decode_kernel", DOT_FP16=True, D_REAL=96,
+                                            V_TOKEN_MAJOR=True, PRELOAD=True),
+                           ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,

@@ -169,10 +169,29 @@ def test_contexts_are_cut_into_partitions_of_at_least_32_tokens(monkeypatch) -> 
     assert decode_split(1, 4, 384, 32, cpu).num_splits == 3
 
 
-def test_rejects_head_dim_that_is_not_a_power_of_two() -> None:
-    batch = _batch([1], [4], torch.float32, head_dim=24)
-    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+@pytest.mark.parametrize("head_dim", [12, 100, 264])
+def test_rejects_head_dims_the_tiles_do_not_take(head_dim: int) -> None:
+    batch = _batch([1], [4], torch.float32, head_dim=head_dim, num_heads=2)
+    with pytest.raises(ValueError, match=rf"head_dim must be a multiple of 8 in 16..256 "
+                                         rf"\(e.g. 64, 96, 128\); got {head_dim}"):
         paged_attention(*batch.args())
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [96, 24])
+def test_head_dims_padded_to_a_power_of_two(dtype: torch.dtype, head_dim: int, monkeypatch) -> None:
+    # Phi-3-mini's 96 (tiles of 128, the pad masked): prefill after a cached prefix, a mixed
+    # batch, split decode with and without its first tile read early, a sliding window
+    from kvfleet_kernels import paged_attention as pa
+    _check(_batch([9, 1, 23, 1], [47, 40, 23, 70], dtype, head_dim=head_dim, seed=head_dim))
+    for preload in (True, False):
+        monkeypatch.setattr(pa, "_PRELOAD", preload)
+        _check(_batch([1, 1, 1], [600, 37, 290], dtype, head_dim=head_dim, seed=int(preload)),
+               decode_only=True)
+    batch = _batch([30, 1], [30, 90], dtype, head_dim=head_dim, seed=7)
+    out = paged_attention(*batch.args(), window=11)
+    torch.testing.assert_close(out.float(), paged_attention_ref(*batch.args(), window=11).float(),
+                               rtol=0.0, atol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -220,6 +239,22 @@ def test_gpu_prefill_with_cached_prefix_and_decode_rows(dtype: torch.dtype, bloc
     q_lens = [2048, 1000, 1, 1, 333]
     seq_lens = [2048, 8000, 4097, 17, 333]
     _check(_batch(q_lens, seq_lens, dtype, block_size=block_size, seed=block_size, **LLAMA8B))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_phi3_mini_heads_of_96_dims(kv_dtype: torch.dtype) -> None:
+    # Phi-3-mini: 32 heads of 96 dims, no GQA; tiles of 128 dims with the pad masked
+    from kvfleet_kernels.paged_attention import quantize_kv_ref, token_major_v
+    shape = {"num_heads": 32, "num_kv_heads": 32, "head_dim": 96}
+    for q_lens, seq_lens in [([2048, 1000, 1, 1, 333], [2048, 4000, 4097, 17, 333]),
+                             ([1] * 64, [3000 - 41 * i for i in range(64)])]:
+        batch = _batch(q_lens, seq_lens, torch.bfloat16, seed=len(q_lens), **shape)
+        if kv_dtype == torch.float8_e4m3fn:
+            batch.k_cache = quantize_kv_ref(batch.k_cache, kv_dtype)
+            batch.v_cache = token_major_v(torch.empty_like(batch.v_cache)).copy_(
+                quantize_kv_ref(batch.v_cache, kv_dtype))
+        _check(batch, decode_only=len(q_lens) == 64)
 
 
 @pytest.mark.gpu

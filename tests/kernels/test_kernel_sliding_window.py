@@ -120,10 +120,11 @@ def test_decode_over_a_window(dtype: torch.dtype, block_size: int, preload: bool
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_over_an_fp8_cache_with_v_token_major(phase: str) -> None:
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_over_an_fp8_cache_with_v_token_major(phase: str, head_dim: int) -> None:
     decode = phase == "decode"
     q_lens, seq_lens = ([1, 1, 1], [300, 41, 129]) if decode else ([40, 1, 7], [40, 90, 60])
-    batch = _batch(q_lens, seq_lens, torch.float32, seed=5)
+    batch = _batch(q_lens, seq_lens, torch.float32, seed=5, head_dim=head_dim)
     batch.query = (batch.query / 4).to(torch.float16)
     batch.k_cache = quantize_kv_ref(batch.k_cache * 4, FP8_KV_DTYPE)
     batch.v_cache = token_major_v(torch.empty_like(batch.v_cache)).copy_(

@@ -161,3 +161,19 @@ def test_an_unknown_rope_scaling_is_refused(tmp_path):
     with pytest.raises(ValueError, match="rope_scaling type must be one of default, linear, "
                                          "llama3, longrope; got 'dynamic'"):
         LLM(model=str(path), num_gpu_blocks=16)
+
+
+def test_phi3_minis_head_dim_of_96_runs_the_triton_kernels(tmp_path, monkeypatch):
+    # Phi-3-mini / Phi-3.5-mini: 3072 / 32 heads = 96 dims a head, not a power of two (the
+    # attention tiles span 128, the pad masked); with its 2047-token window's kind of mask
+    path = make_tiny_model("phi3", tmp_path / "p", hidden_size=192, num_attention_heads=2,
+                           num_key_value_heads=1, sliding_window=21)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 30, 45)]
+    ref = hf_greedy(path, prompts, 12)
+    llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24, max_num_seqs=2)
+    try:
+        assert llm.engine.runner.model_config.head_dim == 96
+        assert _greedy(llm, prompts) == ref
+    finally:
+        _back_to_auto(llm)
