@@ -155,11 +155,35 @@ def test_longrope_takes_its_factors_by_max_model_len_and_matches_hf(tmp_path, mo
         _back_to_auto(llm)
 
 
+@pytest.mark.parametrize("arch, scaling", [
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48,
+               "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5})])
+def test_yarn_matches_hf_past_the_original_length(arch, scaling, tmp_path, monkeypatch):
+    # Qwen3's model card adds {"rope_type": "yarn", "factor": 4, "original_...": 32768} for
+    # 128k; DeepSeek's configs carry the mscale pair (weights drawn wide, positions matter)
+    path = make_tiny_model(arch, tmp_path / arch, rope_scaling=scaling, initializer_range=0.3)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (20, 70, 130)]
+    ref = hf_greedy(path, prompts, 12)
+    config = AutoConfig.from_pretrained(path)
+    config.rope_parameters = {"rope_type": "default",
+                              "rope_theta": config.rope_parameters["rope_theta"]}
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, config=config)
+    assert greedy_of(plain, prompts, 12) != ref             # the scaling matters here
+    assert _greedy(LLM(model=str(path), num_gpu_blocks=64), prompts) == ref
+    llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
+    try:
+        assert _greedy(llm, prompts) == ref
+    finally:
+        _back_to_auto(llm)
+
+
 def test_an_unknown_rope_scaling_is_refused(tmp_path):
     path = make_tiny_model("llama", tmp_path / "p", rope_scaling={
         "rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="rope_scaling type must be one of default, linear, "
-                                         "llama3, longrope; got 'dynamic'"):
+                                         "llama3, longrope, yarn; got 'dynamic'"):
         LLM(model=str(path), num_gpu_blocks=16)
 
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox / rotate_half style), with llama3, linear and longrope
+"""Rotary position embedding (neox / rotate_half style), with llama3, linear, YaRN and longrope
 scaling, over the whole head or its first rot_dim dims (partial rotary)."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def _inv_freq(rot_dim: int, base: float, scaling: dict | None, max_position: int
         return inv_freq / scaling["factor"], 1.0
     if kind == "longrope":
         return _longrope(rot_dim, base, scaling, max_position, context)
+    if kind == "yarn":
+        return _yarn(rot_dim, base, scaling, max_position)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -33,8 +35,42 @@ def _inv_freq(rot_dim: int, base: float, scaling: dict | None, max_position: int
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"rope_scaling type must be one of default, linear, llama3, longrope; "
+    raise ValueError(f"rope_scaling type must be one of default, linear, llama3, longrope, yarn; "
                      f"got {kind!r}")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rot_dim: int, base: float, scaling: dict, max_position: int
+          ) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5 / Qwen3 past 32k, as their model cards add it; DeepSeek's mscale pair): the
+    frequencies that turn fewer than beta_slow times over the original length interpolated by
+    `factor`, those that turn more than beta_fast times kept, a linear ramp between; cos and
+    sin scaled by 0.1 ln(factor) + 1 unless attention_factor is given. HF's formula, step for
+    step (its rounding too)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                     if mscale and mscale_all_dim else _yarn_mscale(factor))
+
+    def dim_of(rotations: float) -> float:      # the dim turning `rotations` times
+        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp                                  # the extrapolated (unscaled) share
+    pos_freqs = base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)
+    return (1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep), float(attention)
 
 
 def _longrope(rot_dim: int, base: float, scaling: dict, max_position: int,

@@ -72,10 +72,14 @@ class ModelConfig:
         theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                              else None)
-        if scaling and "original_max_position_embeddings" in hf:
-            # Phi-3's checkpoints (transformers 4) keep longrope's original length beside it
-            scaling = {"original_max_position_embeddings": hf["original_max_position_embeddings"],
-                       **scaling}
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if kind in ("llama3", "yarn", "longrope"):
+            # as HF: the pretraining length beside the config's rope parameters (Phi-3's
+            # checkpoints keep it there) wins; absent everywhere, max_position_embeddings
+            original = (hf.get("original_max_position_embeddings")
+                        or scaling.get("original_max_position_embeddings")
+                        or hf.get("max_position_embeddings", 4096))
+            scaling = {**scaling, "original_max_position_embeddings": original}
         # partial rotary (Phi-4-mini: 0.75): the first rotary_dim dims of each head rotate
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
         eos = hf.get("eos_token_id")
