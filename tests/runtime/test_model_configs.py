@@ -172,6 +172,10 @@ def test_yarn_matches_hf_past_the_original_length(arch, scaling, tmp_path, monke
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, config=config)
     assert greedy_of(plain, prompts, 12) != ref             # the scaling matters here
     assert _greedy(LLM(model=str(path), num_gpu_blocks=64), prompts) == ref
+    # the same weights saved without it, the scaling given as vLLM's --hf-overrides
+    bare = make_tiny_model(arch, tmp_path / "bare", initializer_range=0.3)
+    assert _greedy(LLM(model=str(bare), num_gpu_blocks=64,
+                       hf_overrides={"rope_scaling": scaling}), prompts) == ref
     llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
     try:
         assert _greedy(llm, prompts) == ref
