@@ -66,6 +66,20 @@ def test_sliding_window_models_match_hf_fp32_past_the_window(tmp_path, arch, ove
     assert _greedy(llm, prompts, 16) == hf_greedy(path, prompts, 16)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_models_match_hf_fp32_and_graphs_match_eager(tmp_path, arch):
+    # the experts through the grouped GEMM (kvfleet_kernels.moe), in the decode graphs too
+    from support.tiny_models import make_tiny_model
+    path = make_tiny_model(arch, tmp_path / arch)
+    prompts = _prompts(8)
+    assert _greedy(LLM(model=str(path), dtype="float32", max_num_seqs=8), prompts, 12) == \
+        hf_greedy(path, prompts, 12)
+    eager = _greedy(LLM(model=str(path), dtype="bfloat16", enforce_eager=True), prompts)
+    graphed = LLM(model=str(path), dtype="bfloat16")
+    assert _greedy(graphed, prompts) == eager
+    assert graphed.engine.runner.graph_runner.graphs, "no decode step used a CUDA graph"
+
+
 def test_kv_cache_is_sized_from_memory_utilization(case):
     path, _ = case
     llm = LLM(model=path, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024)

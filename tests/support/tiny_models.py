@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3")
+# mixtures of experts (tests/runtime/test_moe.py; not in ARCHS: no TP, quantization or MLP LoRA)
+MOE_ARCHS = ("mixtral", "qwen3_moe")
 VOCAB = 49152
 _CACHE = Path(os.environ.get("KVFLEET_TEST_CACHE", Path(tempfile.gettempdir()) / "kvfleet-test-cache"))
 
@@ -53,7 +55,14 @@ def _hf_config(arch: str, **overrides):
         return tf.Qwen3Config(**common, head_dim=32)
     if arch == "phi3":         # the checkpoint's projections fused (qkv_proj, gate_up_proj)
         return tf.Phi3Config(**common, pad_token_id=0, rope_theta=250000.0)
-    raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
+    if arch == "mixtral":      # 4 experts, top 2, every layer sparse
+        return tf.MixtralConfig(**{"sliding_window": None, "num_local_experts": 4,
+                                   "num_experts_per_tok": 2, **common})
+    if arch == "qwen3_moe":    # 8 experts, top 3 unnormalized; layer 1 dense (mlp_only_layers)
+        return tf.Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 3,
+                                    "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                    "mlp_only_layers": [1], "head_dim": 32, **common})
+    raise ValueError(f"arch must be one of {', '.join(ARCHS + MOE_ARCHS)}; got {arch!r}")
 
 
 def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
+from kvfleet_runtime.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from kvfleet_runtime.models.phi3 import Phi3ForCausalLM
 from kvfleet_runtime.models.qwen2 import Qwen2ForCausalLM
 from kvfleet_runtime.models.qwen3 import Qwen3ForCausalLM
@@ -14,6 +15,8 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -47,6 +47,15 @@ class ModelConfig:
     # the longest context the engine serves (its max_model_len, set at load): longrope picks
     # its long or short factors by it (layers.rotary._longrope); 0: max_position_embeddings
     rope_context: int = 0
+    # a sparse mixture of experts (Mixtral, Qwen3-MoE; 0 experts: dense): each MoE layer's
+    # router picks num_experts_per_tok of num_experts MLPs of moe_intermediate_size, their
+    # weights renormalized to sum 1 (moe_renormalize) or not; moe_layers: which layers are
+    # sparse (the others dense MLPs of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of decoder layer `layer`, 0 for full attention."""
@@ -57,7 +66,10 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                                       "mistral": "MistralForCausalLM"}.get(hf.get("model_type"), "")
+                                       "mistral": "MistralForCausalLM",
+                                       "mixtral": "MixtralForCausalLM",
+                                       "qwen3_moe": "Qwen3MoeForCausalLM",
+                                       }.get(hf.get("model_type"), "")
         num_labels = 0
         if arch.endswith("ForSequenceClassification"):
             # the decoder of XForCausalLM; with classifier_from_token (vLLM's cross-encoder
@@ -100,7 +112,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             checkpoint_dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or ""),
@@ -108,7 +120,29 @@ class ModelConfig:
             generates=not num_labels,
             num_labels=num_labels,
             sliding_windows=layer_windows(hf, arch),
+            **_moe_fields(hf, arch),
         )
+
+
+def _moe_fields(hf: dict, arch: str) -> dict:
+    """ModelConfig's mixture-of-experts fields as HF's Mixtral and Qwen3-MoE read them."""
+    layers = hf["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=hf.get("num_local_experts", 8),
+                    num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=hf["intermediate_size"], moe_renormalize=True,
+                    moe_layers=tuple(range(layers)))
+    if arch == "Qwen3MoeForCausalLM":
+        # (Qwen's checkpoints write num_experts; transformers 5 saves num_local_experts)
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 128
+        step = hf.get("decoder_sparse_step", 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        return dict(num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+                    moe_renormalize=bool(hf.get("norm_topk_prob", False)),
+                    moe_layers=tuple(i for i in range(layers)
+                                     if experts > 0 and i not in dense and (i + 1) % step == 0))
+    return {}
 
 
 def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
@@ -124,7 +158,11 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
         types = hf.get("layer_types") or [
             "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
             for i in range(layers)]
-    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    elif arch == "Qwen3MoeForCausalLM":     # every layer, under use_sliding_window
+        if not hf.get("use_sliding_window"):
+            return ()
+        types = ["sliding_attention"] * layers
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         types = ["sliding_attention"] * layers
     else:       # HF's Llama has no window
         return ()

@@ -22,6 +22,7 @@ from kvfleet_runtime.layers.activation import SiluAndMul
 from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.backend import use_triton
 from kvfleet_runtime.layers.linear import Linear, cpu_packed_weight, packed_linear
+from kvfleet_runtime.layers.moe import SparseMoeBlock
 from kvfleet_runtime.layers.norm import RMSNorm, reduce_in_norm
 from kvfleet_runtime.layers.quantization.fp8 import feeds_fp8
 from kvfleet_runtime.layers.rotary import RotaryEmbedding
@@ -129,11 +130,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, dtype, quant_config, f"{prefix}.self_attn",
                                           rotary_emb, window=cfg.layer_window(layer))
-        self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         feeds_fp8(self.input_layernorm, self.self_attn.qkv_proj)
-        feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
+        if layer in cfg.moe_layers:     # a mixture of experts (models/moe.py)
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
+                                      cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.moe_renormalize,
+                                      cfg.architecture == "Qwen3MoeForCausalLM", dtype)
+        else:
+            self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
+            feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(self, positions, x, residual, meta, rope=None):
         if residual is None:
@@ -164,7 +171,8 @@ class DecoderModel(nn.Module):
         readers = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, readers, strict=True)):
             reduce_in_norm(layer.self_attn.o_proj, layer.post_attention_layernorm, 2 * i)
-            reduce_in_norm(layer.mlp.down_proj, next_norm, 2 * i + 1)
+            if isinstance(layer.mlp, DecoderMLP):
+                reduce_in_norm(layer.mlp.down_proj, next_norm, 2 * i + 1)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)                                   # [T, D]

@@ -1,0 +1,63 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top_k
+experts, each a gated SiLU MLP, and the token's output is their weighted sum.
+
+The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate then up rows), w2
+[E, H, I]. On the Triton path one grouped GEMM a projection (kvfleet_kernels.moe.fused_moe);
+elsewhere HF's loop over the experts hit (fused_moe_ref).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet_runtime.layers.backend import use_triton
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, weights_in_dtype: bool, dtype: torch.dtype) -> None:
+        # renormalize: the top_k probabilities divided by their sum (Mixtral; Qwen3-MoE's
+        # norm_topk_prob); weights_in_dtype: rounded to the model's dtype (Qwen3-MoE) or kept
+        # in fp32 (Mixtral), as HF's routers do
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}; got {top_k}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_dtype = weights_in_dtype
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
+                                            dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+                                           dtype=dtype), requires_grad=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top_k experts and their weights ([T, K] each)."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_dtype:
+            weights = weights.to(x.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if use_triton(x):
+            from kvfleet_kernels.moe import fused_moe
+            return fused_moe(x, self.w13, self.w2, weights, ids)
+        from kvfleet_kernels.moe import fused_moe_ref
+        return fused_moe_ref(x, self.w13, self.w2, weights, ids)
+
+    def load_expert(self, expert: int, piece: str, tensor: torch.Tensor) -> None:
+        """One expert's checkpoint tensor: piece "gate", "up" (halves of w13) or "down" (w2)."""
+        inter = self.w2.shape[2]
+        target = {"gate": self.w13.data[expert, :inter], "up": self.w13.data[expert, inter:],
+                  "down": self.w2.data[expert]}[piece]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expert {expert}'s {piece} projection: checkpoint shape "
+                             f"{tuple(tensor.shape)} != model shape {tuple(target.shape)}")
+        target.copy_(tensor)

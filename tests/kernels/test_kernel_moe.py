@@ -1,0 +1,87 @@
+"""Mixture-of-experts MLP: moe_align's grouping, and fused_moe (Triton) against fused_moe_ref.
+
+CPU cases run in Triton's interpreter (fp32, fp16); the gpu case uses Mixtral-like shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvfleet_kernels.moe import fused_moe, fused_moe_ref, moe_align
+from paged_batch import CPU_DTYPES, DEVICE
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+          seed: int, device: str = DEVICE, skew: bool = False):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(device, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(device, dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    if skew:                 # most tokens on expert 0: runs of several blocks, experts unused
+        logits[:, 0] += 4.0
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).to(device), ids.to(device)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
+                         [(1, 4, 2, 16), (37, 8, 2, 16), (50, 16, 4, 32), (5, 3, 3, 16)])
+def test_moe_align_groups_every_pair_once_by_expert(tokens, experts, top_k, block_m) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    sorted_pairs, block_experts = moe_align(ids, experts, block_m)
+    pairs = tokens * top_k
+    assert sorted_pairs.numel() == pairs + experts * (block_m - 1)
+    real = sorted_pairs[sorted_pairs < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))          # every pair exactly once
+    flat = ids.reshape(-1)
+    for b, expert in enumerate(block_experts.tolist()):
+        block = sorted_pairs[b * block_m:(b + 1) * block_m]
+        block = block[block < pairs]
+        if expert >= experts:
+            assert block.numel() == 0                            # past the padded total
+        else:
+            assert (flat[block.long()] == expert).all()          # one expert a block
+    # each expert's pairs in pair order, its run starting on a block
+    for e in range(experts):
+        blocks = [b for b, x in enumerate(block_experts.tolist()) if x == e]
+        run = sorted_pairs[blocks[0] * block_m:(blocks[-1] + 1) * block_m] if blocks else []
+        got = [p for p in (run.tolist() if blocks else []) if p < pairs]
+        assert got == (flat == e).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "skew"),
+                         [(1, 4, 2, 32, 48, False), (23, 8, 2, 64, 40, False),
+                          (40, 6, 3, 48, 32, True)])
+def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inter, skew) -> None:
+    x, w13, w2, weights, ids = _case(tokens, experts, top_k, hidden, inter, dtype, seed=tokens,
+                                     skew=skew)
+    out = fused_moe(x, w13, w2, weights, ids)
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), ref, rtol=0.0, atol=TOLERANCE[dtype] * 4)
+    # the weights and the routing matter: another expert choice gives another output
+    other = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, (ids + 1) % experts)
+    assert (other - ref).abs().max() > 100 * TOLERANCE[dtype]
+
+
+def test_fused_moe_refuses_mismatched_weights() -> None:
+    x, w13, w2, weights, ids = _case(3, 4, 2, 32, 48, torch.float32, seed=1, device="cpu")
+    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, 32\] and w2 \[E, 32, I\]"):
+        fused_moe(x, w13, w2[:, :, :40], weights, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300, 2048])
+def test_gpu_fused_moe_bf16(tokens: int) -> None:
+    # Mixtral's routing (8 experts, top 2) at a small hidden size; Qwen3-MoE's 128 / top 8
+    for experts, top_k in [(8, 2), (128, 8)]:
+        x, w13, w2, weights, ids = _case(tokens, experts, top_k, 1024, 768, torch.bfloat16,
+                                         seed=tokens)
+        out = fused_moe(x, w13, w2, weights, ids)
+        ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        scale = max(float(ref.abs().max()), 1.0)
+        torch.testing.assert_close(out.float() / scale, ref / scale, rtol=0.0, atol=2e-2)
