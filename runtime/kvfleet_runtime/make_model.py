@@ -33,7 +33,11 @@ GiB = 1024 ** 3
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BYTE_LEVEL = "byte-level"
 INIT_STD = 0.02
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# a mixture of experts' checkpoint names: its sparse MLP, each expert's gate, up, down
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # ChatML, as SmolLM2 and Qwen use; for the byte-level fallback tokenizer
@@ -59,6 +63,11 @@ class Preset:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     head_dim: int | None = None      # None: hidden_size // num_attention_heads
+    # a mixture of experts (mixtral, qwen3_moe): every layer sparse, num_experts MLPs of
+    # moe_intermediate_size (mixtral: intermediate_size), experts_per_tok a token
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
 
 def _llama3(hidden: int, layers: int, heads: int, intermediate: int) -> Preset:
@@ -82,6 +91,16 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": _tiny("llama", tie_word_embeddings=True),
     "tiny-qwen2": _tiny("qwen2", rope_theta=1e6, rms_norm_eps=1e-6),
     "tiny-qwen3": _tiny("qwen3", rope_theta=1e6, rms_norm_eps=1e-6, head_dim=16),
+    # mixtures of experts: Mixtral 8x7B (47B parameters, 94 GB in bf16: an H200) and
+    # Qwen3-30B-A3B (30.5B, 61 GB)
+    "mixtral-8x7b": Preset("mixtral", 32000, 4096, 32, 32, 8, 14336, 32768, rope_theta=1e6,
+                           num_experts=8, experts_per_tok=2, moe_intermediate_size=14336),
+    "qwen3-30b-a3b": Preset("qwen3_moe", 151936, 2048, 48, 32, 4, 6144, 40960, rope_theta=1e6,
+                            rms_norm_eps=1e-6, head_dim=128, num_experts=128,
+                            experts_per_tok=8, moe_intermediate_size=768),
+    "tiny-mixtral": _tiny("mixtral", num_experts=4, experts_per_tok=2, moe_intermediate_size=128),
+    "tiny-qwen3-moe": _tiny("qwen3_moe", rope_theta=1e6, rms_norm_eps=1e-6, head_dim=16,
+                            num_experts=8, experts_per_tok=2, moe_intermediate_size=32),
 }
 
 
@@ -108,6 +127,12 @@ def hf_config(preset: Preset, num_layers: int | None, dtype: str,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "torch_dtype": dtype,
+        **({} if not preset.num_experts else
+           {"num_local_experts": preset.num_experts, "num_experts_per_tok": preset.experts_per_tok}
+           if preset.model_type == "mixtral" else
+           {"num_experts": preset.num_experts, "num_experts_per_tok": preset.experts_per_tok,
+            "moe_intermediate_size": preset.moe_intermediate_size, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}),
     }
 
 
@@ -126,12 +151,23 @@ def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + f"self_attn.{proj}_proj.weight", (rows, hidden)))
             if config["attention_bias"]:
                 shapes.append((p + f"self_attn.{proj}_proj.bias", (rows,)))
-        if config["model_type"] == "qwen3":
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
             shapes += [(p + "self_attn.q_norm.weight", (head_dim,)),
                        (p + "self_attn.k_norm.weight", (head_dim,))]
         shapes += [(p + "self_attn.o_proj.weight", (hidden, q_rows)),
-                   (p + "post_attention_layernorm.weight", (hidden,)),
-                   (p + "mlp.gate_proj.weight", (ffn, hidden)),
+                   (p + "post_attention_layernorm.weight", (hidden,))]
+        if config["model_type"] in _MOE_NAMES:
+            block, gate, up, down = _MOE_NAMES[config["model_type"]]
+            experts = config.get("num_experts") or config["num_local_experts"]
+            inter = config.get("moe_intermediate_size") or ffn
+            shapes.append((p + f"{block}.gate.weight", (experts, hidden)))
+            for e in range(experts):
+                q = p + f"{block}.experts.{e}."
+                shapes += [(q + f"{gate}.weight", (inter, hidden)),
+                           (q + f"{up}.weight", (inter, hidden)),
+                           (q + f"{down}.weight", (hidden, inter))]
+            continue
+        shapes += [(p + "mlp.gate_proj.weight", (ffn, hidden)),
                    (p + "mlp.up_proj.weight", (ffn, hidden)),
                    (p + "mlp.down_proj.weight", (hidden, ffn))]
     shapes.append(("model.norm.weight", (hidden,)))

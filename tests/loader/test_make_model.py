@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def _headers(out: Path) -> dict[str, tuple[str, list[int], str]]:
     return found
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral",
+                                    "tiny-qwen3-moe"])
 def test_tiny_preset_loads_in_transformers(tmp_path, preset):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +49,13 @@ def test_tiny_preset_loads_in_transformers(tmp_path, preset):
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (4 * 16, 64) and attn.k_proj.weight.shape == (2 * 16, 64)
     assert (attn.q_proj.bias is not None) is (preset == "tiny-qwen2")
-    assert hasattr(attn, "q_norm") is (preset == "tiny-qwen3")
+    assert hasattr(attn, "q_norm") is preset.startswith("tiny-qwen3")
+    experts = {"tiny-mixtral": (4, 2), "tiny-qwen3-moe": (8, 2)}.get(preset)
+    if experts:         # a mixture of experts: the router and the stacked experts HF builds
+        mlp = model.model.layers[0].mlp
+        assert mlp.gate.weight.shape == (experts[0], 64)
+        assert mlp.experts.gate_up_proj.shape[0] == experts[0]
+        assert mlp.gate.top_k == experts[1]
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tied is (preset == "tiny-llama") is config["tie_word_embeddings"]
 
@@ -178,3 +186,31 @@ def test_non_empty_out_is_refused(tmp_path, capsys):
     assert cli.main(["make-model", "--preset", "tiny-llama", "--out", str(tmp_path)]) == 2
     assert "out must be a new or empty folder" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_moe_presets_serve_hf_greedy_tokens(tmp_path, preset):
+    from kvfleet_runtime import LLM, SamplingParams
+    from support.hf_reference import hf_greedy
+    _make(tmp_path, preset, "--dtype", "float32", "--tokenizer", str(tokenizer_dir()))
+    prompts = [[5, 900, 31, 4000, 77], list(range(100, 160))]
+    ours = LLM(model=str(tmp_path)).generate(prompts, SamplingParams(temperature=0, max_tokens=8),
+                                             use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == hf_greedy(tmp_path, prompts, 8)
+
+
+@pytest.mark.parametrize(("preset", "experts", "inter"), [("mixtral-8x7b", 8, 14336),
+                                                           ("qwen3-30b-a3b", 128, 768)])
+def test_moe_presets_real_shapes(preset, experts, inter):
+    from kvfleet_runtime.make_model import PRESETS, hf_config, tensor_shapes
+    config = hf_config(PRESETS[preset], 1, "bfloat16", 1, 2)
+    shapes = dict(tensor_shapes(config))
+    block, gate = ("block_sparse_moe", "w1") if preset.startswith("mixtral") else ("mlp", "gate_proj")
+    assert shapes[f"model.layers.0.{block}.gate.weight"] == (experts, config["hidden_size"])
+    assert shapes[f"model.layers.0.{block}.experts.{experts - 1}.{gate}.weight"] == \
+        (inter, config["hidden_size"])
+    per_layer = sum(math.prod(s) for n, s in shapes.items() if n.startswith("model.layers."))
+    rest = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("model.layers."))
+    # the whole model against the published totals: Mixtral 8x7B 46.7B, Qwen3-30B-A3B 30.5B
+    total = per_layer * PRESETS[preset].num_hidden_layers + rest
+    assert abs(total / {"mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9}[preset] - 1) < 0.005
