@@ -8,4 +8,6 @@ CASES = {
     "qwen2": ("qwen2", {}),                                    # qkv bias, tied embeddings
     "qwen3": ("qwen3", {}),                                    # q/k norm, head_dim 32
     "phi3": ("phi3", {}),                  # fused qkv / gate_up tensors split, then sharded
+    "mixtral": ("mixtral", {}),            # each expert's intermediate split, outputs summed
+    "qwen3-moe": ("qwen3_moe", {}),        # the same, beside a dense layer (mlp_only_layers)
 }

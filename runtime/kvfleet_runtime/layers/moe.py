@@ -4,6 +4,9 @@ experts, each a gated SiLU MLP, and the token's output is their weighted sum.
 The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate then up rows), w2
 [E, H, I]. On the Triton path one grouped GEMM a projection (kvfleet_kernels.moe.fused_moe);
 elsewhere HF's loop over the experts hit (fused_moe_ref).
+Under tensor parallelism each rank holds every expert's slice of I (its rows of gate and up,
+its columns of down, as a dense MLP's column / row split) and the ranks' outputs are summed;
+the router is whole on every rank (its input is, so every rank routes alike).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet_runtime.distributed.communication import all_reduce
+from kvfleet_runtime.distributed.parallel_state import get_tp_rank, get_tp_size
 from kvfleet_runtime.layers.backend import use_triton
 
 
@@ -24,6 +29,11 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}; got {top_k}")
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"the experts' intermediate size ({intermediate_size}) must be a "
+                             f"multiple of tensor_parallel_size ({self.tp_size})")
+        intermediate_size //= self.tp_size
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_dtype = weights_in_dtype
@@ -48,13 +58,22 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         if use_triton(x):
             from kvfleet_kernels.moe import fused_moe
-            return fused_moe(x, self.w13, self.w2, weights, ids)
-        from kvfleet_kernels.moe import fused_moe_ref
-        return fused_moe_ref(x, self.w13, self.w2, weights, ids)
+            out = fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            from kvfleet_kernels.moe import fused_moe_ref
+            out = fused_moe_ref(x, self.w13, self.w2, weights, ids)
+        return all_reduce(out) if self.tp_size > 1 else out
 
     def load_expert(self, expert: int, piece: str, tensor: torch.Tensor) -> None:
-        """One expert's checkpoint tensor: piece "gate", "up" (halves of w13) or "down" (w2)."""
+        """One expert's checkpoint tensor: piece "gate", "up" (halves of w13) or "down" (w2);
+        under tensor parallelism this rank's slice of it."""
         inter = self.w2.shape[2]
+        if self.tp_size > 1:
+            cut = slice(self.tp_rank * inter, (self.tp_rank + 1) * inter)
+            if tensor.shape[1 if piece == "down" else 0] != inter * self.tp_size:
+                raise ValueError(f"expert {expert}'s {piece} projection: checkpoint shape "
+                                 f"{tuple(tensor.shape)} does not hold {self.tp_size} x {inter}")
+            tensor = tensor[:, cut] if piece == "down" else tensor[cut]
         target = {"gate": self.w13.data[expert, :inter], "up": self.w13.data[expert, inter:],
                   "down": self.w2.data[expert]}[piece]
         if target.shape != tensor.shape:

@@ -4,8 +4,9 @@ norm_topk_prob, decoder_sparse_step / mlp_only_layers for the dense layers). The
 with layers.moe.SparseMoeBlock as the MLP of its sparse layers; the checkpoint's experts (one
 tensor a projection an expert) are stacked into the block's w13 / w2 as they load.
 
-Not yet: tensor parallelism, quantized (GPTQ/AWQ/FP8) experts, LoRA on the experts (attention
-adapters apply): refused when the model is built or the adapter read."""
+Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe). Not yet:
+quantized (GPTQ/AWQ/FP8) experts, LoRA on the experts (attention adapters apply), expert
+parallelism."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from collections.abc import Iterable
 
 import torch
 
-from kvfleet_runtime.distributed.parallel_state import get_tp_size
 from kvfleet_runtime.layers.moe import SparseMoeBlock
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
@@ -28,9 +28,6 @@ class _MoeForCausalLM(LlamaForCausalLM):
     expert_pieces: dict[str, str] = {}          # checkpoint projection -> gate / up / down
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config=None) -> None:
-        if get_tp_size() > 1:
-            raise ValueError(f"{cfg.architecture} (a mixture of experts) does not run under "
-                             "tensor parallelism yet: tensor_parallel_size must be 1")
         if quant_config is not None:
             raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no quantization "
                              "yet (GPTQ, AWQ, FP8): serve its bf16/fp16 weights")
