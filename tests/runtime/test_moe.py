@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.layers.moe import SparseMoeBlock
 from support.hf_reference import hf_greedy
@@ -88,3 +89,47 @@ def test_quantized_experts_are_refused(tmp_path):
     path = make_tiny_model("qwen3_moe", tmp_path / "q")
     with pytest.raises(ValueError, match="takes no quantization yet"):
         LLM(model=str(path), num_gpu_blocks=16, quantization="fp8")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_lora_on_attention_and_dense_layers_equals_hf_with_it_merged(arch, tmp_path, capsys):
+    # make-lora's default targets on a mixture of experts: every attention projection, the
+    # MLP's only where a layer is dense (Qwen3-MoE's mlp_only_layers; none in Mixtral); the
+    # experts take none. The reference: HF with each A/B pair merged into its weight by hand
+    # (PEFT rewrites a MoE model's gate/up/down targets for its fused experts, dense layers'
+    # patterns included, so it is no reference here)
+    import json
+
+    from kvfleet_runtime.cli import main
+    from kvfleet_runtime.lora import LoRARequest
+    from safetensors.torch import load_file
+    from support.hf_reference import greedy_of
+    from transformers import AutoModelForCausalLM
+    path = make_tiny_model(arch, tmp_path / arch)
+    out = tmp_path / "lora"
+    assert main(["make-lora", "--model", str(path), "--out", str(out), "--rank", "4",
+                 "--dtype", "float32"]) == 0
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    mlp = {n.split(".layers.")[1].split(".")[0] for n in tensors if ".mlp." in n}
+    assert mlp == (set() if arch == "mixtral" else {"1"})
+    config = json.loads((out / "adapter_config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = _prompts(3, seed=9)
+    base = greedy_of(hf, prompts, 12)
+    modules = dict(hf.named_modules())
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if name.endswith("lora_A.weight"):
+                module = modules[name.removeprefix("base_model.model.").removesuffix(
+                    ".lora_A.weight")]
+                b = tensors[name.replace("lora_A", "lora_B")]
+                module.weight += (b @ a) * (config["lora_alpha"] / config["r"])
+    ref = greedy_of(hf, prompts, 12)
+    assert ref != base
+    llm = LLM(model=str(path), dtype="float32", enable_lora=True, max_lora_rank=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
+                        lora_request=LoRARequest("made", 1, str(out)))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    capsys.readouterr()
+    assert main(["make-lora", "--model", str(path), "--out", str(tmp_path / "x"), "--targets",
+                 "down_proj"]) == (2 if arch == "mixtral" else 0)

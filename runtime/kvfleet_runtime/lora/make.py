@@ -44,7 +44,9 @@ def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float |
               dtype: str = "bfloat16") -> Path:
     """Write a random adapter of `rank` on `targets` of every layer of the model `model` (an HF
     folder's config.json, or a .gguf file's metadata) to `out` (a new or empty folder); on a
-    model whose projections are fused (Phi-3) q/k/v and gate/up become its fused names."""
+    model whose projections are fused (Phi-3) q/k/v and gate/up become its fused names. A
+    mixture of experts' sparse layers take none on their MLP (its experts take no adapter):
+    gate/up/down only where a layer is dense, and left out of target_modules where none is."""
     from safetensors.torch import save_file
     model, out = Path(model), Path(out)
     if rank < 1:
@@ -70,12 +72,18 @@ def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float |
     shapes = projection_shapes(config)
     if _fuses_projections(config):
         targets = tuple(dict.fromkeys(FUSED_NAMES.get(t, t) for t in targets))
+    from kvfleet_runtime.models.config import ModelConfig
+    sparse = set(ModelConfig.from_hf(config).moe_layers) if "architectures" in config else set()
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
+    written: set[str] = set()
     for layer in range(config["num_hidden_layers"]):
         for proj in targets:
             parent = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj",
                                              "qkv_proj") else "mlp"
+            if parent == "mlp" and layer in sparse:
+                continue
+            written.add(proj)
             name = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
             fan_in, fan_out = shapes[proj]
             # A as PEFT's kaiming init; B small instead of PEFT's zeros (a no-op adapter)
@@ -83,6 +91,10 @@ def make_lora(model: str | Path, out: str | Path, rank: int = 16, alpha: float |
             b = torch.randn(fan_out, rank, generator=gen) * (0.02 / rank ** 0.5)
             tensors[f"{name}.lora_A.weight"] = a.to(_DTYPES[dtype])
             tensors[f"{name}.lora_B.weight"] = b.to(_DTYPES[dtype])
+    targets = tuple(t for t in targets if t in written)
+    if not targets:
+        raise ValueError("a mixture of experts' MLP takes no LoRA adapter (its experts): "
+                         "target attention projections (q_proj, k_proj, v_proj, o_proj)")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE))
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
@@ -120,5 +132,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvfleet make-lora: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote a rank-{args.rank} adapter on {', '.join(targets)} to {out}")
+    written = json.loads((out / CONFIG_FILE).read_text())["target_modules"]
+    print(f"wrote a rank-{args.rank} adapter on {', '.join(written)} to {out}")
     return 0
