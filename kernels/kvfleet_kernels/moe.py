@@ -18,15 +18,28 @@ import triton
 import triton.language as tl
 
 
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """Stacked expert weights [E, N, K], e4m3 with per-(expert, row) scales [E, N], in dtype."""
+    return w if scale is None else (w.float() * scale[:, :, None]).to(dtype)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H]: HF's expert loop (the experts hit, their tokens gathered, each output
-    times its weight added into a zeroed output in x's dtype)."""
+    times its weight added into a zeroed output in x's dtype). With scales, w13 / w2 are e4m3
+    with a scale a row (fused_moe's FP8 experts), dequantized expert by expert."""
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         token, pos = (topk_ids == e).nonzero(as_tuple=True)
-        gate, up = torch.nn.functional.linear(x[token], w13[e]).chunk(2, dim=-1)
-        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
+        up_w = dequantize_experts(w13[e:e + 1], None if w13_scale is None else w13_scale[e:e + 1],
+                                  x.dtype)[0]
+        down_w = dequantize_experts(w2[e:e + 1], None if w2_scale is None else w2_scale[e:e + 1],
+                                    x.dtype)[0]
+        gate, up = torch.nn.functional.linear(x[token], up_w).chunk(2, dim=-1)
+        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_w)
         out.index_add_(0, token, (h * topk_weights[token, pos, None]).to(x.dtype))
     return out
 
@@ -57,11 +70,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
-                     num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
+                     scale_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
                      A_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_SCALE: tl.constexpr = False):
     # Program = (block of BLOCK_M sorted pairs, all of one expert; BLOCK_N outputs):
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[expert, n, k] (times the pair's weight).
+    # W_SCALE: w is e4m3, read in a's dtype, each output column times scale[expert, n].
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -81,7 +96,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
                     mask=valid[:, None] & k_valid[None, :], other=0.0)
         w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
                     mask=n_valid[None, :] & k_valid[:, None], other=0.0)           # [K, N]
+        if W_SCALE:
+            w = w.to(a.dtype)
         acc += tl.dot(a, w, input_precision="ieee")
+    if W_SCALE:
+        acc *= tl.load(scale_ptr + expert.to(tl.int64) * N + n, mask=n_valid, other=0.0)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :],
@@ -90,7 +109,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
           block_experts: torch.Tensor, weights: torch.Tensor | None, a_div: int,
-          block_m: int) -> None:
+          block_m: int, scale: torch.Tensor | None = None) -> None:
     num_pairs, n = out.shape
     k = w.shape[2]
     on_gpu = a.is_cuda
@@ -98,16 +117,21 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_experts, weights if weights is not None else out,
+        scale if scale is not None else out,
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None, NUM_EXPERTS=w.shape[0], BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3 if on_gpu else 1)
+        BLOCK_N=block_n, BLOCK_K=block_k, W_SCALE=scale is not None, num_warps=4,
+        num_stages=3 if on_gpu else 1)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, block_m: int | None = None,
+              w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (each with a
     contiguous last dim), topk_weights / topk_ids [T, K] -> [T, H] in x's dtype. The pairs'
-    outputs are summed over k in fp32."""
+    outputs are summed over k in fp32. FP8 experts: w13 / w2 e4m3 with fp32 scales [E, 2I] /
+    [E, H] (W8A16: read in x's dtype, each output column scaled)."""
     from kvfleet_kernels.activation import silu_and_mul
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -121,9 +145,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m)
     pairs = num_tokens * top_k
     inter = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, inter, sorted_pairs, block_experts, None, top_k, block_m)
+    _gemm(x, w13, inter, sorted_pairs, block_experts, None, top_k, block_m, w13_scale)
     act = silu_and_mul(inter)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _gemm(act, w2, out, sorted_pairs, block_experts, topk_weights.reshape(-1).contiguous(), 1,
-          block_m)
+          block_m, w2_scale)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -163,6 +163,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for module in model.modules():
         if isinstance(module, Linear):
             module.linear_method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):    # layers.moe's experts
+            module.process_weights_after_loading()
     cfg.eos_token_ids = _eos_ids(folder, cfg, tokenizer)
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, dtype=dtype, name=name)

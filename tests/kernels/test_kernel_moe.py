@@ -68,6 +68,30 @@ def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inte
     assert (other - ref).abs().max() > 100 * TOLERANCE[dtype]
 
 
+def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvfleet_kernels.fp8 import quantize_fp8_rowwise
+    q, scale = quantize_fp8_rowwise(w.reshape(-1, w.shape[2]))
+    return q.reshape(w.shape), scale.reshape(w.shape[:2]).contiguous()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_fp8_experts_match_the_reference_over_their_dequantized_weights(dtype) -> None:
+    # W8A16: e4m3 weights with a scale a row, read in the activation's dtype
+    from kvfleet_kernels.moe import dequantize_experts
+    x, w13, w2, weights, ids = _case(29, 6, 2, 64, 48, dtype, seed=3)
+    (q13, s13), (q2, s2) = _fp8_experts(w13.float()), _fp8_experts(w2.float())
+    out = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    ref = fused_moe_ref(x.float(), dequantize_experts(q13, s13, torch.float32),
+                        dequantize_experts(q2, s2, torch.float32), weights, ids)
+    torch.testing.assert_close(out.float(), ref, rtol=0.0, atol=TOLERANCE[dtype] * 4)
+    # the reference reads the same e4m3 experts itself
+    torch.testing.assert_close(fused_moe_ref(x.float(), q13, q2, weights, ids, s13, s2), ref,
+                               rtol=0, atol=0)
+    # and the scales are applied: without them the output is far off
+    unscaled = fused_moe_ref(x.float(), q13.float(), q2.float(), weights, ids)
+    assert (unscaled - ref).abs().max() > 1.0
+
+
 def test_fused_moe_refuses_mismatched_weights() -> None:
     x, w13, w2, weights, ids = _case(3, 4, 2, 32, 48, torch.float32, seed=1, device="cpu")
     with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, 32\] and w2 \[E, 32, I\]"):

@@ -85,10 +85,62 @@ def test_a_missing_expert_is_refused(tmp_path):
         LLM(model=str(path), num_gpu_blocks=16)
 
 
-def test_quantized_experts_are_refused(tmp_path):
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fp8_on_load_matches_hf_over_the_rounded_weights(arch, tmp_path, monkeypatch):
+    # --quantization fp8: every projection and every expert rounded to e4m3 a row at a time
+    # (the router, embeddings and lm_head not); HF with the same rounding is the reference.
+    # (A CPU serves the rounded weights dequantized; the GPU keeps them e4m3: test_gpu_engine)
+    from kvfleet_kernels.fp8 import quantize_fp8_rowwise
+    from support.hf_reference import greedy_of
+    from transformers import AutoModelForCausalLM
+    path = make_tiny_model(arch, tmp_path / arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = _prompts(4, seed=12)
+    plain = greedy_of(hf, prompts, 12)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() < 2 or "embed" in name or "lm_head" in name or name.endswith("mlp.gate.weight"):
+                continue
+            q, scale = quantize_fp8_rowwise(p.reshape(-1, p.shape[-1]))
+            p.copy_((q.float() * scale).reshape(p.shape))
+    ref = greedy_of(hf, prompts, 12)
+    assert ref != plain                       # the rounding moves these outputs
+    llm = LLM(model=str(path), dtype="float32", quantization="fp8")
+    assert _greedy(llm, prompts) == ref
+    # the grouped GEMM reads e4m3 experts (in the interpreter, as a GPU would)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvfleet_kernels import fp8 as fp8_kernels
+    from kvfleet_runtime.layers import moe as moe_layer
+    monkeypatch.setattr(fp8_kernels, "fp8_supported", lambda device: True)
+    block = moe_layer.SparseMoeBlock(64, 32, 4, 2, True, False, torch.float32, fp8=True)
+    torch.nn.init.normal_(block.w13, std=0.1)
+    torch.nn.init.normal_(block.w2, std=0.1)
+    torch.nn.init.normal_(block.gate.weight, std=0.5)
+    dense = (block.w13.detach().clone(), block.w2.detach().clone())
+    block.process_weights_after_loading()
+    assert block.w13.dtype == torch.float8_e4m3fn and block.w2_scale.shape == (4, 64)
+    x = torch.randn(9, 64)
+    from kvfleet_runtime.layers import backend
+    monkeypatch.setattr(backend, "_forced", "triton")
+    out = block(x)
+    weights, ids = block.route(x)
+    from kvfleet_kernels.moe import fused_moe_ref
+    expected = fused_moe_ref(x, block.w13, block.w2, weights, ids, block.w13_scale,
+                             block.w2_scale)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4)
+    assert (fused_moe_ref(x, *dense, weights, ids) - expected).abs().max() < 0.05 * \
+        expected.abs().max()                   # rounding, not another function
+
+
+def test_quantized_checkpoints_are_refused(tmp_path):
+    import json
     path = make_tiny_model("qwen3_moe", tmp_path / "q")
-    with pytest.raises(ValueError, match="takes no quantization yet"):
-        LLM(model=str(path), num_gpu_blocks=16, quantization="fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                     "desc_act": False, "sym": True}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="takes no quantized checkpoint yet"):
+        LLM(model=str(path), num_gpu_blocks=16)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

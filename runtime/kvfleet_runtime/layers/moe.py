@@ -22,11 +22,16 @@ from kvfleet_runtime.layers.backend import use_triton
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, weights_in_dtype: bool, dtype: torch.dtype) -> None:
+                 renormalize: bool, weights_in_dtype: bool, dtype: torch.dtype,
+                 fp8: bool = False) -> None:
         # renormalize: the top_k probabilities divided by their sum (Mixtral; Qwen3-MoE's
         # norm_topk_prob); weights_in_dtype: rounded to the model's dtype (Qwen3-MoE) or kept
-        # in fp32 (Mixtral), as HF's routers do
+        # in fp32 (Mixtral), as HF's routers do; fp8: the experts quantized once loaded
+        # (`--quantization fp8`: e4m3, a scale a row; process_weights_after_loading)
         super().__init__()
+        self.fp8 = fp8
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}; got {top_k}")
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
@@ -58,11 +63,33 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         if use_triton(x):
             from kvfleet_kernels.moe import fused_moe
-            out = fused_moe(x, self.w13, self.w2, weights, ids)
+            out = fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
+                            w2_scale=self.w2_scale)
         else:
             from kvfleet_kernels.moe import fused_moe_ref
-            out = fused_moe_ref(x, self.w13, self.w2, weights, ids)
+            out = fused_moe_ref(x, self.w13, self.w2, weights, ids, self.w13_scale,
+                                self.w2_scale)
         return all_reduce(out) if self.tp_size > 1 else out
+
+    def process_weights_after_loading(self) -> None:
+        """FP8 experts: each row of w13 and w2 rounded to e4m3 with its own scale. On a GPU
+        with FP8 (compute capability >= 8.9) they stay e4m3 (half the memory; the grouped
+        GEMM reads them in the activation's dtype); elsewhere they are dequantized back, so a
+        CPU serves the same rounded weights."""
+        if not self.fp8:
+            return
+        from kvfleet_kernels.fp8 import fp8_supported, quantize_fp8_rowwise
+        from kvfleet_kernels.moe import dequantize_experts
+        keep = fp8_supported(self.w13.device)
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q, scale = quantize_fp8_rowwise(w.reshape(-1, w.shape[2]))
+            q, scale = q.reshape(w.shape), scale.reshape(w.shape[:2]).contiguous()
+            if keep:
+                setattr(self, name, nn.Parameter(q, requires_grad=False))
+                setattr(self, f"{name}_scale", scale)
+            else:
+                getattr(self, name).data.copy_(dequantize_experts(q, scale, w.dtype))
 
     def load_expert(self, expert: int, piece: str, tensor: torch.Tensor) -> None:
         """One expert's checkpoint tensor: piece "gate", "up" (halves of w13) or "down" (w2);

@@ -137,7 +137,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.moe_renormalize,
-                                      cfg.architecture == "Qwen3MoeForCausalLM", dtype)
+                                      cfg.architecture == "Qwen3MoeForCausalLM", dtype,
+                                      fp8=getattr(quant_config, "name", None) == "fp8")
         else:
             self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
             feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)

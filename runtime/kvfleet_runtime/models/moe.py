@@ -4,9 +4,10 @@ norm_topk_prob, decoder_sparse_step / mlp_only_layers for the dense layers). The
 with layers.moe.SparseMoeBlock as the MLP of its sparse layers; the checkpoint's experts (one
 tensor a projection an expert) are stacked into the block's w13 / w2 as they load.
 
-Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe). Not yet:
-quantized (GPTQ/AWQ/FP8) experts, LoRA on the experts (attention adapters apply), expert
-parallelism."""
+Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe);
+`--quantization fp8` quantizes the experts as it does the other projections (e4m3, a scale a
+row). Not yet: quantized checkpoints (GPTQ/AWQ/FP8), LoRA on the experts (attention and dense
+layers' adapters apply), expert parallelism."""
 
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ class _MoeForCausalLM(LlamaForCausalLM):
     expert_pieces: dict[str, str] = {}          # checkpoint projection -> gate / up / down
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config=None) -> None:
-        if quant_config is not None:
-            raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no quantization "
-                             "yet (GPTQ, AWQ, FP8): serve its bf16/fp16 weights")
+        if quant_config is not None and (quant_config.name != "fp8"
+                                         or getattr(quant_config, "serialized", True)):
+            raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no quantized "
+                             "checkpoint yet (GPTQ, AWQ, FP8): serve its bf16/fp16 weights, "
+                             "or quantize them to FP8 as they load (--quantization fp8)")
         super().__init__(cfg, dtype, quant_config)
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
