@@ -109,3 +109,9 @@ def test_gpu_fused_moe_bf16(tokens: int) -> None:
         ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
         scale = max(float(ref.abs().max()), 1.0)
         torch.testing.assert_close(out.float() / scale, ref / scale, rtol=0.0, atol=2e-2)
+        # FP8 experts (W8A16) against the reference over the same e4m3 weights
+        (q13, s13), (q2, s2) = _fp8_experts(w13.float()), _fp8_experts(w2.float())
+        out = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+        ref = fused_moe_ref(x.float(), q13, q2, weights, ids, s13, s2)
+        scale = max(float(ref.abs().max()), 1.0)
+        torch.testing.assert_close(out.float() / scale, ref / scale, rtol=0.0, atol=2e-2)
