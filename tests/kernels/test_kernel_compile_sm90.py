@@ -98,6 +98,14 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
     return "kvfleet_kernels.paged_attention", kernel, sig, constexprs
 
 
+def _moe_gemm(weight: str, out: str, **flags: bool | int) -> tuple:
+    sig = {"a_ptr": "*bf16", "w_ptr": weight, "out_ptr": out, "sorted_pairs_ptr": "*i32",
+           "block_experts_ptr": "*i32", "weights_ptr": "*fp32", "scale_ptr": "*fp32"}
+    return ("kvfleet_kernels.moe", "_moe_gemm_kernel", sig,
+            dict(A_DIV=1, MUL_WEIGHT=False, NUM_EXPERTS=128, BLOCK_M=64, BLOCK_N=64,
+                 BLOCK_K=64) | flags)
+
+
 def _fp8_quant(one_pass: bool) -> tuple:
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
@@ -185,6 +193,10 @@ CASES = {
     "decode_fp8_96_dims": (_paged_attention("_decode_kernel", DOT_FP16=True, D_REAL=96,
                                             V_TOKEN_MAJOR=True, PRELOAD=True),
                            ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    # the mixture of experts' grouped GEMM: bf16 experts, and e4m3 ones read as bf16 (W8A16)
+    "moe_gemm_bf16": (_moe_gemm("*bf16", "*bf16", A_DIV=8), [BF16_MMA]),
+    "moe_gemm_fp8_weights": (_moe_gemm("*fp8e4nv", "*fp32", MUL_WEIGHT=True, W_SCALE=True),
+                             [BF16_MMA, "cvt.rn.f16x2.e4m3x2"]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,
