@@ -10,4 +10,5 @@ CASES = {
     "phi3": ("phi3", {}),                  # fused qkv / gate_up tensors split, then sharded
     "mixtral": ("mixtral", {}),            # each expert's intermediate split, outputs summed
     "qwen3-moe": ("qwen3_moe", {}),        # the same, beside a dense layer (mlp_only_layers)
+    "qwen2-moe": ("qwen2_moe", {}),        # and a shared expert, row-parallel as a dense MLP
 }

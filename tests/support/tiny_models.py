@@ -15,7 +15,7 @@ import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3")
 # mixtures of experts (tests/runtime/test_moe.py; not in ARCHS: no TP, quantization or MLP LoRA)
-MOE_ARCHS = ("mixtral", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 VOCAB = 49152
 _CACHE = Path(os.environ.get("KVFLEET_TEST_CACHE", Path(tempfile.gettempdir()) / "kvfleet-test-cache"))
 
@@ -62,6 +62,10 @@ def _hf_config(arch: str, **overrides):
         return tf.Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 3,
                                     "moe_intermediate_size": 48, "norm_topk_prob": False,
                                     "mlp_only_layers": [1], "head_dim": 32, **common})
+    if arch == "qwen2_moe":    # 6 experts, top 2, a shared expert; qkv bias
+        return tf.Qwen2MoeConfig(**{"num_experts": 6, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 40,
+                                    "shared_expert_intermediate_size": 72, **common})
     raise ValueError(f"arch must be one of {', '.join(ARCHS + MOE_ARCHS)}; got {arch!r}")
 
 

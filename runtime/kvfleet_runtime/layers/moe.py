@@ -47,6 +47,10 @@ class SparseMoeBlock(nn.Module):
                                             dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
                                            dtype=dtype), requires_grad=False)
+        # Qwen2-MoE: a dense MLP every token takes, weighted by sigmoid(shared_expert_gate(x))
+        # (set by the model: models/llama.py)
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Linear | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts and their weights ([T, K] each)."""
@@ -69,7 +73,12 @@ class SparseMoeBlock(nn.Module):
             from kvfleet_kernels.moe import fused_moe_ref
             out = fused_moe_ref(x, self.w13, self.w2, weights, ids, self.w13_scale,
                                 self.w2_scale)
-        return all_reduce(out) if self.tp_size > 1 else out
+        if self.tp_size > 1:
+            out = all_reduce(out)
+        if self.shared_expert is not None:     # (its down_proj sums over the ranks itself)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * \
+                self.shared_expert(x)
+        return out
 
     def process_weights_after_loading(self) -> None:
         """FP8 experts: each row of w13 and w2 rounded to e4m3 with its own scale. On a GPU

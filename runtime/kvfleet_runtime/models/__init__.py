@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
-from kvfleet_runtime.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from kvfleet_runtime.models.moe import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from kvfleet_runtime.models.phi3 import Phi3ForCausalLM
 from kvfleet_runtime.models.qwen2 import Qwen2ForCausalLM
 from kvfleet_runtime.models.qwen3 import Qwen3ForCausalLM
@@ -17,6 +21,7 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

@@ -56,6 +56,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_renormalize: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a shared expert of this size beside the routed ones in every sparse layer,
+    # its output weighted by sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of decoder layer `layer`, 0 for full attention."""
@@ -69,6 +72,7 @@ class ModelConfig:
                                        "mistral": "MistralForCausalLM",
                                        "mixtral": "MixtralForCausalLM",
                                        "qwen3_moe": "Qwen3MoeForCausalLM",
+                                       "qwen2_moe": "Qwen2MoeForCausalLM",
                                        }.get(hf.get("model_type"), "")
         num_labels = 0
         if arch.endswith("ForSequenceClassification"):
@@ -111,7 +115,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
+            attention_bias=(bool(hf.get("attention_bias", False)) or arch == "Qwen2ForCausalLM"
+                            or (arch == "Qwen2MoeForCausalLM" and hf.get("qkv_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
@@ -132,13 +137,17 @@ def _moe_fields(hf: dict, arch: str) -> dict:
                     num_experts_per_tok=hf.get("num_experts_per_tok", 2),
                     moe_intermediate_size=hf["intermediate_size"], moe_renormalize=True,
                     moe_layers=tuple(range(layers)))
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         # (Qwen's checkpoints write num_experts; transformers 5 saves num_local_experts)
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or 128
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or (60 if qwen2 else 128)
         step = hf.get("decoder_sparse_step", 1)
         dense = set(hf.get("mlp_only_layers") or ())
-        return dict(num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok", 8),
-                    moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+        return dict(num_experts=experts,
+                    num_experts_per_tok=hf.get("num_experts_per_tok", 4 if qwen2 else 8),
+                    moe_intermediate_size=hf.get("moe_intermediate_size", 1408 if qwen2 else 768),
+                    shared_expert_intermediate_size=(
+                        hf.get("shared_expert_intermediate_size", 5632) if qwen2 else 0),
                     moe_renormalize=bool(hf.get("norm_topk_prob", False)),
                     moe_layers=tuple(i for i in range(layers)
                                      if experts > 0 and i not in dense and (i + 1) % step == 0))
@@ -150,7 +159,7 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
     no layer has one."""
     window = hf.get("sliding_window") or 0
     layers = hf["num_hidden_layers"]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         # the window only under use_sliding_window; then the layers layer_types names, by
         # default those from max_window_layers on
         if not hf.get("use_sliding_window"):

@@ -101,9 +101,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config, prefix: str,
+                 intermediate_size: int = 0) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype,
                                    linear_method=_method(quant_config, f"{prefix}.gate_up_proj"),
                                    prefix=f"{prefix}.gate_up_proj", parallel="column")
@@ -137,8 +138,14 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
                                       cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.moe_renormalize,
-                                      cfg.architecture == "Qwen3MoeForCausalLM", dtype,
+                                      cfg.architecture != "MixtralForCausalLM", dtype,
                                       fp8=getattr(quant_config, "name", None) == "fp8")
+            if cfg.shared_expert_intermediate_size:     # Qwen2-MoE's, a dense MLP
+                self.mlp.shared_expert = DecoderMLP(
+                    cfg, dtype, quant_config, f"{prefix}.mlp.shared_expert",
+                    intermediate_size=cfg.shared_expert_intermediate_size)
+                self.mlp.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False,
+                                                        dtype=dtype)
         else:
             self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
             feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)

@@ -1,6 +1,7 @@
 """Mixture-of-experts decoders: Mixtral (`MixtralForCausalLM`: every layer sparse, top-2 of 8
-renormalized) and Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3's attention, top-8 of 128,
-norm_topk_prob, decoder_sparse_step / mlp_only_layers for the dense layers). The Llama decoder
+renormalized), Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3's attention, top-8 of 128,
+norm_topk_prob, decoder_sparse_step / mlp_only_layers for the dense layers) and Qwen2-MoE
+(`Qwen2MoeForCausalLM`: Qwen2's attention, a shared expert gated by a sigmoid). The Llama decoder
 with layers.moe.SparseMoeBlock as the MLP of its sparse layers; the checkpoint's experts (one
 tensor a projection an expert) are stacked into the block's w13 / w2 as they load.
 
@@ -88,3 +89,8 @@ class MixtralForCausalLM(_MoeForCausalLM):
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
     expert_pieces = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (qkv bias), and a shared expert beside the
+    routed ones (its mlp.shared_expert.* tensors load as a dense MLP's)."""
