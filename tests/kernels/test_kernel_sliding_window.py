@@ -69,9 +69,12 @@ def _check(batch: PagedBatch, window: int, *, decode_only: bool = False,
     scale = max(float(expected.float().abs().max()), 1.0) if relative else 1.0
     torch.testing.assert_close(out.float() / scale, expected.float() / scale, rtol=0.0,
                                atol=TOLERANCE[batch.query.dtype])
-    # the window mattered here: full attention is far from it
+    # the window mattered here: full attention is farther from it than the tolerance, and
+    # than this kernel's own error, several times over (a kernel ignoring it would fail)
     full = paged_attention_ref(*args)
-    assert (full.float() - expected.float()).abs().max() > 20 * TOLERANCE[batch.query.dtype] * scale
+    gap = float((full.float() - expected.float()).abs().max())
+    err = float((out.float() - expected.float()).abs().max())
+    assert gap > max(4 * err, TOLERANCE[batch.query.dtype]), (gap, err)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 45])
