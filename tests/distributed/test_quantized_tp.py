@@ -236,6 +236,8 @@ TP_CASES = {
     "awq-g32": ("llama3-gqa", {"method": "awq", "group_size": 32}),
     "fp8-per-channel": ("llama3-gqa", {"method": "fp8", "per_channel": True}),
     "fp8-on-load": ("llama3-gqa", None),
+    # a scale a [16, 32] block: each rank's rows and columns of the scales with its weight's
+    "fp8-blocks": ("llama3-gqa", {"method": "fp8", "block": (16, 32)}),
 }
 
 

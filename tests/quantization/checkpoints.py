@@ -79,6 +79,18 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torc
     return w8.to(torch.float8_e4m3fn), scale
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight [N, K], fp32 weight_scale_inv [N / bn, K / bk]): a scale a block, as
+    Qwen3-*-FP8 and DeepSeek's checkpoints store them."""
+    bn, bk = block
+    n, k = w.shape
+    tiles = w.float().reshape(n // bn, bn, k // bk, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX        # [N/bn, K/bk]
+    w8 = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(n, k)
+    return w8.to(torch.float8_e4m3fn), scale
+
+
 def _is_projection(name: str) -> bool:
     parts = name.split(".")
     return parts[-1] == "weight" and len(parts) > 1 and parts[-2] in PROJECTIONS
@@ -86,7 +98,8 @@ def _is_projection(name: str) -> bool:
 
 def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits: int = 4,
                     group_size: int = 32, sym: bool = False, desc_act: bool = False,
-                    per_channel: bool = True, not_convert: tuple[str, ...] = ()) -> None:
+                    per_channel: bool = True, not_convert: tuple[str, ...] = (),
+                    block: tuple[int, int] | None = None) -> None:
     """Quantize src's projections into dst (method gptq, awq or fp8); write the dequantized
     fp32 weights (and everything else unchanged) to `reference`."""
     dst.mkdir(parents=True, exist_ok=True)
@@ -100,6 +113,12 @@ def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits:
         module = name.removesuffix(".weight")
         if not _is_projection(name) or any(p in module for p in not_convert):
             quantized[name] = dequantized[name] = w
+            continue
+        if method == "fp8" and block:
+            w8, scale = quantize_fp8_blocks(w, block)
+            quantized[name], quantized[f"{module}.weight_scale_inv"] = w8, scale
+            dequantized[name] = w8.float() * scale.repeat_interleave(block[0], 0) \
+                .repeat_interleave(block[1], 1)
             continue
         if method == "fp8":
             w8, scale = quantize_fp8(w, per_channel)
@@ -120,6 +139,8 @@ def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits:
     (reference / "config.json").write_text(json.dumps(config, indent=2))
     config["quantization_config"] = _quantization_config(method, bits, group_size, sym,
                                                          desc_act, list(not_convert))
+    if block:
+        config["quantization_config"]["weight_block_size"] = list(block)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name not in ("config.json",) \

@@ -73,7 +73,9 @@ def test_int_request_on_unquantized_checkpoint_is_an_error(tmp_path):
     ({**AWQ_RAW, "version": "gemv"}, "awq quantization_config.version must be one of gemm; got 'gemv'"),
     ({**AWQ_RAW, "zero_point": False}, "zero_point must be one of True; got False"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme must be one of dynamic"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size must be null"),
+    ({"quant_method": "fp8", "weight_block_size": [128]},
+     "weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "must be two positive integers"),
 ])
 def test_bad_fields_are_named_with_allowed_values(raw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -249,6 +249,24 @@ def test_fp8_quantize_on_load_uses_scaled_mm():
     assert (layer(x) - ref).norm() / ref.norm() < 0.05
 
 
+def test_fp8_block_scaled_checkpoint_runs_the_fp8_gemm():
+    # Qwen3-*-FP8's format ([16, 32] blocks at these sizes): requantized a row at a time for
+    # the FP8 GEMM, within the rounding of the checkpoint's dequantized weight
+    from quantization.checkpoints import quantize_fp8_blocks
+    weights = [torch.randn(n, K) * 0.05 for n in SHARDS]
+    blocks = [quantize_fp8_blocks(w, (16, 32)) for w in weights]
+    with torch.device("cuda"):
+        layer = build(FP8Config(serialized=True, block=(16, 32)))
+    load(layer, [{"weight": w8.cuda(), "weight_scale_inv": s.cuda()} for w8, s in blocks])
+    layer.linear_method.process_weights_after_loading(layer)
+    assert layer.uses_fp8 and layer.weight.dtype == torch.float8_e4m3fn
+    exact = torch.cat([w8.float() * s.repeat_interleave(16, 0).repeat_interleave(32, 1)
+                       for w8, s in blocks]).cuda()
+    x = torch.randn(5, K, device="cuda")
+    ref = x @ exact.t()
+    assert (layer(x) - ref).norm() / ref.norm() < 0.05
+
+
 def test_fp8_weight_gemv_at_batch_one_matches_dequantized_weight():
     # KVFLEET_TRITON_GEMV=1's batch-1 path for FP8 weights (W8A16, no activation rounding)
     from kvfleet_kernels.gemv import gemv, gemv_ref

@@ -25,6 +25,8 @@ CASES = {
     "awq-g32": ({"method": "awq", "group_size": 32,
                  "not_convert": ("model.layers.1.mlp.down_proj",)}, 0.1),
     "fp8-per-tensor": ({"method": "fp8", "per_channel": False}, 0.02),
+    # Qwen3-*-FP8's format: a scale a [128, 128] block (here [16, 32] of the tiny shapes)
+    "fp8-blocks-16x32": ({"method": "fp8", "block": (16, 32)}, 0.02),
 }
 
 

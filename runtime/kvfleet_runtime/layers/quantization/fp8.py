@@ -9,6 +9,12 @@ a row-parallel rank then gets the scales of whole rows, the same as with one ran
 Activations are scaled per token at run time (activation_scheme "dynamic"). Without an
 FP8-capable GPU the weight is dequantized on load into the model's dtype.
 
+Block-wise checkpoints (`weight_block_size` [bn, bk]: Qwen3-*-FP8, DeepSeek's): `weight` e4m3 and
+`weight_scale_inv` fp32 [N / bn, K / bk], a scale a block, sharded along both dims like the
+weight (in block units). Once loaded the weight is dequantized by its blocks and requantized a
+row at a time for the per-channel FP8 GEMM (one more rounding, within a row's range; without an
+FP8 GPU the block dequantization is kept, exactly the checkpoint's values).
+
 A layer's input may arrive already quantized: an `FP8Activation` from the RMSNorm or SiluAndMul
 in front of it (one kernel writes the e4m3 activation and its scales instead of a bf16 one the
 GEMM quantizes again). The model links producer and consumer (`feeds_fp8`); the consumer's
@@ -90,8 +96,9 @@ def _quantize_on_load(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
 
 
 class FP8LinearMethod(LinearMethod):
-    def __init__(self, serialized: bool) -> None:
+    def __init__(self, serialized: bool, block: tuple[int, int] | None = None) -> None:
         self.serialized = serialized
+        self.block = block
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -101,7 +108,17 @@ class FP8LinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
         # ones: what a dummy load (random weights, no checkpoint) leaves in place
         scale = torch.ones(n, dtype=torch.float32)
-        if self.serialized:
+        if self.block is not None:
+            bn, bk = self.block
+            if any(size % bn for size in output_sizes) or input_size % bk:
+                raise ValueError(f"{layer.prefix}: fp8 weight_block_size {list(self.block)} "
+                                 f"does not divide its shape (outputs {output_sizes}, inputs "
+                                 f"{input_size} on this rank)")
+            blocks = nn.Parameter(torch.ones(n // bn, input_size // bk), requires_grad=False)
+            set_weight_attrs(blocks, output_dim=0, input_dim=1, output_pack=bn, input_pack=bk)
+            layer.register_parameter("weight_scale_inv", blocks)
+            layer.register_buffer("weight_scale", scale, persistent=False)
+        elif self.serialized:
             scale = nn.Parameter(scale, requires_grad=False)
             set_weight_attrs(scale, weight_loader=partial(_load_weight_scale, layer))
             layer.register_parameter("weight_scale", scale)
@@ -112,6 +129,8 @@ class FP8LinearMethod(LinearMethod):
         set_weight_attrs(scale, output_dim=0)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.block is not None and self._from_blocks(layer):
+            return
         weight, scale = layer.weight.data, layer.weight_scale.data
         delattr(layer, "weight_scale")
         delattr(layer, "weight")
@@ -127,6 +146,30 @@ class FP8LinearMethod(LinearMethod):
                  "that are multiples of 16); such layers are dequantized on load")
         dequantized = (weight.float() * scale[:, None]).to(layer.params_dtype)
         layer.register_parameter("weight", nn.Parameter(dequantized, requires_grad=False))
+
+    def _from_blocks(self, layer: Linear) -> bool:
+        """A block-scaled weight as per-channel e4m3 for the FP8 GEMM; without an FP8 GPU the
+        block dequantization itself in the model's dtype (True: the layer is done)."""
+        bn, bk = self.block
+        blocks = layer.weight_scale_inv.data
+        delattr(layer, "weight_scale_inv")
+        exact = (layer.weight.data.float()
+                 * blocks.repeat_interleave(bn, 0).repeat_interleave(bk, 1))
+        if fp8_supported(exact.device):
+            w8, scale = quantize_fp8_rowwise(exact)
+            layer.weight.data = w8
+            layer.weight_scale.data = scale.reshape(-1)
+            return False
+        log_once("fp8: no FP8 GEMM here (needs a GPU of compute capability >= 8.9); block-scaled "
+                 "weights are dequantized on load")
+        delattr(layer, "weight")
+        delattr(layer, "weight_scale")
+        layer.uses_fp8 = False
+        for producer in getattr(layer, "fp8_input_producers", ()):
+            producer.fp8_out = False
+        layer.register_parameter("weight", nn.Parameter(exact.to(layer.params_dtype),
+                                                        requires_grad=False))
+        return True
 
     def apply(self, layer: Linear, x: torch.Tensor | FP8Activation,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -145,16 +188,20 @@ class FP8LinearMethod(LinearMethod):
 @dataclass
 class FP8Config(QuantConfig):
     serialized: bool = True     # False: an fp16/bf16 checkpoint quantized on load
+    block: tuple[int, int] | None = None    # weight_block_size: a scale a [bn, bk] block
 
     name = "fp8"
 
     @classmethod
     def from_config(cls, raw: dict) -> FP8Config:
         read_choice(raw, ("activation_scheme",), "dynamic", ("dynamic",), "fp8")
-        if raw.get("weight_block_size") is not None:
-            raise ValueError("fp8 quantization_config.weight_block_size must be null (per-channel "
-                             f"or per-tensor scales); got {raw['weight_block_size']!r}")
-        return cls(serialized=True, modules_to_not_convert=read_not_convert(raw))
+        block = raw.get("weight_block_size")
+        if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(
+                isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError("fp8 quantization_config.weight_block_size must be two positive "
+                             f"integers [rows, columns] or null; got {block!r}")
+        return cls(serialized=True, modules_to_not_convert=read_not_convert(raw),
+                   block=tuple(block) if block else None)
 
     def create_method(self) -> LinearMethod:
-        return FP8LinearMethod(self.serialized)
+        return FP8LinearMethod(self.serialized, self.block)
