@@ -134,6 +134,33 @@ def test_fp8_on_load_matches_hf_over_the_rounded_weights(arch, tmp_path, monkeyp
         expected.abs().max()                   # rounding, not another function
 
 
+def test_block_scaled_fp8_checkpoint_matches_hf_on_its_dequantized_weights(tmp_path):
+    # Qwen3-30B-A3B-FP8's format: every projection and expert e4m3 with a scale a block
+    # ([16, 16] at the tiny shapes), the routers unquantized
+    from quantization.checkpoints import write_quantized
+    from safetensors.torch import load_file, save_file
+    source = make_tiny_model("qwen3_moe", tmp_path / "source")
+    # weights whose size grows along rows and columns: every block's scale its own (a scale
+    # grid read transposed, or blocks mapped to the wrong rows, shows)
+    tensors = load_file(source / "model.safetensors")
+    for name, w in tensors.items():
+        if w.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            rows = torch.linspace(0.2, 3.0, w.shape[0])[:, None]
+            cols = torch.linspace(1.0, 0.1, w.shape[1])[None, :]
+            tensors[name] = w * rows * cols
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    quantized, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
+    write_quantized(source, quantized, dequantized, method="fp8", block=(16, 16))
+    from safetensors import safe_open
+    with safe_open(quantized / "model.safetensors", "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.experts.5.down_proj.weight_scale_inv") \
+            .get_shape() == [4, 3]
+    prompts = _prompts(4, seed=13)
+    ref = hf_greedy(dequantized, prompts, 12)
+    assert ref != hf_greedy(source, prompts, 12)        # the rounding moves these outputs
+    assert _greedy(LLM(model=str(quantized)), prompts) == ref
+
+
 def test_quantized_checkpoints_are_refused(tmp_path):
     import json
     path = make_tiny_model("qwen3_moe", tmp_path / "q")

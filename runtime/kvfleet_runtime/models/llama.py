@@ -140,6 +140,7 @@ class DecoderLayer(nn.Module):
                                       cfg.moe_renormalize,
                                       cfg.architecture != "MixtralForCausalLM", dtype,
                                       fp8=getattr(quant_config, "name", None) == "fp8")
+            # (a block-scaled FP8 checkpoint's experts arrive dequantized: models/moe.py)
             if cfg.shared_expert_intermediate_size:     # Qwen2-MoE's, a dense MLP
                 self.mlp.shared_expert = DecoderMLP(
                     cfg, dtype, quant_config, f"{prefix}.mlp.shared_expert",

@@ -7,8 +7,9 @@ tensor a projection an expert) are stacked into the block's w13 / w2 as they loa
 
 Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe);
 `--quantization fp8` quantizes the experts as it does the other projections (e4m3, a scale a
-row). Not yet: quantized checkpoints (GPTQ/AWQ/FP8), LoRA on the experts (attention and dense
-layers' adapters apply), expert parallelism."""
+row); a block-scaled FP8 checkpoint's experts (Qwen3-30B-A3B-FP8) are dequantized as they load,
+then rounded the same way. Not yet: GPTQ/AWQ or per-channel FP8 experts, LoRA on the experts
+(attention and dense layers' adapters apply), expert parallelism."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kvfleet_runtime.layers.moe import SparseMoeBlock
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)")
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.gate\.weight")
 
 
@@ -30,11 +31,16 @@ class _MoeForCausalLM(LlamaForCausalLM):
     expert_pieces: dict[str, str] = {}          # checkpoint projection -> gate / up / down
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config=None) -> None:
-        if quant_config is not None and (quant_config.name != "fp8"
-                                         or getattr(quant_config, "serialized", True)):
+        fp8 = quant_config is not None and quant_config.name == "fp8"
+        # a block-scaled FP8 checkpoint (Qwen3-30B-A3B-FP8): each expert tensor dequantized by
+        # its weight_scale_inv as it loads, then rounded a row at a time as on-load FP8 does
+        self.expert_block = getattr(quant_config, "block", None) if fp8 else None
+        if quant_config is not None and not (
+                fp8 and (not quant_config.serialized or self.expert_block is not None)):
             raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no quantized "
-                             "checkpoint yet (GPTQ, AWQ, FP8): serve its bf16/fp16 weights, "
-                             "or quantize them to FP8 as they load (--quantization fp8)")
+                             "checkpoint yet but block-scaled FP8 (GPTQ, AWQ, per-tensor or "
+                             "per-channel FP8): serve its bf16/fp16 weights, or quantize them "
+                             "to FP8 as they load (--quantization fp8)")
         super().__init__(cfg, dtype, quant_config)
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
@@ -47,6 +53,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         pieces: dict[int, set[tuple[int, str]]] = {}
+        halves: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}    # block-scaled FP8
 
         def dense():
             for name, tensor in weights:
@@ -55,9 +62,18 @@ class _MoeForCausalLM(LlamaForCausalLM):
                 if expert and expert[2] == self.block_name:
                     layer, index, proj = int(expert[1]), int(expert[3]), expert[4]
                     block = self._block(layer, name)
-                    if proj not in self.expert_pieces or index >= block.w13.shape[0]:
+                    if proj not in self.expert_pieces or index >= block.w13.shape[0] or (
+                            expert[5] == "weight_scale_inv" and self.expert_block is None):
                         raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                          f"{self.config.architecture}")
+                    if self.expert_block is not None:
+                        got = halves.setdefault((layer, index, proj), {})
+                        got[expert[5]] = tensor
+                        if len(got) < 2:
+                            continue
+                        tensor = _dequantize_blocks(name, got.pop("weight"),
+                                                    got.pop("weight_scale_inv"),
+                                                    self.expert_block, block.w13.dtype)
                     block.load_expert(index, self.expert_pieces[proj], tensor)
                     pieces.setdefault(layer, set()).add((index, self.expert_pieces[proj]))
                 elif router and router[2] == self.block_name:
@@ -80,6 +96,17 @@ class _MoeForCausalLM(LlamaForCausalLM):
             if got >= {(e, "down") for e in experts}:
                 loaded.add(f"model.layers.{layer}.mlp.w2")
         return loaded
+
+
+def _dequantize_blocks(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    bn, bk = block
+    rows, cols = weight.shape
+    if scale.shape != (-(-rows // bn), -(-cols // bk)):
+        raise ValueError(f"{name}: weight_scale_inv of shape {tuple(scale.shape)} does not hold "
+                         f"a scale a [{bn}, {bk}] block of a {rows} x {cols} weight")
+    full = scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+    return (weight.float() * full).to(dtype)
 
 
 class MixtralForCausalLM(_MoeForCausalLM):
