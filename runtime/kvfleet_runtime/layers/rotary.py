@@ -13,7 +13,8 @@ from kvfleet_runtime.layers.backend import use_triton
 
 def _inv_freq(rot_dim: int, base: float, scaling: dict | None, max_position: int = 0,
               context: int = 0) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies, and the factor cos and sin are multiplied by (longrope's)."""
+    """The inverse frequencies, and the factor cos and sin are multiplied by (longrope's and
+    YaRN's attention factor; 1 for the others)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in ("default", None):
