@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from kvfleet_runtime.layers.moe import SparseMoeBlock
+from kvfleet_runtime.layers.quantization.fp8 import dequantize_blocks
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
 
@@ -71,9 +72,9 @@ class _MoeForCausalLM(LlamaForCausalLM):
                         got[expert[5]] = tensor
                         if len(got) < 2:
                             continue
-                        tensor = _dequantize_blocks(name, got.pop("weight"),
-                                                    got.pop("weight_scale_inv"),
-                                                    self.expert_block, block.w13.dtype)
+                        tensor = dequantize_blocks(name, got.pop("weight"),
+                                                   got.pop("weight_scale_inv"),
+                                                   self.expert_block).to(block.w13.dtype)
                     block.load_expert(index, self.expert_pieces[proj], tensor)
                     pieces.setdefault(layer, set()).add((index, self.expert_pieces[proj]))
                 elif router and router[2] == self.block_name:
@@ -96,17 +97,6 @@ class _MoeForCausalLM(LlamaForCausalLM):
             if got >= {(e, "down") for e in experts}:
                 loaded.add(f"model.layers.{layer}.mlp.w2")
         return loaded
-
-
-def _dequantize_blocks(name: str, weight: torch.Tensor, scale: torch.Tensor,
-                       block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    bn, bk = block
-    rows, cols = weight.shape
-    if scale.shape != (-(-rows // bn), -(-cols // bk)):
-        raise ValueError(f"{name}: weight_scale_inv of shape {tuple(scale.shape)} does not hold "
-                         f"a scale a [{bn}, {bk}] block of a {rows} x {cols} weight")
-    full = scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-    return (weight.float() * full).to(dtype)
 
 
 class MixtralForCausalLM(_MoeForCausalLM):

@@ -87,6 +87,19 @@ def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
     layer.place(param, loaded.reshape(full), shard_id)
 
 
+def dequantize_blocks(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled e4m3 weight [N, K] in fp32: each [bn, bk] block times its scale in
+    weight_scale_inv [cdiv(N, bn), cdiv(K, bk)] (name: for the error of a mismatched grid)."""
+    bn, bk = block
+    rows, cols = weight.shape
+    if scale.shape != (-(-rows // bn), -(-cols // bk)):
+        raise ValueError(f"{name}: weight_scale_inv of shape {tuple(scale.shape)} does not hold "
+                         f"a scale a [{bn}, {bk}] block of a {rows} x {cols} weight")
+    full = scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+    return weight.float() * full
+
+
 def _quantize_on_load(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: int | None) -> None:
     # rounded in the model's dtype first: what the layer would hold unquantized
@@ -150,11 +163,9 @@ class FP8LinearMethod(LinearMethod):
     def _from_blocks(self, layer: Linear) -> bool:
         """A block-scaled weight as per-channel e4m3 for the FP8 GEMM; without an FP8 GPU the
         block dequantization itself in the model's dtype (True: the layer is done)."""
-        bn, bk = self.block
-        blocks = layer.weight_scale_inv.data
+        exact = dequantize_blocks(layer.prefix, layer.weight.data, layer.weight_scale_inv.data,
+                                  self.block)
         delattr(layer, "weight_scale_inv")
-        exact = (layer.weight.data.float()
-                 * blocks.repeat_interleave(bn, 0).repeat_interleave(bk, 1))
         if fp8_supported(exact.device):
             w8, scale = quantize_fp8_rowwise(exact)
             layer.weight.data = w8
