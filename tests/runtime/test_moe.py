@@ -50,15 +50,21 @@ def test_moe_models_match_hf_batched_chunked_and_cached(moe_case):
 def test_moe_models_match_hf_on_the_triton_kernels(moe_case, monkeypatch):
     arch, path, prompts, ref = moe_case
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
+    calls, gemv_calls, route_calls = [], [], []
     from kvfleet_kernels import moe
-    real = moe.fused_moe
+    real, real_gemv, real_route = moe.fused_moe, moe._fused_moe_gemv, moe.moe_route
     monkeypatch.setattr(moe, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe, "_fused_moe_gemv",
+                        lambda *a, **k: gemv_calls.append(1) or real_gemv(*a, **k))
+    monkeypatch.setattr(moe, "moe_route", lambda *a, **k: route_calls.append(1) or
+                        real_route(*a, **k))
     llm = LLM(model=str(path), attention_backend="triton", max_num_seqs=4,
               max_num_batched_tokens=24)
     try:
         assert _greedy(llm, prompts[:5]) == ref[:5]
-        assert calls                                 # the grouped GEMM ran the experts
+        # the router kernel, the grouped GEMM (prefill chunks) and the GEMV kernels (decode
+        # steps of at most gemv_tokens tokens) ran the experts
+        assert route_calls and gemv_calls and len(calls) > len(gemv_calls)
     finally:
         llm.engine.shutdown()
         from kvfleet_runtime.layers.backend import set_backend

@@ -54,14 +54,11 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts and their weights ([T, K] each)."""
+        from kvfleet_kernels.moe import moe_route, moe_route_ref
         logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.weights_in_dtype:
-            weights = weights.to(x.dtype)
-        return weights, ids
+        route = moe_route if use_triton(x) else moe_route_ref
+        return route(logits, self.top_k, self.renormalize,
+                     x.dtype if self.weights_in_dtype else torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -1,0 +1,133 @@
+"""Time the mixture-of-experts kernels on Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.
+
+Run on a GPU: python tests/kernels/bench_moe.py [--sweep] [--tokens 1,8,256]
+Each figure is a call's GPU time replayed from a CUDA graph (as the engine's decode runs it)
+over 8 routings in turn (random top-k ids; a layer's experts, 1.2 / 2.8 GB, are far past L2).
+Rows: the router (torch ops vs moe_route), the grouping (moe_align's torch ops vs the one-launch
+kernel) and fused_moe through the GEMV kernels and the grouped GEMM at their default tiles;
+GB/s = the distinct experts' weight bytes a call reads / its time. --sweep: the tiles of both
+paths at each token count, the best first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "quantization"))
+from bench_w4a16 import graph_us  # noqa: E402
+from kvfleet_kernels import moe  # noqa: E402
+
+# (name, experts, top_k, hidden, intermediate)
+SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("mixtral-8x7b", 8, 2, 4096, 14336)]
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
+GEMV_SWEEP = [moe.GemvTiles(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)
+              for w in (4, 8)]
+GROUPED_SWEEP = [moe.GroupedTiles(bm, bn, bk, w, 3) for bm in (16, 32, 64) for bn in (64, 128)
+                 for bk in (64, 128) for w in (4, 8)]
+ROUTINGS = 8
+DTYPE = torch.bfloat16
+
+
+def _routings(tokens, experts, top_k, hidden, dev):
+    out = []
+    for _ in range(ROUTINGS):
+        logits = torch.randn(tokens, experts, device=dev)
+        weights, ids = moe.moe_route_ref(logits, top_k, True)
+        x = torch.randn(tokens, hidden, device=dev, dtype=DTYPE)
+        out.append((x, logits, weights, ids))
+    return out
+
+
+def _bytes(ids, hidden, inter) -> float:
+    return float(sum(r[3].unique().numel() for r in ids)) / len(ids) * 3 * hidden * inter * 2
+
+
+def _time(fn, routings) -> float:
+    try:
+        return graph_us([partial(fn, *r) for r in routings])
+    except Exception as err:           # a tile the kernel cannot take (shared memory)
+        print(f"    failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+        return float("inf")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  "
+          f"triton {triton.__version__}")
+    for name, experts, top_k, hidden, inter in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=DTYPE) * 0.02
+        w2 = torch.randn(experts, hidden, inter, device=dev, dtype=DTYPE) * 0.02
+        print(f"== {name}: {experts} experts, top {top_k}, hidden {hidden}, inter {inter}")
+        print(f"{'tokens':>7}{'route':>8}{'kernel':>8}{'align':>8}{'kernel':>8}"
+              f"{'gemv us':>9}{'GB/s':>7}{'grouped':>9}{'GB/s':>7}  (us)")
+        for tokens in map(int, args.tokens.split(",")):
+            routings = _routings(tokens, experts, top_k, hidden, dev)
+            nbytes = _bytes(routings, hidden, inter)
+            x, _, weights, ids = routings[0]
+            ref = moe.fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids) \
+                if tokens <= 16 else None
+            route_t = _time(partial(_route, moe.moe_route_ref, top_k), routings)
+            route_k = _time(partial(_route, moe.moe_route, top_k), routings)
+            align_t = _time(partial(_align, moe.moe_align, experts), routings)
+            align_k = _time(partial(_align, moe.moe_align_triton, experts), routings) \
+                if tokens * top_k <= 16384 else float("nan")
+            run = partial(_experts, w13, w2)
+
+            gemv_us = _time(run(True), routings) if tokens <= 64 else float("nan")
+            grouped_us = _time(run(False), routings)
+            if ref is not None:                          # both paths still right
+                for gemv in (True, False):
+                    out = moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv).float()
+                    err = float((out - ref).abs().max() / ref.abs().max())
+                    assert err < 2e-2, (name, tokens, gemv, err)
+            print(f"{tokens:>7}{route_t:>8.1f}{route_k:>8.1f}{align_t:>8.1f}{align_k:>8.1f}"
+                  f"{gemv_us:>9.1f}{nbytes / gemv_us / 1e3:>7.0f}{grouped_us:>9.1f}"
+                  f"{nbytes / grouped_us / 1e3:>7.0f}", flush=True)
+            if not args.sweep:
+                continue
+            if tokens <= 32:
+                # the up tiles under the default down tiles, then the down tiles, then the pair
+                default_up, default_down = moe.GEMV_TILES["cuda"]
+                ups = _best(run, True, [(t, default_down) for t in GEMV_SWEEP], routings)
+                downs = _best(run, True, [(default_up, t) for t in GEMV_SWEEP], routings)
+                both = _time(run(True, (ups[0][1][0], downs[0][1][1])), routings)
+                print(f"    gemv up {[(round(u, 1), t[0]) for u, t in ups[:3]]}")
+                print(f"    gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
+                print(f"    gemv best pair {both:.1f} us ({nbytes / both / 1e3:.0f} GB/s)",
+                      flush=True)
+            grouped = _best(run, False, GROUPED_SWEEP, routings)
+            print(f"    grouped {[(round(u, 1), t) for u, t in grouped[:3]]}", flush=True)
+
+
+def _route(fn, top_k, x, logits, weights, ids):
+    return fn(logits, top_k, True)
+
+
+def _align(fn, experts, x, logits, weights, ids):
+    return fn(ids, experts, 16)
+
+
+def _experts(w13, w2, gemv, tiles=None):
+    return lambda x, logits, weights, ids: moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv,
+                                                         tiles=tiles)
+
+
+def _best(run, gemv, candidates, routings):
+    return sorted(((_time(run(gemv, t), routings), t) for t in candidates), key=lambda r: r[0])
+
+if __name__ == "__main__":
+    main()
