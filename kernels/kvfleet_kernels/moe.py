@@ -10,7 +10,7 @@ design): the (token, k) pairs sorted by expert, each expert's run padded to BLOC
 rows of the input. `moe_align` runs on the device with shapes fixed by T, K and the expert
 count (no host sync), so the decode graphs capture it; blocks past the padded total exit.
 
-A decode step of a few tokens takes another path (`gemv_tokens`): a GEMV a (token, k) pair,
+A decode step of a few tokens takes another path (`use_gemv`): a GEMV a (token, k) pair,
 no sorting. The up kernel computes a pair's SiLU(gate) * up from its expert's w13 rows; the
 down kernel a token's output, summing its top_k experts' w2 GEMVs times their weights. Two
 launches in all, each expert's weights read once a pair (the grouped GEMM's alignment alone
@@ -98,19 +98,26 @@ class GemvTiles:
     num_warps: int
 
 
-def gemv_tokens(device: torch.device) -> int:
-    """The most tokens a step sends through the GEMV kernels (more: the grouped GEMM);
-    KVFLEET_MOE_GEMV_TOKENS overrides it."""
+def use_gemv(tokens: int, top_k: int, experts: int, device: torch.device) -> bool:
+    """Whether a step of this many tokens takes the GEMV kernels: while its (token, k) pairs
+    are at most half the experts, so that few share an expert (an H100 sweep: Qwen3-30B-A3B's
+    128 experts, top 8: GEMV 178 vs grouped 184 us at 8 tokens, 294 vs 278 at 16; Mixtral's 8,
+    top 2: 240 vs 261 at 1 token, even at 2, 705 vs 667 at 4). KVFLEET_MOE_GEMV_TOKENS: the
+    most tokens instead."""
     env = os.environ.get("KVFLEET_MOE_GEMV_TOKENS")
     if env is not None:
-        return int(env)
-    return 8 if device.type == "cuda" else 4
+        return tokens <= int(env)
+    return 2 * tokens * top_k <= experts if device.type == "cuda" else tokens <= 4
 
 
-# (up, down) tiles: the GPU's from `tests/kernels/bench_moe.py --sweep` (docs/PERFORMANCE.md);
-# the interpreter runs each program in Python, so few wide ones there
-GEMV_TILES = {"cuda": (GemvTiles(16, 256, 4), GemvTiles(8, 256, 4)),
-              "cpu": (GemvTiles(64, 128, 4), GemvTiles(64, 128, 4))}
+def gemv_tiles(tokens: int, device: torch.device) -> tuple[GemvTiles, GemvTiles]:
+    """The GEMV kernels' (up, down) tiles. On the GPU from `tests/kernels/bench_moe.py --sweep`
+    on an H100 (docs/PERFORMANCE.md, thirty-ninth session): one layer of Qwen3-30B-A3B's experts
+    at batch 1 37.5 us with these, 43.5 with 16 x 256 / 8 x 256 tiles. The interpreter runs each
+    program in Python, so few wide ones there."""
+    if device.type != "cuda":
+        return GemvTiles(64, 128, 4), GemvTiles(64, 128, 4)
+    return GemvTiles(16, 512, 4), GemvTiles(4, 512, 8) if tokens <= 2 else GemvTiles(16, 128, 8)
 
 
 @triton.jit
@@ -186,7 +193,7 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
-    up, down = tiles or GEMV_TILES["cuda" if x.is_cuda else "cpu"]
+    up, down = tiles or gemv_tiles(num_tokens, x.device)
     ids = topk_ids.contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up.block_n))](
@@ -303,11 +310,11 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_experts
 
 
-def align_kernel_pairs(device: torch.device) -> int:
-    """The most (token, k) pairs moe_align_triton groups (more: moe_align's torch ops);
-    KVFLEET_MOE_ALIGN_PAIRS overrides it."""
-    env = os.environ.get("KVFLEET_MOE_ALIGN_PAIRS")
-    return int(env) if env is not None else 4096
+def use_align_kernel(pairs: int, experts: int) -> bool:
+    """Whether moe_align_triton groups this many (token, k) pairs (else moe_align's torch ops):
+    its one program's work grows as pairs x experts (an H100: 7.8 vs 51 us at 8 pairs of 128
+    experts, 35 vs 79 at 512, 125 vs 86 at 2048; 31 vs 83 at 2048 pairs of 8 experts)."""
+    return pairs * triton.next_power_of_2(experts) <= 1 << 17
 
 
 @triton.jit
@@ -358,11 +365,19 @@ class GroupedTiles:
     num_stages: int
 
 
-def grouped_tiles(pairs: int, device: torch.device) -> GroupedTiles:
-    """The grouped GEMM's tiles for this many (token, k) pairs."""
+def grouped_tiles(pairs: int, experts: int, device: torch.device) -> GroupedTiles:
+    """The grouped GEMM's tiles for this many (token, k) pairs over this many experts: rows a
+    block as the pairs an expert has (an H100 sweep, bench_moe.py, Qwen3-30B-A3B's experts:
+    64 tokens 447 us, 256 tokens 575, 1024 tokens 708, 4096 tokens 1461, against 467 / 577 /
+    718 / 1908 with 16 or 64 x 64 x 64 tiles; Mixtral's 256 tokens 1092 against 1873)."""
     if device.type != "cuda":
         return GroupedTiles(16, 32, 32, 4, 1)
-    return GroupedTiles(64 if pairs >= 1024 else 16, 64, 64, 4, 3)
+    per_expert = pairs / experts
+    if per_expert <= 8:
+        return GroupedTiles(16, 64, 128, 4, 3)
+    if per_expert <= 24:
+        return GroupedTiles(32, 64, 128, 4, 3)
+    return GroupedTiles(64, 128, 64, 4, 3)
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
@@ -388,7 +403,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     contiguous last dim), topk_weights / topk_ids [T, K] -> [T, H] in x's dtype. The pairs'
     outputs are summed over k in fp32. FP8 experts: w13 / w2 e4m3 with fp32 scales [E, 2I] /
     [E, H] (W8A16: read in x's dtype, each output column scaled). gemv: the GEMV kernels
-    (True) or the grouped GEMM (False); None: the GEMV kernels up to gemv_tokens tokens.
+    (True) or the grouped GEMM (False); None: as use_gemv says.
     tiles: the path's tiles in place of the tuned ones (bench_moe.py's sweep)."""
     from kvfleet_kernels.activation import silu_and_mul
     num_tokens, hidden = x.shape
@@ -399,11 +414,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          f"{tuple(w13.shape)} and {tuple(w2.shape)}")
     if num_tokens == 0:
         return torch.empty_like(x)
-    if gemv if gemv is not None else num_tokens <= gemv_tokens(x.device):
+    if gemv if gemv is not None else use_gemv(num_tokens, top_k, num_experts, x.device):
         return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, tiles)
     pairs = num_tokens * top_k
-    tiles = tiles or grouped_tiles(pairs, x.device)
-    align = moe_align_triton if pairs <= align_kernel_pairs(x.device) else moe_align
+    tiles = tiles or grouped_tiles(pairs, num_experts, x.device)
+    align = moe_align_triton if use_align_kernel(pairs, num_experts) else moe_align
     sorted_pairs, block_experts = align(topk_ids, num_experts, tiles.block_m)
     inter = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, inter, sorted_pairs, block_experts, None, top_k, tiles, w13_scale)

@@ -6,7 +6,7 @@ over 8 routings in turn (random top-k ids; a layer's experts, 1.2 / 2.8 GB, are 
 Rows: the router (torch ops vs moe_route), the grouping (moe_align's torch ops vs the one-launch
 kernel) and fused_moe through the GEMV kernels and the grouped GEMM at their default tiles;
 GB/s = the distinct experts' weight bytes a call reads / its time. --sweep: the tiles of both
-paths at each token count, the best first.
+paths at each token count, the best first (a tile that fails to compile or run: inf).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ GEMV_SWEEP = [moe.GemvTiles(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (128, 
               for w in (4, 8)]
 GROUPED_SWEEP = [moe.GroupedTiles(bm, bn, bk, w, 3) for bm in (16, 32, 64) for bn in (64, 128)
                  for bk in (64, 128) for w in (4, 8)]
+# prefill-sized steps also try taller blocks and deeper pipelines
+PREFILL_SWEEP = [moe.GroupedTiles(bm, bn, bk, w, st) for bm in (64, 128) for bn in (128, 256)
+                 for bk in (64, 128) for w in (4, 8) for st in (3, 4) if (bm, st) != (64, 3)]
 ROUTINGS = 8
 DTYPE = torch.bfloat16
 
@@ -101,7 +104,7 @@ def main() -> None:
                 continue
             if tokens <= 32:
                 # the up tiles under the default down tiles, then the down tiles, then the pair
-                default_up, default_down = moe.GEMV_TILES["cuda"]
+                default_up, default_down = moe.gemv_tiles(tokens, dev)
                 ups = _best(run, True, [(t, default_down) for t in GEMV_SWEEP], routings)
                 downs = _best(run, True, [(default_up, t) for t in GEMV_SWEEP], routings)
                 both = _time(run(True, (ups[0][1][0], downs[0][1][1])), routings)
@@ -109,7 +112,8 @@ def main() -> None:
                 print(f"    gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
                 print(f"    gemv best pair {both:.1f} us ({nbytes / both / 1e3:.0f} GB/s)",
                       flush=True)
-            grouped = _best(run, False, GROUPED_SWEEP, routings)
+            grouped = _best(run, False, GROUPED_SWEEP + (PREFILL_SWEEP if tokens >= 1024 else []),
+                            routings)
             print(f"    grouped {[(round(u, 1), t) for u, t in grouped[:3]]}", flush=True)
 
 

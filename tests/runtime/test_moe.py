@@ -63,7 +63,7 @@ def test_moe_models_match_hf_on_the_triton_kernels(moe_case, monkeypatch):
     try:
         assert _greedy(llm, prompts[:5]) == ref[:5]
         # the router kernel, the grouped GEMM (prefill chunks) and the GEMV kernels (decode
-        # steps of at most gemv_tokens tokens) ran the experts
+        # steps of at most 4 tokens off the GPU: use_gemv) ran the experts
         assert route_calls and gemv_calls and len(calls) > len(gemv_calls)
     finally:
         llm.engine.shutdown()
