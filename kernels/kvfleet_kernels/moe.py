@@ -255,66 +255,90 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, num_pairs, size, num_blocks,
-                  NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CHUNK: tl.constexpr, FILL: tl.constexpr):
-    # moe_align in one program: the experts' counts, their padded runs' starts, each block's
-    # expert, then each pair's slot (its run's start + the pairs of that expert before it,
-    # counted chunk by chunk through a one-hot [CHUNK, E] cumsum), the runs' padding slots and
-    # those past the padded total holding num_pairs.
+def _align_count_kernel(ids_ptr, table_ptr, num_pairs, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    # Program = a chunk of CHUNK pairs: its pairs an expert, into table[chunk, :]
+    chunk = tl.program_id(0)
+    p = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
     e = tl.arange(0, E_P2)
-    c = tl.arange(0, CHUNK)
+    tl.store(table_ptr + chunk * E_P2 + e, tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0))
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, table_ptr, sorted_ptr, block_experts_ptr, num_pairs,
+                        num_chunks, size, num_blocks, NUM_EXPERTS: tl.constexpr,
+                        E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        ROWS: tl.constexpr, FILL: tl.constexpr):
+    # Program = a chunk again: the experts' counts (every chunk's row summed) give the padded
+    # runs' starts; a pair's slot is its expert's start + that expert's pairs in earlier chunks
+    # + those before it in its chunk (a one-hot [CHUNK, E] cumsum), so each expert's pairs
+    # stay in pair order. Program 0 also writes each block's expert (NUM_EXPERTS past the
+    # padded total), the runs' padding slots and the slots past the total (num_pairs: no pair).
+    chunk = tl.program_id(0)
+    e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    before = tl.zeros([E_P2], tl.int32)
+    for r0 in range(0, num_chunks, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        rows = tl.load(table_ptr + r[:, None] * E_P2 + e[None, :],
+                       mask=(r < num_chunks)[:, None], other=0)
+        counts += tl.sum(rows, 0)
+        before += tl.sum(tl.where((r < chunk)[:, None], rows, 0), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    total = tl.sum(padded, 0)
-    for b0 in range(0, num_blocks, CHUNK):           # the experts whose run ends by the block
-        b = b0 + c
-        expert = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(block_experts_ptr + b, tl.minimum(expert, NUM_EXPERTS), mask=b < num_blocks)
-    seen = tl.zeros([E_P2], tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        p = p0 + c
-        ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-        rank = tl.sum((tl.cumsum(onehot, 0) - onehot) * onehot, 1)
-        slot = tl.sum(onehot * (starts + seen)[None, :], 1) + rank
-        tl.store(sorted_ptr + slot, p, mask=p < num_pairs)
-        seen += tl.sum(onehot, 0)
-    j = tl.arange(0, BLOCK_M)
-    pad = (starts + counts)[:, None] + j[None, :]
-    tl.store(sorted_ptr + pad, num_pairs,
-             mask=(e < NUM_EXPERTS)[:, None] & (pad < ends[:, None]))
-    f = tl.arange(0, FILL)
-    for s0 in range(total, size, FILL):
-        tl.store(sorted_ptr + s0 + f, num_pairs, mask=s0 + f < size)
+    c = tl.arange(0, CHUNK)
+    p = chunk * CHUNK + c
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+    rank = tl.sum((tl.cumsum(onehot, 0) - onehot) * onehot, 1)
+    slot = tl.sum(onehot * (starts + before)[None, :], 1) + rank
+    tl.store(sorted_ptr + slot, p, mask=p < num_pairs)
+    if chunk == 0:
+        for b0 in range(0, num_blocks, CHUNK):       # the experts whose run ends by the block
+            b = b0 + c
+            expert = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
+            tl.store(block_experts_ptr + b, tl.minimum(expert, NUM_EXPERTS),
+                     mask=b < num_blocks)
+        j = tl.arange(0, BLOCK_M)
+        pad = (starts + counts)[:, None] + j[None, :]
+        tl.store(sorted_ptr + pad, num_pairs,
+                 mask=(e < NUM_EXPERTS)[:, None] & (pad < ends[:, None]))
+        f = tl.arange(0, FILL)
+        for s0 in range(tl.sum(padded, 0), size, FILL):
+            tl.store(sorted_ptr + s0 + f, num_pairs, mask=s0 + f < size)
+
+
+def _align_chunk(experts: int) -> int:
+    # pairs a chunk: a one-hot [chunk, E] of at most 8192 entries
+    return max(16, min(256, 8192 // triton.next_power_of_2(experts)))
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align's result in one launch (one program: for the few pairs of a decode step)."""
+    """moe_align's result, slot for slot, in two launches of a program a chunk of pairs."""
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
     size = pairs + num_experts * (block_m - 1)
-    sorted_pairs = torch.empty(size, dtype=torch.int32, device=flat.device)
-    block_experts = torch.empty(triton.cdiv(size, block_m), dtype=torch.int32,
-                                device=flat.device)
+    dev = flat.device
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=dev)
+    block_experts = torch.empty(triton.cdiv(size, block_m), dtype=torch.int32, device=dev)
     e_p2 = triton.next_power_of_2(num_experts)
-    _align_kernel[(1,)](flat, sorted_pairs, block_experts, pairs, size, block_experts.numel(),
-                        NUM_EXPERTS=num_experts, E_P2=e_p2, BLOCK_M=block_m,
-                        CHUNK=max(16, min(64, 8192 // e_p2)), FILL=1024, num_warps=8)
+    chunk = _align_chunk(num_experts)
+    chunks = max(1, triton.cdiv(pairs, chunk))
+    table = torch.empty(chunks, e_p2, dtype=torch.int32, device=dev)
+    _align_count_kernel[(chunks,)](flat, table, pairs, E_P2=e_p2, CHUNK=chunk, num_warps=4)
+    _align_place_kernel[(chunks,)](
+        flat, table, sorted_pairs, block_experts, pairs, chunks, size, block_experts.numel(),
+        NUM_EXPERTS=num_experts, E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk,
+        ROWS=max(1, min(triton.next_power_of_2(chunks), 8192 // e_p2)), FILL=1024, num_warps=4)
     return sorted_pairs, block_experts
 
 
 def use_align_kernel(pairs: int, experts: int) -> bool:
     """Whether moe_align_triton groups this many (token, k) pairs (else moe_align's torch ops):
-    its one program's work grows as pairs x experts (an H100: 7.8 vs 51 us at 8 pairs of 128
-    experts, 35 vs 79 at 512, 125 vs 86 at 2048; 31 vs 83 at 2048 pairs of 8 experts)."""
-    return pairs * triton.next_power_of_2(experts) <= 1 << 17
+    while they fill at most 256 chunks (each chunk's program reads every chunk's counts)."""
+    return triton.cdiv(pairs, _align_chunk(experts)) <= 256
 
 
 @triton.jit

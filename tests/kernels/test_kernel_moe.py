@@ -35,7 +35,7 @@ def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype:
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
                          [(1, 4, 2, 16), (37, 8, 2, 16), (50, 16, 4, 32), (5, 3, 3, 16),
-                          (70, 128, 8, 16)])
+                          (70, 128, 8, 16), (300, 4, 2, 16)])
 def test_moe_align_groups_every_pair_once_by_expert(tokens, experts, top_k, block_m) -> None:
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
