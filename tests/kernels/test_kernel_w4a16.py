@@ -322,8 +322,8 @@ def test_the_gpu_default_is_whole_k_for_4_bits_only(monkeypatch):
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("bits", "dtype"), [(4, torch.float32), (4, torch.float16),
+                                             (8, torch.float32)])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_gated_gemv_gives_silu_and_mul_of_its_output(split_k, bits, dtype, rows):
     # a gated MLP's gate_up ([gate | up], 4 column tiles of 32 a half): silu_out's result is

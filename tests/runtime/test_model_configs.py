@@ -59,6 +59,8 @@ def test_sliding_window_attention_matches_hf_past_the_window(arch, overrides, wi
     assert generate(chunked) == ref
     hits = chunked.engine.kv.prefix_cache_hits
     assert generate(chunked) == ref and chunked.engine.kv.prefix_cache_hits > hits
+    if arch in ("qwen2", "phi3"):
+        return          # the kernels' windows: every layer's (mistral), one layer's (qwen3)
     # the Triton kernels (in the interpreter): prefill, mixed and decode steps
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     llm = LLM(model=str(path), attention_backend="triton", num_gpu_blocks=64,
@@ -122,8 +124,8 @@ def test_partial_rotary_matches_hf(tmp_path, monkeypatch):
     assert llm.engine.runner.model_config.rotary_dim == 8
     assert _greedy(llm, prompts) == ref
     llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
-    try:
-        assert _greedy(llm, prompts) == ref
+    try:             # the rotary kernel's partial rotation: the longest prompt, in chunks
+        assert _greedy(llm, prompts[-1:]) == ref[-1:]
     finally:
         _back_to_auto(llm)
 
@@ -149,8 +151,8 @@ def test_longrope_takes_its_factors_by_max_model_len_and_matches_hf(tmp_path, mo
     # the set matters: under the long factors the short prompts are not HF's (vLLM's rule too)
     assert _greedy(long_llm, within) != ref_within
     llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
-    try:
-        assert _greedy(llm, beyond) == ref_beyond
+    try:             # the kernels over the long factors' cos/sin: one prompt, in chunks
+        assert _greedy(llm, beyond[-1:]) == ref_beyond[-1:]
     finally:
         _back_to_auto(llm)
 
@@ -177,8 +179,8 @@ def test_yarn_matches_hf_past_the_original_length(arch, scaling, tmp_path, monke
     assert _greedy(LLM(model=str(bare), num_gpu_blocks=64,
                        hf_overrides={"rope_scaling": scaling}), prompts) == ref
     llm = _on_triton(path, monkeypatch, max_num_batched_tokens=24)
-    try:
-        assert _greedy(llm, prompts) == ref
+    try:             # the kernels over the scaled cos/sin: the longest prompt, in chunks
+        assert _greedy(llm, prompts[-1:]) == ref[-1:]
     finally:
         _back_to_auto(llm)
 
