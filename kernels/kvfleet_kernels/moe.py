@@ -13,9 +13,11 @@ count (no host sync), so the decode graphs capture it; blocks past the padded to
 A decode step of a few tokens takes another path (`use_gemv`): a GEMV a (token, k) pair,
 no sorting. The up kernel computes a pair's SiLU(gate) * up from its expert's w13 rows; the
 down kernel a token's output, summing its top_k experts' w2 GEMVs times their weights. Two
-launches in all, each expert's weights read once a pair (the grouped GEMM's alignment alone
-is some twenty small launches a layer). `moe_route` is the router's softmax, top-k and
-renormalization in one launch (moe_route_ref: HF's ops).
+launches in all, each expert's weights read once a pair (the grouped path adds the grouping's
+two and the SiLU's and the pair sum's). `moe_align_triton` is the grouping on the device in
+two launches (`moe_align`: the same in torch ops, some twenty launches; for the largest
+steps); `moe_route` the router's softmax, top-k and renormalization in one launch
+(moe_route_ref: HF's ops).
 """
 
 from __future__ import annotations
@@ -98,16 +100,21 @@ class GemvTiles:
     num_warps: int
 
 
+# KVFLEET_MOE_GEMV_TOKENS: the most tokens a step sends through the GEMV kernels (use_gemv)
+_GEMV_TOKENS = (int(os.environ["KVFLEET_MOE_GEMV_TOKENS"])
+                if os.environ.get("KVFLEET_MOE_GEMV_TOKENS") else None)
+
+
 def use_gemv(tokens: int, top_k: int, experts: int, device: torch.device) -> bool:
     """Whether a step of this many tokens takes the GEMV kernels: while its (token, k) pairs
     are at most half the experts, so that few share an expert (an H100 sweep: Qwen3-30B-A3B's
     128 experts, top 8: GEMV 178 vs grouped 184 us at 8 tokens, 294 vs 278 at 16; Mixtral's 8,
     top 2: 240 vs 261 at 1 token, even at 2, 705 vs 667 at 4). KVFLEET_MOE_GEMV_TOKENS: the
     most tokens instead."""
-    env = os.environ.get("KVFLEET_MOE_GEMV_TOKENS")
-    if env is not None:
-        return tokens <= int(env)
+    if _GEMV_TOKENS is not None:
+        return tokens <= _GEMV_TOKENS
     return 2 * tokens * top_k <= experts if device.type == "cuda" else tokens <= 4
+
 
 
 def gemv_tiles(tokens: int, device: torch.device) -> tuple[GemvTiles, GemvTiles]:
