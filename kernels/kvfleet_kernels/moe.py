@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.activation import silu_mul
+from kvfleet_kernels.activation import silu_and_mul, silu_mul
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
@@ -436,7 +436,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     [E, H] (W8A16: read in x's dtype, each output column scaled). gemv: the GEMV kernels
     (True) or the grouped GEMM (False); None: as use_gemv says.
     tiles: the path's tiles in place of the tuned ones (bench_moe.py's sweep)."""
-    from kvfleet_kernels.activation import silu_and_mul
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
