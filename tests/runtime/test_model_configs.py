@@ -54,6 +54,8 @@ def test_sliding_window_attention_matches_hf_past_the_window(arch, overrides, wi
     llm = LLM(model=str(path), num_gpu_blocks=64)
     assert llm.engine.config.max_model_len == 1024      # the window caps no context
     assert llm.engine.runner.model_config.sliding_windows == windows
+    # blocks leave a request's window early only when every layer has that window
+    assert llm.engine.kv.sliding_window == (windows[0] if len(set(windows)) == 1 else 0)
     assert generate(llm) == ref
     chunked = LLM(model=str(path), num_gpu_blocks=64, max_num_batched_tokens=8, max_num_seqs=2)
     assert generate(chunked) == ref

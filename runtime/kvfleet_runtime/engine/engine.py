@@ -73,8 +73,10 @@ class LLMEngine:
         self.model_config = loaded.config
         self.served_model_name = config.served_model_name or loaded.name
         self.eos_token_ids = set(loaded.config.eos_token_ids)
+        windows = set(loaded.config.sliding_windows)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching,
+                                 sliding_window=windows.pop() if len(windows) == 1 else 0)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.admission_headroom,
                                    config.scheduling_policy, config.long_prefill_token_threshold)
@@ -282,7 +284,8 @@ class LLMEngine:
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.")
-        need = self.kv.num_blocks_for(num_prompt + params.max_tokens)
+        need = self.kv.max_blocks_held(num_prompt + params.max_tokens,
+                                       self.config.max_num_batched_tokens)
         if need > self.kv.block_pool.num_usable_blocks:
             raise ValueError(f"the request needs {need} KV blocks but the cache holds only "
                              f"{self.kv.block_pool.num_usable_blocks}; lower max_tokens")

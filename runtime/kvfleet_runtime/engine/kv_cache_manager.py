@@ -1,4 +1,9 @@
-"""KV cache manager: request -> blocks. Prefix-cache lookups, slot allocation, freeing."""
+"""KV cache manager: request -> blocks. Prefix-cache lookups, slot allocation, freeing.
+
+Sliding windows: when every layer attends over the same window, a block whose keys no later
+query can see goes back to the pool while its request runs (its table entry then points at
+the null block), so a sequence holds about a window's worth of blocks however long it grows.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,20 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+# The attention kernels read a window's keys from the start of the tile holding its first key
+# (tiles of at most 128 keys): blocks are given back only below a multiple of this many tokens,
+# so no kernel ever reads a block that left its window.
+WINDOW_FREE_ALIGN = 256
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 sliding_window: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # every layer's sliding window (0: full attention somewhere: no block leaves early)
+        self.sliding_window = sliding_window
+        self.num_freed_blocks: dict[str, int] = {}    # leading blocks given back (the window)
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}   # the same, as ids (kept in step)
@@ -66,6 +81,8 @@ class KVCacheManager:
         bs = self.block_size
         num_computed = request.num_computed_tokens + len(computed) * bs
         num_tokens = num_computed + num_new_tokens
+        if blocks is not None and self.sliding_window:
+            self._free_outside_window(rid, blocks, num_computed)
         if blocks is not None and not computed and -(-num_tokens // bs) <= len(blocks):
             # the common decode step: the last block still has room (and, mostly, no block
             # filled up since the last call: checked here, before a call, for every request)
@@ -92,7 +109,27 @@ class KVCacheManager:
             ids.extend(b.block_id for b in added)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        if computed and self.sliding_window:      # hits may lie below the window already
+            self._free_outside_window(rid, blocks, num_computed)
         return new_blocks
+
+    def _free_outside_window(self, rid: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        # the next query is at position num_computed (a rejected draft's rollback never goes
+        # below it): it and every later one see keys from num_computed - window + 1 on
+        first_seen = num_computed - self.sliding_window + 1
+        end = max(first_seen, 0) // WINDOW_FREE_ALIGN * WINDOW_FREE_ALIGN // self.block_size
+        if self.enable_caching:     # a block leaves once hashed: its prefix stays findable
+            end = min(end, self.num_cached_blocks.get(rid, 0))
+        start = self.num_freed_blocks.get(rid, 0)
+        if end <= start:
+            return
+        gone = blocks[start:end]
+        null = self.block_pool.null_block
+        blocks[start:end] = [null] * (end - start)
+        self.req_to_block_ids[rid][start:end] = [null.block_id] * (end - start)
+        self.num_freed_blocks[rid] = end
+        # the later blocks first into the eviction order: a prefix chain's head outlives it
+        self.block_pool.free_blocks(reversed(gone))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # tokens are known before their KV is computed; the KV is written in this very step,
@@ -110,7 +147,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        freed = self.num_freed_blocks.pop(request.request_id, 0)   # (null entries now)
+        self.block_pool.free_blocks(reversed(blocks[freed:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids, in order (the manager's own list: read, don't keep)."""
@@ -118,3 +156,13 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once, computed in steps of at
+        most `max_step_tokens` new tokens: all of them, or under a sliding window the window's
+        (from its aligned start) and one step's."""
+        full = cdiv(num_tokens, self.block_size)
+        if not self.sliding_window:
+            return full
+        held = self.sliding_window + WINDOW_FREE_ALIGN + max_step_tokens
+        return min(full, cdiv(held, self.block_size) + 2)   # (+ a block not yet hashed)
