@@ -66,6 +66,29 @@ def test_sliding_window_models_match_hf_fp32_past_the_window(tmp_path, arch, ove
     assert _greedy(llm, prompts, 16) == hf_greedy(path, prompts, 16)
 
 
+def test_window_blocks_leave_as_decode_runs_and_tokens_stay_hfs(tmp_path):
+    # every layer windowed: blocks below a request's window go back to the pool while the
+    # decode graphs run over tables with null entries; 4 sequences of up to ~700 tokens (176
+    # blocks whole) in 119 usable blocks: no preemption, since each holds about its window's
+    from support.tiny_models import make_tiny_model
+    path = make_tiny_model("mistral", tmp_path / "m", sliding_window=37)
+    prompts = _prompts(4)
+    llm = LLM(model=str(path), dtype="float32", num_gpu_blocks=120, block_size=16)
+    freed = []
+    free = llm.engine.kv._free_outside_window
+
+    def counting(rid, blocks, num_computed):
+        free(rid, blocks, num_computed)
+        freed.append(llm.engine.kv.num_freed_blocks.get(rid, 0))
+
+    llm.engine.kv._free_outside_window = counting
+    assert _greedy(llm, prompts, 500) == hf_greedy(path, prompts, 500)
+    assert max(freed) >= 16 and llm.engine.scheduler.num_preemptions == 0
+    assert llm.engine.runner.graph_runner.graphs, "no decode step used a CUDA graph"
+    kv = llm.engine.kv
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_usable_blocks
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_moe_models_match_hf_fp32_and_graphs_match_eager(tmp_path, arch):
     # the experts through the grouped GEMM (kvfleet_kernels.moe), in the decode graphs too
