@@ -22,6 +22,7 @@ steps); `moe_route` the router's softmax, top-k and renormalization in one launc
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -30,12 +31,100 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.activation import silu_and_mul, silu_mul
+from kvfleet_kernels.w4a16 import _small_int_to_float, _split_words
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
                        ) -> torch.Tensor:
     """Stacked expert weights [E, N, K], e4m3 with per-(expert, row) scales [E, N], in dtype."""
     return w if scale is None else (w.float() * scale[:, :, None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class IntExperts:
+    """Weight-only int4 / int8 experts (GPTQ, AWQ), stacked as the bf16 ones ([E, N, K]):
+      qweight: [E, N, K // P] int32, P = 32 // bits; word [e, n, j] holds k = j * P + i at
+               bits [i * bits, (i + 1) * bits), unsigned: a row's K inputs packed along the
+               last dim, as a bf16 row's are contiguous (a GEMV row reads whole words)
+      scales:  [E, N, G] fp16 / bf16 / fp32, G = K // group_size; zeros: [E, N, G] the same
+               dtype, integer-valued zero points
+    w[e, n, k] = (q[e, n, k] - zeros[e, n, k // group_size]) * scales[e, n, k // group_size]
+    in fp32. group_size divides K and is a multiple of P (a word lies in one group); K is then
+    a multiple of P too. `pack_int_experts` builds one from the values, checked."""
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        # shapes only (no device sync): what the kernels index by
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8; got {self.bits}")
+        per_word = 32 // self.bits
+        if self.qweight.dtype != torch.int32 or self.qweight.dim() != 3:
+            raise ValueError(f"qweight must be [E, N, K // {per_word}] int32; got "
+                             f"{tuple(self.qweight.shape)} {self.qweight.dtype}")
+        experts, rows, words = self.qweight.shape
+        k = words * per_word
+        if self.group_size <= 0 or self.group_size % per_word or k % self.group_size:
+            raise ValueError(f"group_size must be a multiple of {per_word} dividing K = {k}; "
+                             f"got {self.group_size}")
+        groups = (experts, rows, k // self.group_size)
+        for name in ("scales", "zeros"):
+            t = getattr(self, name)
+            if tuple(t.shape) != groups or t.dtype not in (torch.float16, torch.bfloat16,
+                                                           torch.float32):
+                raise ValueError(f"{name} must be {list(groups)} fp16 / bf16 / fp32; got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        if self.zeros.dtype != self.scales.dtype:
+            raise ValueError(f"zeros must be in the scales' dtype {self.scales.dtype}; got "
+                             f"{self.zeros.dtype}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K): the bf16 weight's shape."""
+        experts, rows, words = self.qweight.shape
+        return experts, rows, words * (32 // self.bits)
+
+    def dequantize(self, dtype: torch.dtype, experts: slice | int = slice(None)) -> torch.Tensor:
+        """The experts' weights [E', N, K] in dtype: computed in fp32, rounded once."""
+        if isinstance(experts, int):
+            experts = slice(experts, experts + 1)
+        words = self.qweight[experts]
+        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=words.device)
+        q = (words[..., None] >> shifts) & ((1 << self.bits) - 1)          # [E', N, K / P, P]
+        q = q.reshape(*words.shape[:2], -1).float()
+        groups = torch.arange(q.shape[2], device=q.device) // self.group_size
+        zeros = self.zeros[experts].float()[:, :, groups]
+        scales = self.scales[experts].float()[:, :, groups]
+        return ((q - zeros) * scales).to(dtype)
+
+
+def pack_int_experts(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int,
+                     group_size: int) -> IntExperts:
+    """IntExperts from the values q [E, N, K] (an integer tensor in [0, 2**bits)), integer-valued
+    zeros [E, N, K // group_size] (cast to the scales' dtype) and scales of that shape."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8; got {bits}")
+    if q.dim() != 3 or q.dtype.is_floating_point or q.dtype.is_complex or q.dtype == torch.bool:
+        raise ValueError(f"q must be an [E, N, K] integer tensor; got {tuple(q.shape)} {q.dtype}")
+    per_word = 32 // bits
+    experts, rows, k = q.shape
+    if group_size <= 0 or group_size % per_word or k % group_size:
+        raise ValueError(f"group_size must be a multiple of {per_word} dividing K = {k}; got "
+                         f"{group_size}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):
+        raise ValueError(f"q must be in [0, {1 << bits}) for {bits} bits")
+    if zeros.is_floating_point() and not torch.equal(zeros, zeros.round()):
+        raise ValueError("zeros must be integer-valued")
+    # the words in int64 (a value shifted by 24 passes int32's sign bit), wrapped to int32
+    words = torch.zeros(experts, rows, k // per_word, dtype=torch.int64, device=q.device)
+    for i in range(per_word):
+        words |= q[:, :, i::per_word].to(torch.int64) << (i * bits)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return IntExperts(words, scales.contiguous(), zeros.to(scales.dtype).contiguous(), bits,
+                      group_size)
 
 
 def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -128,12 +217,54 @@ def gemv_tiles(tokens: int, device: torch.device) -> tuple[GemvTiles, GemvTiles]
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, INTER, H, stride_xm, stride_we,
-                   stride_wn, stride_am, TOP_K: tl.constexpr, W_SCALE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _split_words_last(words, BITS: tl.constexpr):
+    # [R, C] words -> the [R, C * 32 / BITS] values they pack (column c * 32 / BITS + i of a
+    # row at bits [i * BITS, (i + 1) * BITS) of its word c): w4a16's _split_words along dim 1
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1),
+                      (words.shape[0], words.shape[1] * PER_WORD))
+
+
+@triton.jit
+def _int_rows(w_rows, s_rows, z_rows, k0, K, group_size, n_valid, BITS: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
+    # IntExperts rows (pointers [BLOCK_N, 1] to each row's first word, scale and zero) at
+    # k0 .. k0 + BLOCK_K: [BLOCK_N, BLOCK_K] fp32 (q - zero) * scale, 0 past K. GROUP_K (a
+    # power of two dividing BLOCK_K and group_size) consecutive k share a group: BLOCK_K /
+    # GROUP_K scales and zeros a row, one when a group spans the tile.
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_N: tl.constexpr = w_rows.shape[0]
+    kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(w_rows + kw[None, :], mask=n_valid[:, None] & (kw < K // PER_WORD)[None, :],
+                    other=0)
+    q = _small_int_to_float(_split_words_last(words, BITS))
+    if GROUP_K == BLOCK_K:                    # the tile in one group
+        group = k0 // group_size
+        s = tl.load(s_rows + group, mask=n_valid[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_rows + group, mask=n_valid[:, None], other=0.0).to(tl.float32)
+        w = (q - z) * s
+    else:
+        kg = k0 + tl.arange(0, BLOCK_K // GROUP_K) * GROUP_K       # each run's first k
+        group = (kg // group_size)[None, :]
+        mask = n_valid[:, None] & (kg < K)[None, :]
+        s = tl.load(s_rows + group, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_rows + group, mask=mask, other=0.0).to(tl.float32)
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP_K, GROUP_K))
+        w = tl.reshape((q - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    return w
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H, group_size,
+                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+                   TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0, GROUP_K: tl.constexpr = 1):
     # Program = ((token, k) pair, BLOCK_N columns of SiLU(gate) * up): the gate and up rows
     # of the pair's expert times its token's x, rounded to act's dtype as the grouped path
-    # stores them, then silu_mul as silu_and_mul computes it.
+    # stores them, then silu_mul as silu_and_mul computes it. BITS (4, 8): w is IntExperts'
+    # words (strides in words), scale_ptr / zero_ptr its groups' scales and zeros (strides
+    # stride_se, stride_sn), dequantized in fp32 (_int_rows); 0: w in x's dtype or e4m3.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -142,15 +273,23 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, INTER, H, stride_x
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     gate_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + INTER * stride_wn
+    gate_s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn   # BITS: groups' offsets
+    up_s = gate_s + INTER * stride_sn
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < H
         x = tl.load(x_row + k, mask=k_valid, other=0.0).to(tl.float32)[None, :]
-        mask = n_valid[:, None] & k_valid[None, :]
-        acc_gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        if BITS == 0:
+            mask = n_valid[:, None] & k_valid[None, :]
+            acc_gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+            acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        else:
+            acc_gate += x * _int_rows(gate_rows, scale_ptr + gate_s, zero_ptr + gate_s, k0, H,
+                                      group_size, n_valid, BITS, BLOCK_K, GROUP_K)
+            acc_up += x * _int_rows(up_rows, scale_ptr + up_s, zero_ptr + up_s, k0, H,
+                                    group_size, n_valid, BITS, BLOCK_K, GROUP_K)
     gate = tl.sum(acc_gate, 1)
     up = tl.sum(acc_up, 1)
     if W_SCALE:
@@ -163,11 +302,14 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, INTER, H, stride_x
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, H, INTER,
-                     stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
-                     W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, zero_ptr, H,
+                     INTER, group_size, stride_am, stride_we, stride_wn, stride_se, stride_sn,
+                     stride_om, TOP_K: tl.constexpr, W_SCALE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0,
+                     GROUP_K: tl.constexpr = 1):
     # Program = (token, BLOCK_N outputs): the sum over its TOP_K pairs of the pair's weight
-    # times its expert's w2 rows times the pair's activation, in fp32, cast once.
+    # times its expert's w2 rows times the pair's activation, in fp32, cast once. BITS: as
+    # _moe_up_kernel's.
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,8 +325,14 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, H
             k = k0 + tl.arange(0, BLOCK_K)
             k_valid = k < INTER
             a = tl.load(act_row + k, mask=k_valid, other=0.0).to(tl.float32)
-            w = tl.load(rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
+            if BITS == 0:
+                w = tl.load(rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :],
+                            other=0.0)
+                acc += w.to(tl.float32) * a[None, :]
+            else:
+                s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn
+                acc += a[None, :] * _int_rows(rows, scale_ptr + s, zero_ptr + s, k0, INTER,
+                                              group_size, n_valid, BITS, BLOCK_K, GROUP_K)
         part = tl.sum(acc, 1)
         if W_SCALE:
             part *= tl.load(scale_ptr + expert * H + n, mask=n_valid, other=0.0)
@@ -193,9 +341,29 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, H
              total.to(out_ptr.dtype.element_ty), mask=n_valid)
 
 
-def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+def _weight_args(w: torch.Tensor | IntExperts, scale: torch.Tensor | None, block_k: int,
+                 dummy: torch.Tensor) -> tuple:
+    """A kernel's weight arguments: (w, scale_ptr, zero_ptr, group_size, stride_we, stride_wn,
+    stride_se, stride_sn, BITS, GROUP_K); dummy stands for the pointers a path does not read."""
+    if not isinstance(w, IntExperts):
+        return (w, scale if scale is not None else dummy, dummy, 0, w.stride(0), w.stride(1),
+                0, 0, 0, 1)
+    per_word = 32 // w.bits
+    if block_k % per_word:
+        raise ValueError(f"BLOCK_K must be a multiple of {per_word} for {w.bits}-bit experts; "
+                         f"got {block_k}")
+    if w.qweight.stride(2) != 1 or w.scales.stride(2) != 1 or w.zeros.stride() != w.scales.stride():
+        raise ValueError("IntExperts' tensors need a contiguous last dim and zeros strided as "
+                         "the scales")
+    # GROUP_K: the runs of k in one group a tile splits into (block_k a power of two)
+    return (w.qweight, w.scales, w.zeros, w.group_size, w.qweight.stride(0), w.qweight.stride(1),
+            w.scales.stride(0), w.scales.stride(1), w.bits, math.gcd(w.group_size, block_k))
+
+
+def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor | IntExperts,
+                    w2: torch.Tensor | IntExperts, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, w13_scale: torch.Tensor | None,
+                    w2_scale: torch.Tensor | None,
                     tiles: tuple[GemvTiles, GemvTiles] | None = None) -> torch.Tensor:
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -203,34 +371,43 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     up, down = tiles or gemv_tiles(num_tokens, x.device)
     ids = topk_ids.contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w13, w13_scale, up.block_k, act)
     _moe_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up.block_n))](
-        x, w13, ids, act, w13_scale if w13_scale is not None else act, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-        W_SCALE=w13_scale is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        num_warps=up.num_warps)
+        x, w, ids, act, s, z, inter, hidden, group, x.stride(0), we, wn, se, sn, act.stride(0),
+        TOP_K=top_k, W_SCALE=w13_scale is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        BITS=bits, GROUP_K=group_k, num_warps=up.num_warps)
     out = torch.empty_like(x)
+    w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w2, w2_scale, down.block_k, act)
     _moe_down_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
-        act, w2, ids, topk_weights.contiguous(), out, w2_scale if w2_scale is not None else act,
-        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
-        W_SCALE=w2_scale is not None, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        act, w, ids, topk_weights.contiguous(), out, s, z, hidden, inter, group, act.stride(0),
+        we, wn, se, sn, out.stride(0), TOP_K=top_k, W_SCALE=w2_scale is not None,
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, BITS=bits, GROUP_K=group_k,
         num_warps=down.num_warps)
     return out
 
 
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def _expert_weight(w: torch.Tensor | IntExperts, scale: torch.Tensor | None, e: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, IntExperts):
+        if scale is not None:
+            raise ValueError("integer experts take no FP8 scales")
+        return w.dequantize(dtype, slice(e, e + 1))[0]
+    return dequantize_experts(w[e:e + 1], None if scale is None else scale[e:e + 1], dtype)[0]
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor | IntExperts, w2: torch.Tensor | IntExperts,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H]: HF's expert loop (the experts hit, their tokens gathered, each output
     times its weight added into a zeroed output in x's dtype). With scales, w13 / w2 are e4m3
-    with a scale a row (fused_moe's FP8 experts), dequantized expert by expert."""
+    with a scale a row (fused_moe's FP8 experts); IntExperts: int4 / int8 groups. Either is
+    dequantized expert by expert to x's dtype."""
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         token, pos = (topk_ids == e).nonzero(as_tuple=True)
-        up_w = dequantize_experts(w13[e:e + 1], None if w13_scale is None else w13_scale[e:e + 1],
-                                  x.dtype)[0]
-        down_w = dequantize_experts(w2[e:e + 1], None if w2_scale is None else w2_scale[e:e + 1],
-                                    x.dtype)[0]
+        up_w = _expert_weight(w13, w13_scale, e, x.dtype)
+        down_w = _expert_weight(w2, w2_scale, e, x.dtype)
         gate, up = torch.nn.functional.linear(x[token], up_w).chunk(2, dim=-1)
         h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_w)
         out.index_add_(0, token, (h * topk_weights[token, pos, None]).to(x.dtype))
@@ -349,14 +526,48 @@ def use_align_kernel(pairs: int, experts: int) -> bool:
 
 
 @triton.jit
+def _int_tile(w_base, scale_ptr, zero_ptr, expert, n, n_valid, k0, K, group_size, stride_wn,
+              stride_se, stride_sn, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_K: tl.constexpr):
+    # The grouped GEMM's [BLOCK_K, BLOCK_N] fp32 tile of IntExperts at k0 (_int_rows
+    # transposed: words [BLOCK_K / P, BLOCK_N] split along K by w4a16's _split_words)
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_N: tl.constexpr = n.shape[0]
+    kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + kw[:, None],
+                    mask=n_valid[None, :] & (kw < K // PER_WORD)[:, None], other=0)
+    q = _small_int_to_float(_split_words(words, BITS))                          # [K, N]
+    cols = expert.to(tl.int64) * stride_se + n[None, :].to(tl.int64) * stride_sn
+    if GROUP_K == BLOCK_K:                    # the tile in one group
+        group = k0 // group_size
+        s = tl.load(scale_ptr + cols + group, mask=n_valid[None, :], other=0.0).to(tl.float32)
+        z = tl.load(zero_ptr + cols + group, mask=n_valid[None, :], other=0.0).to(tl.float32)
+        w = (q - z) * s
+    else:
+        kg = k0 + tl.arange(0, BLOCK_K // GROUP_K) * GROUP_K       # each run's first k
+        mask = n_valid[None, :] & (kg < K)[:, None]
+        group = (kg // group_size)[:, None]
+        s = tl.load(scale_ptr + cols + group, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zero_ptr + cols + group, mask=mask, other=0.0).to(tl.float32)
+        q = tl.reshape(q, (BLOCK_K // GROUP_K, GROUP_K, BLOCK_N))
+        w = tl.reshape((q - z[:, None, :]) * s[:, None, :], (BLOCK_K, BLOCK_N))
+    return w
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
-                     scale_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
-                     A_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                     scale_ptr, zero_ptr, num_pairs, N, K, group_size, stride_am, stride_we,
+                     stride_wn, stride_se, stride_sn, stride_om, A_DIV: tl.constexpr,
+                     MUL_WEIGHT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_SCALE: tl.constexpr = False):
+                     W_SCALE: tl.constexpr = False, BITS: tl.constexpr = 0,
+                     GROUP_K: tl.constexpr = 1):
     # Program = (block of BLOCK_M sorted pairs, all of one expert; BLOCK_N outputs):
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[expert, n, k] (times the pair's weight).
     # W_SCALE: w is e4m3, read in a's dtype, each output column times scale[expert, n].
+    # BITS (4, 8): w is IntExperts' words; the [BLOCK_K, BLOCK_N] tile comes from
+    # [BLOCK_K / P, BLOCK_N] words split along K, (q - zero) * scale in fp32 (GROUP_K: as
+    # _int_rows'), rounded to a's dtype as fused_moe_ref's dequantized weight.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -374,10 +585,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
         k_valid = k < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
                     mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
-                    mask=n_valid[None, :] & k_valid[:, None], other=0.0)           # [K, N]
-        if W_SCALE:
-            w = w.to(a.dtype)
+        if BITS == 0:
+            w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                        mask=n_valid[None, :] & k_valid[:, None], other=0.0)       # [K, N]
+            if W_SCALE:
+                w = w.to(a.dtype)
+        else:
+            w = _int_tile(w_base, scale_ptr, zero_ptr, expert, n, n_valid, k0, K, group_size,
+                          stride_wn, stride_se, stride_sn, BITS, BLOCK_K, GROUP_K).to(a.dtype)
         acc += tl.dot(a, w, input_precision="ieee")
     if W_SCALE:
         acc *= tl.load(scale_ptr + expert.to(tl.int64) * N + n, mask=n_valid, other=0.0)[None, :]
@@ -411,35 +626,43 @@ def grouped_tiles(pairs: int, experts: int, device: torch.device) -> GroupedTile
     return GroupedTiles(64, 128, 64, 4, 3)
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
-          block_experts: torch.Tensor, weights: torch.Tensor | None, a_div: int,
-          tiles: GroupedTiles, scale: torch.Tensor | None = None) -> None:
+def _gemm(a: torch.Tensor, w: torch.Tensor | IntExperts, out: torch.Tensor,
+          sorted_pairs: torch.Tensor, block_experts: torch.Tensor, weights: torch.Tensor | None,
+          a_div: int, tiles: GroupedTiles, scale: torch.Tensor | None = None) -> None:
     num_pairs, n = out.shape
     k = w.shape[2]
     grid = (block_experts.numel(), triton.cdiv(n, tiles.block_n))
+    wt, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w, scale, tiles.block_k, out)
     _moe_gemm_kernel[grid](
-        a, w, out, sorted_pairs, block_experts, weights if weights is not None else out,
-        scale if scale is not None else out,
-        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a, wt, out, sorted_pairs, block_experts, weights if weights is not None else out,
+        s, z, num_pairs, n, k, group, a.stride(0), we, wn, se, sn, out.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None, NUM_EXPERTS=w.shape[0],
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        W_SCALE=scale is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        W_SCALE=scale is not None, BITS=bits, GROUP_K=group_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, gemv: bool | None = None,
+def fused_moe(x: torch.Tensor, w13: torch.Tensor | IntExperts, w2: torch.Tensor | IntExperts,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              gemv: bool | None = None,
               tiles: GroupedTiles | tuple[GemvTiles, GemvTiles] | None = None) -> torch.Tensor:
     """Triton twin of fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (each with a
     contiguous last dim), topk_weights / topk_ids [T, K] -> [T, H] in x's dtype. The pairs'
     outputs are summed over k in fp32. FP8 experts: w13 / w2 e4m3 with fp32 scales [E, 2I] /
-    [E, H] (W8A16: read in x's dtype, each output column scaled). gemv: the GEMV kernels
-    (True) or the grouped GEMM (False); None: as use_gemv says.
+    [E, H] (W8A16: read in x's dtype, each output column scaled). Integer experts: w13 and w2
+    both IntExperts (int4 / int8 groups, dequantized in registers; no FP8 scales).
+    gemv: the GEMV kernels (True) or the grouped GEMM (False); None: as use_gemv says.
     tiles: the path's tiles in place of the tuned ones (bench_moe.py's sweep)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_inter // 2):
+    if isinstance(w13, IntExperts) != isinstance(w2, IntExperts):
+        raise ValueError("w13 and w2 must both be IntExperts or neither; got "
+                         f"{type(w13).__name__} and {type(w2).__name__}")
+    if isinstance(w13, IntExperts) and (w13_scale is not None or w2_scale is not None):
+        raise ValueError("integer experts take no FP8 scales")
+    if w13.shape[2] != hidden or tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
         raise ValueError(f"w13 must be [E, 2I, {hidden}] and w2 [E, {hidden}, I]; got "
                          f"{tuple(w13.shape)} and {tuple(w2.shape)}")
     if num_tokens == 0:
