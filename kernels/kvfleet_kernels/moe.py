@@ -234,7 +234,6 @@ def _int_rows(w_rows, s_rows, z_rows, k0, K, group_size, n_valid, BITS: tl.const
     # power of two dividing BLOCK_K and group_size) consecutive k share a group: BLOCK_K /
     # GROUP_K scales and zeros a row, one when a group spans the tile.
     PER_WORD: tl.constexpr = 32 // BITS
-    BLOCK_N: tl.constexpr = w_rows.shape[0]
     kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
     words = tl.load(w_rows + kw[None, :], mask=n_valid[:, None] & (kw < K // PER_WORD)[None, :],
                     other=0)
@@ -250,8 +249,8 @@ def _int_rows(w_rows, s_rows, z_rows, k0, K, group_size, n_valid, BITS: tl.const
         mask = n_valid[:, None] & (kg < K)[None, :]
         s = tl.load(s_rows + group, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_rows + group, mask=mask, other=0.0).to(tl.float32)
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP_K, GROUP_K))
-        w = tl.reshape((q - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
+        q = tl.reshape(q, (q.shape[0], BLOCK_K // GROUP_K, GROUP_K))
+        w = tl.reshape((q - z[:, :, None]) * s[:, :, None], (q.shape[0], BLOCK_K))
     return w
 
 
@@ -273,8 +272,6 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     gate_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + INTER * stride_wn
-    gate_s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn   # BITS: groups' offsets
-    up_s = gate_s + INTER * stride_sn
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -286,6 +283,8 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H
             acc_gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
             acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
         else:
+            gate_s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn   # groups' rows
+            up_s = gate_s + INTER * stride_sn
             acc_gate += x * _int_rows(gate_rows, scale_ptr + gate_s, zero_ptr + gate_s, k0, H,
                                       group_size, n_valid, BITS, BLOCK_K, GROUP_K)
             acc_up += x * _int_rows(up_rows, scale_ptr + up_s, zero_ptr + up_s, k0, H,
@@ -532,7 +531,6 @@ def _int_tile(w_base, scale_ptr, zero_ptr, expert, n, n_valid, k0, K, group_size
     # The grouped GEMM's [BLOCK_K, BLOCK_N] fp32 tile of IntExperts at k0 (_int_rows
     # transposed: words [BLOCK_K / P, BLOCK_N] split along K by w4a16's _split_words)
     PER_WORD: tl.constexpr = 32 // BITS
-    BLOCK_N: tl.constexpr = n.shape[0]
     kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
     words = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + kw[:, None],
                     mask=n_valid[None, :] & (kw < K // PER_WORD)[:, None], other=0)
@@ -549,8 +547,8 @@ def _int_tile(w_base, scale_ptr, zero_ptr, expert, n, n_valid, k0, K, group_size
         group = (kg // group_size)[:, None]
         s = tl.load(scale_ptr + cols + group, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(zero_ptr + cols + group, mask=mask, other=0.0).to(tl.float32)
-        q = tl.reshape(q, (BLOCK_K // GROUP_K, GROUP_K, BLOCK_N))
-        w = tl.reshape((q - z[:, None, :]) * s[:, None, :], (BLOCK_K, BLOCK_N))
+        q = tl.reshape(q, (BLOCK_K // GROUP_K, GROUP_K, n.shape[0]))
+        w = tl.reshape((q - z[:, None, :]) * s[:, None, :], (BLOCK_K, n.shape[0]))
     return w
 
 
