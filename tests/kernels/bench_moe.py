@@ -1,12 +1,14 @@
 """Time the mixture-of-experts kernels on Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.
 
-Run on a GPU: python tests/kernels/bench_moe.py [--sweep] [--tokens 1,8,256]
+Run on a GPU: python tests/kernels/bench_moe.py [--sweep] [--int4] [--tokens 1,8,256]
 Each figure is a call's GPU time replayed from a CUDA graph (as the engine's decode runs it)
 over 8 routings in turn (random top-k ids; a layer's experts, 1.2 / 2.8 GB, are far past L2).
 Rows: the router (torch ops vs moe_route), the grouping (moe_align's torch ops vs the one-launch
 kernel) and fused_moe through the GEMV kernels and the grouped GEMM at their default tiles;
 GB/s = the distinct experts' weight bytes a call reads / its time. --sweep: the tiles of both
 paths at each token count, the best first (a tile that fails to compile or run: inf).
+--int4: also the same experts as int4 IntExperts (groups of 128, random words) through both
+paths at their default tiles (GB/s over their words, scales and zeros).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PREFILL_SWEEP = [moe.GroupedTiles(bm, bn, bk, w, st) for bm in (64, 128) for bn 
                  for bk in (64, 128) for w in (4, 8) for st in (3, 4) if (bm, st) != (64, 3)]
 ROUTINGS = 8
 DTYPE = torch.bfloat16
+INT_GROUP = 128
 
 
 def _routings(tokens, experts, top_k, hidden, dev):
@@ -48,8 +51,18 @@ def _routings(tokens, experts, top_k, hidden, dev):
     return out
 
 
-def _bytes(ids, hidden, inter) -> float:
-    return float(sum(r[3].unique().numel() for r in ids)) / len(ids) * 3 * hidden * inter * 2
+def _bytes(ids, hidden, inter, per_weight: float = 2.0) -> float:
+    return float(sum(r[3].unique().numel() for r in ids)) / len(ids) * 3 * hidden * inter * \
+        per_weight
+
+
+def _int4_experts(experts, rows, k, dev) -> moe.IntExperts:
+    # random words (any word is 8 valid 4-bit values), scales about a bf16 expert's 0.02 std
+    words = torch.randint(-2 ** 31, 2 ** 31, (experts, rows, k // 8), device=dev,
+                          dtype=torch.int32)
+    groups = (experts, rows, k // INT_GROUP)
+    return moe.IntExperts(words, torch.full(groups, 0.005, device=dev, dtype=torch.float16),
+                          torch.full(groups, 8.0, device=dev, dtype=torch.float16), 4, INT_GROUP)
 
 
 def _time(fn, routings) -> float:
@@ -65,6 +78,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--int4", action="store_true")
     args = parser.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  "
@@ -74,9 +88,13 @@ def main() -> None:
             continue
         w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=DTYPE) * 0.02
         w2 = torch.randn(experts, hidden, inter, device=dev, dtype=DTYPE) * 0.02
+        int13 = _int4_experts(experts, 2 * inter, hidden, dev) if args.int4 else None
+        int2 = _int4_experts(experts, hidden, inter, dev) if args.int4 else None
         print(f"== {name}: {experts} experts, top {top_k}, hidden {hidden}, inter {inter}")
         print(f"{'tokens':>7}{'route':>8}{'kernel':>8}{'align':>8}{'kernel':>8}"
-              f"{'gemv us':>9}{'GB/s':>7}{'grouped':>9}{'GB/s':>7}  (us)")
+              f"{'gemv us':>9}{'GB/s':>7}{'grouped':>9}{'GB/s':>7}"
+              + (f"{'int4 gemv':>10}{'GB/s':>7}{'int4 grp':>10}{'GB/s':>7}" if args.int4 else "")
+              + "  (us)")
         for tokens in map(int, args.tokens.split(",")):
             routings = _routings(tokens, experts, top_k, hidden, dev)
             nbytes = _bytes(routings, hidden, inter)
@@ -97,9 +115,24 @@ def main() -> None:
                     out = moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv).float()
                     err = float((out - ref).abs().max() / ref.abs().max())
                     assert err < 2e-2, (name, tokens, gemv, err)
-            print(f"{tokens:>7}{route_t:>8.1f}{route_k:>8.1f}{align_t:>8.1f}{align_k:>8.1f}"
-                  f"{gemv_us:>9.1f}{nbytes / gemv_us / 1e3:>7.0f}{grouped_us:>9.1f}"
-                  f"{nbytes / grouped_us / 1e3:>7.0f}", flush=True)
+            row = (f"{tokens:>7}{route_t:>8.1f}{route_k:>8.1f}{align_t:>8.1f}{align_k:>8.1f}"
+                   f"{gemv_us:>9.1f}{nbytes / gemv_us / 1e3:>7.0f}{grouped_us:>9.1f}"
+                   f"{nbytes / grouped_us / 1e3:>7.0f}")
+            if args.int4:
+                # a weight's half byte plus its group's fp16 scale and zero
+                int_bytes = _bytes(routings, hidden, inter, 0.5 + 4 / INT_GROUP)
+                int_run = partial(_experts, int13, int2)
+                int_gemv = _time(int_run(True), routings) if tokens <= 64 else float("nan")
+                int_grouped = _time(int_run(False), routings)
+                if tokens <= 16:
+                    int_ref = moe.fused_moe_ref(x.float(), int13, int2, weights, ids)
+                    for gemv in (True, False):
+                        out = moe.fused_moe(x, int13, int2, weights, ids, gemv=gemv).float()
+                        err = float((out - int_ref).abs().max() / int_ref.abs().max())
+                        assert err < 2e-2, (name, "int4", tokens, gemv, err)
+                row += (f"{int_gemv:>10.1f}{int_bytes / int_gemv / 1e3:>7.0f}"
+                        f"{int_grouped:>10.1f}{int_bytes / int_grouped / 1e3:>7.0f}")
+            print(row, flush=True)
             if not args.sweep:
                 continue
             if tokens <= 32:
