@@ -18,6 +18,10 @@ two and the SiLU's and the pair sum's). `moe_align_triton` is the grouping on th
 two launches (`moe_align`: the same in torch ops, some twenty launches; for the largest
 steps); `moe_route` the router's softmax, top-k and renormalization in one launch
 (moe_route_ref: HF's ops).
+
+Weights: bf16 / fp16, e4m3 with a scale a row (FP8), or `IntExperts` (GPTQ / AWQ int4 / int8
+groups), which both paths read as words and dequantize in registers (a quarter / half of the
+bf16 bytes read).
 """
 
 from __future__ import annotations
