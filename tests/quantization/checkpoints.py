@@ -21,10 +21,11 @@ from kvfleet_runtime.layers.quantization.gptq import pack_gptq
 from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "qkv_proj", "gate_up_proj")      # (the last two: Phi-3's fused projections)
+               "qkv_proj", "gate_up_proj",      # (Phi-3's fused projections)
+               "w1", "w2", "w3")                # (Mixtral's experts)
 # projections that read the same input, hence get the same act-order from GPTQ
 SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
-              "up_proj": "gate_up"}
+              "up_proj": "gate_up", "w1": "w13", "w3": "w13"}
 FP8_MAX = 448.0
 
 

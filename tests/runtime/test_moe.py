@@ -167,15 +167,50 @@ def test_block_scaled_fp8_checkpoint_matches_hf_on_its_dequantized_weights(tmp_p
     assert _greedy(LLM(model=str(quantized)), prompts) == ref
 
 
-def test_quantized_checkpoints_are_refused(tmp_path):
-    import json
-    path = make_tiny_model("qwen3_moe", tmp_path / "q")
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                     "desc_act": False, "sym": True}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="takes no quantized checkpoint yet"):
-        LLM(model=str(path), num_gpu_blocks=16)
+@pytest.mark.parametrize(("arch", "method", "bits", "group_size"), [
+    ("mixtral", "awq", 4, 8), ("qwen3_moe", "gptq", 4, 8), ("qwen2_moe", "gptq", 8, -1)])
+def test_gptq_and_awq_experts_match_hf_on_their_dequantized_weights(arch, method, bits,
+                                                                   group_size, tmp_path,
+                                                                   monkeypatch):
+    # every projection quantized (experts, attention, Qwen2-MoE's shared expert), groups of 8
+    # inputs or one a row, zero points not at the midpoint; the routers unquantized, as the
+    # tools leave them
+    from quantization.checkpoints import write_quantized
+    source = make_tiny_model(arch, tmp_path / "source")
+    quantized, dequantized = tmp_path / method, tmp_path / "dequantized"
+    write_quantized(source, quantized, dequantized, method=method, bits=bits,
+                    group_size=group_size)
+    prompts = _prompts(4, seed=17)
+    ref = hf_greedy(dequantized, prompts, 12)
+    if bits == 4:       # the rounding moves these outputs (8 bits' does not, here)
+        assert ref != hf_greedy(source, prompts, 12)
+    llm = LLM(model=str(quantized))
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    w13, _ = block.int_experts                                                 # kept packed
+    assert block.w13 is None and (w13.bits, w13.group_size) == (bits, 8 if bits == 4 else 64)
+    assert _greedy(llm, prompts) == ref
+    # the kernels (in the interpreter): the grouped GEMM over prefill chunks, the GEMV decode
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model=str(quantized), attention_backend="triton", max_num_seqs=4,
+              max_num_batched_tokens=24)
+    try:
+        assert _greedy(llm, prompts[:2]) == ref[:2]
+    finally:
+        llm.engine.shutdown()
+        from kvfleet_runtime.layers.backend import set_backend
+        set_backend("auto")
+
+
+def test_act_order_experts_and_per_channel_fp8_checkpoints_are_refused(tmp_path):
+    from quantization.checkpoints import write_quantized
+    source = make_tiny_model("qwen3_moe", tmp_path / "source")
+    write_quantized(source, tmp_path / "g", tmp_path / "d", method="gptq", group_size=8,
+                    desc_act=True)
+    with pytest.raises(ValueError, match="shuffled g_idx .* not served for experts"):
+        LLM(model=str(tmp_path / "g"), num_gpu_blocks=16)
+    write_quantized(source, tmp_path / "f", tmp_path / "d2", method="fp8", per_channel=True)
+    with pytest.raises(ValueError, match="takes no per-tensor or per-channel FP8 checkpoint"):
+        LLM(model=str(tmp_path / "f"), num_gpu_blocks=16)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -7,6 +7,11 @@ elsewhere HF's loop over the experts hit (fused_moe_ref).
 Under tensor parallelism each rank holds every expert's slice of I (its rows of gate and up,
 its columns of down, as a dense MLP's column / row split) and the ranks' outputs are summed;
 the router is whole on every rank (its input is, so every rank routes alike).
+
+Integer experts (GPTQ / AWQ checkpoints, 4 or 8 bits): each projection's integers packed along
+its input dim an output row at a time, with fp16 scales and zero points a group of inputs
+(kvfleet_kernels.moe.IntExperts), kept packed on every device: the kernels dequantize tiles in
+registers, the torch path an expert at a time.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from kvfleet_runtime.layers.backend import use_triton
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, weights_in_dtype: bool, dtype: torch.dtype,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, int_weights: tuple[int, int] | None = None) -> None:
         # renormalize: the top_k probabilities divided by their sum (Mixtral; Qwen3-MoE's
         # norm_topk_prob); weights_in_dtype: rounded to the model's dtype (Qwen3-MoE) or kept
         # in fp32 (Mixtral), as HF's routers do; fp8: the experts quantized once loaded
-        # (`--quantization fp8`: e4m3, a scale a row; process_weights_after_loading)
+        # (`--quantization fp8`: e4m3, a scale a row; process_weights_after_loading);
+        # int_weights: (bits, group_size) of a GPTQ / AWQ checkpoint's experts (load_int_expert)
         super().__init__()
         self.fp8 = fp8
         self.w13_scale: torch.Tensor | None = None
@@ -39,18 +45,46 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"the experts' intermediate size ({intermediate_size}) must be a "
                              f"multiple of tensor_parallel_size ({self.tp_size})")
         intermediate_size //= self.tp_size
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_dtype = weights_in_dtype
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
-                                            dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
-                                           dtype=dtype), requires_grad=False)
+        self.int_weights = int_weights
+        self.int_experts = None      # (w13, w2) as kvfleet_kernels.moe.IntExperts, once loaded
+        if int_weights is None:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                hidden_size, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+                                               dtype=dtype), requires_grad=False)
+        else:
+            self.w13 = self.w2 = None
+            bits, group_size = int_weights
+            for name, n, k in (("w13", 2 * intermediate_size, hidden_size),
+                               ("w2", hidden_size, intermediate_size)):
+                group = self._group(name, k)
+                for what, size in (("values of 32 // bits", 32 // bits), ("group_size", group)):
+                    if k % size:
+                        raise ValueError(
+                            f"{bits}-bit experts: the {'hidden' if name == 'w13' else 'intermediate'}"
+                            f" size {k}{self._per_rank()} must be a multiple of {what} ({size})")
+                for suffix, shape, t in (("qweight", (k * bits // 32,), torch.int32),
+                                         ("scales", (k // group,), torch.float16),
+                                         ("zeros", (k // group,), torch.float16)):
+                    self.register_parameter(f"{name}_{suffix}", nn.Parameter(
+                        torch.zeros(num_experts, n, *shape, dtype=t), requires_grad=False))
         # Qwen2-MoE: a dense MLP every token takes, weighted by sigmoid(shared_expert_gate(x))
         # (set by the model: models/llama.py)
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Linear | None = None
+
+    def _group(self, name: str, k: int) -> int:
+        """Inputs a group of scales spans in `name`'s rows of k inputs (this rank's)."""
+        group_size = self.int_weights[1]
+        return k if group_size == -1 else group_size
+
+    def _per_rank(self) -> str:
+        return f" per rank (tensor_parallel_size {self.tp_size})" if self.tp_size > 1 else ""
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts and their weights ([T, K] each)."""
@@ -62,14 +96,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        w13, w2 = self.int_experts or (self.w13, self.w2)
         if use_triton(x):
             from kvfleet_kernels.moe import fused_moe
-            out = fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
+            out = fused_moe(x, w13, w2, weights, ids, w13_scale=self.w13_scale,
                             w2_scale=self.w2_scale)
         else:
             from kvfleet_kernels.moe import fused_moe_ref
-            out = fused_moe_ref(x, self.w13, self.w2, weights, ids, self.w13_scale,
-                                self.w2_scale)
+            out = fused_moe_ref(x, w13, w2, weights, ids, self.w13_scale, self.w2_scale)
         if self.tp_size > 1:
             out = all_reduce(out)
         if self.shared_expert is not None:     # (its down_proj sums over the ranks itself)
@@ -82,6 +116,15 @@ class SparseMoeBlock(nn.Module):
         with FP8 (compute capability >= 8.9) they stay e4m3 (half the memory; the grouped
         GEMM reads them in the activation's dtype); elsewhere they are dequantized back, so a
         CPU serves the same rounded weights."""
+        if self.int_weights is not None:
+            from kvfleet_kernels.moe import IntExperts
+            bits, _ = self.int_weights
+            self.int_experts = tuple(
+                IntExperts(getattr(self, f"{name}_qweight").data, getattr(self, f"{name}_scales").data,
+                           getattr(self, f"{name}_zeros").data, bits,
+                           self._group(name, getattr(self, f"{name}_qweight").shape[2] * 32 // bits))
+                for name in ("w13", "w2"))
+            return
         if not self.fp8:
             return
         from kvfleet_kernels.fp8 import fp8_supported, quantize_fp8_rowwise
@@ -100,7 +143,7 @@ class SparseMoeBlock(nn.Module):
     def load_expert(self, expert: int, piece: str, tensor: torch.Tensor) -> None:
         """One expert's checkpoint tensor: piece "gate", "up" (halves of w13) or "down" (w2);
         under tensor parallelism this rank's slice of it."""
-        inter = self.w2.shape[2]
+        inter = self.intermediate_size
         if self.tp_size > 1:
             cut = slice(self.tp_rank * inter, (self.tp_rank + 1) * inter)
             if tensor.shape[1 if piece == "down" else 0] != inter * self.tp_size:
@@ -113,3 +156,37 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"expert {expert}'s {piece} projection: checkpoint shape "
                              f"{tuple(tensor.shape)} != model shape {tuple(target.shape)}")
         target.copy_(tensor)
+
+    def load_int_expert(self, expert: int, piece: str, w) -> None:
+        """One expert's GPTQ / AWQ projection, unpacked (layers.quantization.int_weight's
+        IntWeight: q [K, N], zeros / scales [G, N], plain grouping), as load_expert places a
+        dense one: this rank's rows of gate and up, its inputs (and their groups) of down."""
+        from kvfleet_runtime.layers.quantization.packing import pack_int32
+        bits, group_size = self.int_weights
+        q, zeros, scales = w.q.t(), w.zeros.t(), w.scales.t()       # [N, K], [N, G], [N, G]
+        inter = self.intermediate_size
+        name = "w2" if piece == "down" else "w13"
+        if self.tp_size > 1:
+            full = inter * self.tp_size
+            if q.shape[1 if piece == "down" else 0] != full:
+                raise ValueError(f"expert {expert}'s {piece} projection: checkpoint shape "
+                                 f"{tuple(q.t().shape)} does not hold {self.tp_size} x {inter}")
+            cut = slice(self.tp_rank * inter, (self.tp_rank + 1) * inter)
+            if piece != "down":
+                q, zeros, scales = q[cut], zeros[cut], scales[cut]
+            else:
+                q = q[:, cut]
+                if group_size != -1:    # this rank's inputs' groups (whole: checked above)
+                    groups = slice(cut.start // group_size, cut.stop // group_size)
+                    zeros, scales = zeros[:, groups], scales[:, groups]
+        rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter),
+                "down": slice(None)}[piece]
+        qweight = getattr(self, f"{name}_qweight").data[expert, rows]
+        want = (qweight.shape[0], qweight.shape[1] * 32 // bits)
+        if tuple(q.shape) != want or zeros.shape != getattr(self, f"{name}_zeros")[expert, rows].shape:
+            raise ValueError(f"expert {expert}'s {piece} projection: checkpoint shape "
+                             f"{tuple(q.t().shape)} (inputs x outputs, {zeros.shape[1]} groups) "
+                             f"!= model shape {want[::-1]} with group_size {group_size}")
+        qweight.copy_(pack_int32(q.contiguous(), bits, dim=1))
+        getattr(self, f"{name}_zeros").data[expert, rows] = zeros
+        getattr(self, f"{name}_scales").data[expert, rows] = scales

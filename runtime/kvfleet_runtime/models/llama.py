@@ -33,6 +33,13 @@ def _method(quant_config, prefix: str):
     return quant_config.get_linear_method(prefix) if quant_config is not None else None
 
 
+def _int_experts(quant_config) -> tuple[int, int] | None:
+    """(bits, group_size) of a GPTQ / AWQ checkpoint's experts (layers.moe), else None."""
+    if getattr(quant_config, "name", None) not in ("gptq", "awq"):
+        return None
+    return getattr(quant_config, "bits", 4), quant_config.group_size
+
+
 def _heads_per_rank(cfg: ModelConfig) -> tuple[int, int, int]:
     """(query heads, KV heads) of one rank, and how many ranks share each KV head."""
     tp = get_tp_size()
@@ -139,7 +146,8 @@ class DecoderLayer(nn.Module):
                                       cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.moe_renormalize,
                                       cfg.architecture != "MixtralForCausalLM", dtype,
-                                      fp8=getattr(quant_config, "name", None) == "fp8")
+                                      fp8=getattr(quant_config, "name", None) == "fp8",
+                                      int_weights=_int_experts(quant_config))
             # (a block-scaled FP8 checkpoint's experts arrive dequantized: models/moe.py)
             if cfg.shared_expert_intermediate_size:     # Qwen2-MoE's, a dense MLP
                 self.mlp.shared_expert = DecoderMLP(

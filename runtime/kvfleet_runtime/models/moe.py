@@ -8,8 +8,11 @@ tensor a projection an expert) are stacked into the block's w13 / w2 as they loa
 Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe);
 `--quantization fp8` quantizes the experts as it does the other projections (e4m3, a scale a
 row); a block-scaled FP8 checkpoint's experts (Qwen3-30B-A3B-FP8) are dequantized as they load,
-then rounded the same way. Not yet: GPTQ/AWQ or per-channel FP8 experts, LoRA on the experts
-(attention and dense layers' adapters apply), expert parallelism."""
+then rounded the same way. GPTQ and AWQ checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4,
+Mixtral AWQ) stay packed integers (layers.moe: IntExperts), each projection unpacked and
+repacked as it loads; GPTQ's act-order (a shuffled g_idx) is refused for experts. Not yet:
+per-channel FP8 experts, LoRA on the experts (attention and dense layers' adapters apply),
+expert parallelism."""
 
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from kvfleet_runtime.layers.quantization.fp8 import dequantize_blocks
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\."
+                     r"(weight|weight_scale_inv|qweight|qzeros|scales|g_idx)")
+_INT_PIECES = {"qweight", "qzeros", "scales"}     # a GPTQ / AWQ projection (+ GPTQ's g_idx)
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.gate\.weight")
 
 
@@ -36,13 +41,37 @@ class _MoeForCausalLM(LlamaForCausalLM):
         # a block-scaled FP8 checkpoint (Qwen3-30B-A3B-FP8): each expert tensor dequantized by
         # its weight_scale_inv as it loads, then rounded a row at a time as on-load FP8 does
         self.expert_block = getattr(quant_config, "block", None) if fp8 else None
-        if quant_config is not None and not (
+        # GPTQ / AWQ: the experts' integers kept packed (layers.moe.SparseMoeBlock.int_weights)
+        self.expert_int = (quant_config.name if quant_config is not None
+                           and quant_config.name in ("gptq", "awq") else None)
+        if quant_config is not None and self.expert_int is None and not (
                 fp8 and (not quant_config.serialized or self.expert_block is not None)):
-            raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no quantized "
-                             "checkpoint yet but block-scaled FP8 (GPTQ, AWQ, per-tensor or "
-                             "per-channel FP8): serve its bf16/fp16 weights, or quantize them "
+            raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no per-tensor "
+                             "or per-channel FP8 checkpoint yet (GPTQ, AWQ and block-scaled "
+                             "FP8 ones load): serve its bf16/fp16 weights, or quantize them "
                              "to FP8 as they load (--quantization fp8)")
+        self.quant_config = quant_config
         super().__init__(cfg, dtype, quant_config)
+
+    def _unpack(self, name: str, got: dict[str, torch.Tensor]):
+        """A GPTQ / AWQ expert projection's tensors -> IntWeight (plain grouping)."""
+        q = self.quant_config
+        if self.expert_int == "awq":
+            from kvfleet_runtime.layers.quantization.awq import unpack_awq
+            return unpack_awq(got["qweight"], got["qzeros"], got["scales"], q.group_size)
+        from kvfleet_runtime.layers.quantization.gptq import unpack_gptq
+        from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
+        rows = got["qweight"].shape[0] * 32 // q.bits
+        return unpack_gptq(got["qweight"], got["qzeros"], got["scales"],
+                           default_g_idx(rows, q.group_size), q.bits, q.checkpoint_format)
+
+    def _check_g_idx(self, name: str, g_idx: torch.Tensor) -> None:
+        from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
+        if not torch.equal(g_idx.to(torch.int32).cpu(),
+                           default_g_idx(g_idx.numel(), self.quant_config.group_size)):
+            raise ValueError(f"checkpoint tensor {name!r}: a shuffled g_idx (GPTQ act-order, "
+                             "desc_act) is not served for experts yet; quantize the experts "
+                             "without desc_act")
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
         if layer >= len(self.model.layers) or not isinstance(self.model.layers[layer].mlp,
@@ -63,10 +92,28 @@ class _MoeForCausalLM(LlamaForCausalLM):
                 if expert and expert[2] == self.block_name:
                     layer, index, proj = int(expert[1]), int(expert[3]), expert[4]
                     block = self._block(layer, name)
-                    if proj not in self.expert_pieces or index >= block.w13.shape[0] or (
-                            expert[5] == "weight_scale_inv" and self.expert_block is None):
+                    kind = expert[5]
+                    integer = kind in _INT_PIECES or kind == "g_idx"
+                    if proj not in self.expert_pieces or index >= block.num_experts or (
+                            kind == "weight_scale_inv" and self.expert_block is None) or (
+                            integer != (self.expert_int is not None)):
                         raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                         f"{self.config.architecture}")
+                                         f"{self.config.architecture}" + (
+                                             f" with {self.expert_int} experts"
+                                             if self.expert_int else ""))
+                    if kind == "g_idx":
+                        self._check_g_idx(name, tensor)
+                        continue
+                    if self.expert_int is not None:
+                        got = halves.setdefault((layer, index, proj), {})
+                        got[kind] = tensor
+                        if len(got) < len(_INT_PIECES):
+                            continue
+                        del halves[(layer, index, proj)]
+                        block.load_int_expert(index, self.expert_pieces[proj],
+                                              self._unpack(name, got))
+                        pieces.setdefault(layer, set()).add((index, self.expert_pieces[proj]))
+                        continue
                     if self.expert_block is not None:
                         got = halves.setdefault((layer, index, proj), {})
                         got[expert[5]] = tensor
@@ -91,11 +138,12 @@ class _MoeForCausalLM(LlamaForCausalLM):
         loaded |= super().load_weights(dense())
         for layer, got in pieces.items():   # w13 / w2 count as loaded once every piece is in
             block = self.model.layers[layer].mlp
-            experts = range(block.w13.shape[0])
-            if got >= {(e, p) for e in experts for p in ("gate", "up")}:
-                loaded.add(f"model.layers.{layer}.mlp.w13")
-            if got >= {(e, "down") for e in experts}:
-                loaded.add(f"model.layers.{layer}.mlp.w2")
+            experts = range(block.num_experts)
+            suffixes = ("",) if self.expert_int is None else ("_qweight", "_scales", "_zeros")
+            for name, wanted in (("w13", {(e, p) for e in experts for p in ("gate", "up")}),
+                                 ("w2", {(e, "down") for e in experts})):
+                if got >= wanted:
+                    loaded |= {f"model.layers.{layer}.mlp.{name}{s}" for s in suffixes}
         return loaded
 
 
