@@ -103,6 +103,22 @@ def test_moe_models_match_hf_fp32_and_graphs_match_eager(tmp_path, arch):
     assert graphed.engine.runner.graph_runner.graphs, "no decode step used a CUDA graph"
 
 
+@pytest.mark.parametrize(("arch", "method"), [("qwen3_moe", "gptq"), ("mixtral", "awq")])
+def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, method):
+    # GPTQ / AWQ experts kept packed (IntExperts) through the GEMV and grouped kernels
+    from quantization.checkpoints import write_quantized
+    from support.tiny_models import make_tiny_model
+    source = make_tiny_model(arch, tmp_path / arch)
+    write_quantized(source, tmp_path / "q", tmp_path / "d", method=method, group_size=16)
+    path, prompts = str(tmp_path / "q"), _prompts(8)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=8)
+    block = llm.engine.runner.model.model.layers[0].mlp
+    assert block.int_experts is not None and block.w13_qweight.is_cuda
+    assert _greedy(llm, prompts, 12) == hf_greedy(str(tmp_path / "d"), prompts, 12)
+    eager = _greedy(LLM(model=path, dtype="bfloat16", enforce_eager=True), prompts)
+    assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
+
+
 def test_kv_cache_is_sized_from_memory_utilization(case):
     path, _ = case
     llm = LLM(model=path, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024)
