@@ -62,7 +62,7 @@ class SparseMoeBlock(nn.Module):
             bits, group_size = int_weights
             for name, n, k in (("w13", 2 * intermediate_size, hidden_size),
                                ("w2", hidden_size, intermediate_size)):
-                group = self._group(name, k)
+                group = self._group(k)
                 for what, size in (("values of 32 // bits", 32 // bits), ("group_size", group)):
                     if k % size:
                         raise ValueError(
@@ -78,8 +78,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Linear | None = None
 
-    def _group(self, name: str, k: int) -> int:
-        """Inputs a group of scales spans in `name`'s rows of k inputs (this rank's)."""
+    def _group(self, k: int) -> int:
+        """Inputs a group of scales spans in rows of k inputs (this rank's)."""
         group_size = self.int_weights[1]
         return k if group_size == -1 else group_size
 
@@ -122,7 +122,7 @@ class SparseMoeBlock(nn.Module):
             self.int_experts = tuple(
                 IntExperts(getattr(self, f"{name}_qweight").data, getattr(self, f"{name}_scales").data,
                            getattr(self, f"{name}_zeros").data, bits,
-                           self._group(name, getattr(self, f"{name}_qweight").shape[2] * 32 // bits))
+                           self._group(getattr(self, f"{name}_qweight").shape[2] * 32 // bits))
                 for name in ("w13", "w2"))
             return
         if not self.fp8:
