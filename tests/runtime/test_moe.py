@@ -5,6 +5,7 @@ supported yet is refused with a clear error."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -201,12 +202,31 @@ def test_gptq_and_awq_experts_match_hf_on_their_dequantized_weights(arch, method
         set_backend("auto")
 
 
-def test_act_order_experts_and_per_channel_fp8_checkpoints_are_refused(tmp_path):
+def test_act_order_experts_are_dequantized_and_per_channel_fp8_refused(tmp_path, caplog):
+    # GPTQ desc_act: each expert's g_idx a shuffle of its own, its weight dequantized on load
     from quantization.checkpoints import write_quantized
+    from safetensors.torch import load_file, save_file
     source = make_tiny_model("qwen3_moe", tmp_path / "source")
+    # inputs of growing size: each group's scale its own (a g_idx ignored shows)
+    tensors = load_file(source / "model.safetensors")
+    for name, w in tensors.items():
+        if ".experts." in name:
+            tensors[name] = w * torch.linspace(0.1, 3.0, w.shape[1])[None, :]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     write_quantized(source, tmp_path / "g", tmp_path / "d", method="gptq", group_size=8,
                     desc_act=True)
-    with pytest.raises(ValueError, match="shuffled g_idx .* not served for experts"):
+    prompts = _prompts(3, seed=19)
+    ref = hf_greedy(tmp_path / "d", prompts, 12)
+    assert ref != hf_greedy(source, prompts, 12)
+    llm = LLM(model=str(tmp_path / "g"), num_gpu_blocks=16)
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.int_experts is None and block.w13.dtype == torch.float32
+    assert _greedy(llm, prompts) == ref
+    # a shuffled g_idx without desc_act is refused, as on the dense layers
+    config = json.loads((tmp_path / "g" / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (tmp_path / "g" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="shuffled g_idx .* needs desc_act true"):
         LLM(model=str(tmp_path / "g"), num_gpu_blocks=16)
     write_quantized(source, tmp_path / "f", tmp_path / "d2", method="fp8", per_channel=True)
     with pytest.raises(ValueError, match="takes no per-tensor or per-channel FP8 checkpoint"):

@@ -35,8 +35,9 @@ def _method(quant_config, prefix: str):
 
 def _int_experts(quant_config) -> tuple[int, int] | None:
     """(bits, group_size) of a GPTQ / AWQ checkpoint's experts (layers.moe), else None."""
-    if getattr(quant_config, "name", None) not in ("gptq", "awq"):
-        return None
+    if getattr(quant_config, "name", None) not in ("gptq", "awq") or getattr(
+            quant_config, "desc_act", False):
+        return None         # (act-order experts are dequantized as they load: models/moe.py)
     return getattr(quant_config, "bits", 4), quant_config.group_size
 
 

@@ -10,7 +10,7 @@ Tensor parallelism splits each expert's intermediate size over the ranks (layers
 row); a block-scaled FP8 checkpoint's experts (Qwen3-30B-A3B-FP8) are dequantized as they load,
 then rounded the same way. GPTQ and AWQ checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4,
 Mixtral AWQ) stay packed integers (layers.moe: IntExperts), each projection unpacked and
-repacked as it loads; GPTQ's act-order (a shuffled g_idx) is refused for experts. Not yet:
+repacked as it loads; GPTQ's act-order experts (desc_act) are dequantized as they load. Not yet:
 per-channel FP8 experts, LoRA on the experts (attention and dense layers' adapters apply),
 expert parallelism."""
 
@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from kvfleet_runtime.layers.moe import SparseMoeBlock
+from kvfleet_runtime.layers.quantization.base import log_once
 from kvfleet_runtime.layers.quantization.fp8 import dequantize_blocks
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
@@ -44,6 +45,12 @@ class _MoeForCausalLM(LlamaForCausalLM):
         # GPTQ / AWQ: the experts' integers kept packed (layers.moe.SparseMoeBlock.int_weights)
         self.expert_int = (quant_config.name if quant_config is not None
                            and quant_config.name in ("gptq", "awq") else None)
+        # GPTQ with act-order (desc_act): each expert's rows shuffled its own way, which the
+        # kernels do not gather: those experts are dequantized as they load instead
+        self.expert_act_order = self.expert_int == "gptq" and quant_config.desc_act
+        if self.expert_act_order:
+            log_once("gptq: act-order (desc_act) experts are dequantized on load to the "
+                     "model's dtype")
         if quant_config is not None and self.expert_int is None and not (
                 fp8 and (not quant_config.serialized or self.expert_block is not None)):
             raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no per-tensor "
@@ -53,8 +60,8 @@ class _MoeForCausalLM(LlamaForCausalLM):
         self.quant_config = quant_config
         super().__init__(cfg, dtype, quant_config)
 
-    def _unpack(self, name: str, got: dict[str, torch.Tensor]):
-        """A GPTQ / AWQ expert projection's tensors -> IntWeight (plain grouping)."""
+    def _unpack(self, got: dict[str, torch.Tensor]):
+        """A GPTQ / AWQ expert projection's tensors -> IntWeight (g_idx: act-order's)."""
         q = self.quant_config
         if self.expert_int == "awq":
             from kvfleet_runtime.layers.quantization.awq import unpack_awq
@@ -62,16 +69,16 @@ class _MoeForCausalLM(LlamaForCausalLM):
         from kvfleet_runtime.layers.quantization.gptq import unpack_gptq
         from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
         rows = got["qweight"].shape[0] * 32 // q.bits
-        return unpack_gptq(got["qweight"], got["qzeros"], got["scales"],
-                           default_g_idx(rows, q.group_size), q.bits, q.checkpoint_format)
+        g_idx = got["g_idx"] if "g_idx" in got else default_g_idx(rows, q.group_size)
+        return unpack_gptq(got["qweight"], got["qzeros"], got["scales"], g_idx, q.bits,
+                           q.checkpoint_format)
 
     def _check_g_idx(self, name: str, g_idx: torch.Tensor) -> None:
         from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
         if not torch.equal(g_idx.to(torch.int32).cpu(),
                            default_g_idx(g_idx.numel(), self.quant_config.group_size)):
-            raise ValueError(f"checkpoint tensor {name!r}: a shuffled g_idx (GPTQ act-order, "
-                             "desc_act) is not served for experts yet; quantize the experts "
-                             "without desc_act")
+            raise ValueError(f"checkpoint tensor {name!r}: a shuffled g_idx (GPTQ act-order) "
+                             "needs desc_act true in the quantization_config")
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
         if layer >= len(self.model.layers) or not isinstance(self.model.layers[layer].mlp,
@@ -101,18 +108,21 @@ class _MoeForCausalLM(LlamaForCausalLM):
                                          f"{self.config.architecture}" + (
                                              f" with {self.expert_int} experts"
                                              if self.expert_int else ""))
-                    if kind == "g_idx":
+                    if kind == "g_idx" and not self.expert_act_order:
                         self._check_g_idx(name, tensor)
                         continue
-                    if self.expert_int is not None:
+                    if integer:         # (act-order: its g_idx too, then dequantized)
                         got = halves.setdefault((layer, index, proj), {})
                         got[kind] = tensor
-                        if len(got) < len(_INT_PIECES):
+                        if len(got) < len(_INT_PIECES) + self.expert_act_order:
                             continue
                         del halves[(layer, index, proj)]
-                        block.load_int_expert(index, self.expert_pieces[proj],
-                                              self._unpack(name, got))
-                        pieces.setdefault(layer, set()).add((index, self.expert_pieces[proj]))
+                        w, piece = self._unpack(got), self.expert_pieces[proj]
+                        if self.expert_act_order:
+                            block.load_expert(index, piece, w.dequantize().to(block.w13.dtype))
+                        else:
+                            block.load_int_expert(index, piece, w)
+                        pieces.setdefault(layer, set()).add((index, piece))
                         continue
                     if self.expert_block is not None:
                         got = halves.setdefault((layer, index, proj), {})
@@ -139,7 +149,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
         for layer, got in pieces.items():   # w13 / w2 count as loaded once every piece is in
             block = self.model.layers[layer].mlp
             experts = range(block.num_experts)
-            suffixes = ("",) if self.expert_int is None else ("_qweight", "_scales", "_zeros")
+            suffixes = ("",) if block.int_weights is None else ("_qweight", "_scales", "_zeros")
             for name, wanted in (("w13", {(e, p) for e in experts for p in ("gate", "up")}),
                                  ("w2", {(e, "down") for e in experts})):
                 if got >= wanted:
