@@ -103,6 +103,32 @@ def test_moe_models_match_hf_fp32_and_graphs_match_eager(tmp_path, arch):
     assert graphed.engine.runner.graph_runner.graphs, "no decode step used a CUDA graph"
 
 
+def _equal_but_for_a_tie(ours: list[list[int]], path: str, prompts, max_tokens: int) -> None:
+    """Our greedy tokens are HF's (fp32, on the CPU) up to at most one prompt's step where
+    HF's top two are within float noise (< 1e-4 nats) and we took its second: an H100 run of
+    the GPTQ Qwen3-MoE case below met one at 7.6e-6 nats (a kernel-level check of the same
+    shapes gave 1e-6 relative error)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ties = 0
+    with torch.inference_mode():
+        for prompt, got in zip(prompts, ours, strict=True):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                 do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+            ref = out.sequences[0, len(prompt):].tolist()
+            step = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
+                        None)
+            if step is None:
+                assert got == ref
+                continue
+            top = out.scores[step][0].float().log_softmax(-1).topk(2)
+            margin = float(top.values[0] - top.values[1])
+            assert int(top.indices[1]) == got[step] and margin < 1e-4, (step, margin, got, ref)
+            ties += 1
+    assert ties <= 1, ties
+
+
 @pytest.mark.parametrize(("arch", "method"), [("qwen3_moe", "gptq"), ("mixtral", "awq")])
 def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, method):
     # GPTQ / AWQ experts kept packed (IntExperts) through the GEMV and grouped kernels
@@ -114,7 +140,7 @@ def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, metho
     llm = LLM(model=path, dtype="float32", max_num_seqs=8)
     block = llm.engine.runner.model.model.layers[0].mlp
     assert block.int_experts is not None and block.w13_qweight.is_cuda
-    assert _greedy(llm, prompts, 12) == hf_greedy(str(tmp_path / "d"), prompts, 12)
+    _equal_but_for_a_tie(_greedy(llm, prompts, 12), str(tmp_path / "d"), prompts, 12)
     eager = _greedy(LLM(model=path, dtype="bfloat16", enforce_eager=True), prompts)
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
 
