@@ -90,7 +90,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         pieces: dict[int, set[tuple[int, str]]] = {}
-        halves: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}    # block-scaled FP8
+        halves: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}    # an expert projection's pieces until complete (FP8 blocks, GPTQ / AWQ)
 
         def dense():
             for name, tensor in weights:
