@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 # torch is imported where a dtype or device is resolved, not here: the commands that only read
 # the engine's flags (`kvfleet bench serve`, any --help) start without it
-QUANTIZATION_METHODS = ("gptq", "awq", "fp8")
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 # how a thinking model marks its reasoning (server/reasoning.py splits it from the answer; a
 # grammar waits for the reasoning to end: structured_outputs.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

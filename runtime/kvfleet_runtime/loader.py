@@ -148,8 +148,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if not cfg.tie_word_embeddings and isinstance(getattr(head, "weight", None), torch.Tensor):
             head.weight.data.zero_()        # defined if the checkpoint has none (below)
         loaded = model.load_weights(_base_model_names(_drop_zero_biases(tensors(), cfg)))
-        # g_idx is optional in GPTQ checkpoints (plain grouping when absent)
-        expected = {n for n, _ in model.named_parameters() if not n.endswith(".g_idx")}
+        # some tensors are optional (GPTQ's g_idx: plain grouping when absent; a static FP8
+        # input_scale kvfleet does not use)
+        expected = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}
         missing = sorted(expected - loaded)
         if missing == ["lm_head.weight"] and cfg.num_labels:
             pass                # a sequence classifier: its `score` head, no lm_head

@@ -20,6 +20,13 @@ from kvfleet_runtime.layers.quantization import AWQConfig, FP8Config, GPTQConfig
 from kvfleet_runtime.layers.quantization.awq import pack_awq
 from kvfleet_runtime.layers.quantization.gptq import pack_gptq
 from quantization.checkpoints import quantize_fp8, quantize_int, write_quantized
+from quantization.ct_checkpoints import (
+    FP8_STATIC_ACTS,
+    FP8_WEIGHTS,
+    W4A16,
+    W4A16_ASYM,
+    write_compressed,
+)
 from test_tensor_parallel import ENGINE_ARGS, _greedy, _live_workers, _prompts
 
 as_rank = test_sharding.as_rank      # the fixture: layers built next are rank r's shard of n
@@ -166,7 +173,8 @@ def test_shuffled_g_idx_without_desc_act_is_refused_on_a_row_shard(as_rank):
                    prefix=DOWN, parallel="row")
     with pytest.raises(ValueError, match=rf"{DOWN}: g_idx of this rank's input rows names groups "
                                          r"0\.\.3, outside its groups 0\.\.1; a shuffled "
-                                         r"\(act-order\) g_idx needs desc_act true"):
+                                         r"\(act-order\) g_idx needs act-order in the quantization_config "
+                                         r"\(GPTQ.s desc_act true"):
         layer.weight_loader(layer.g_idx, tensors["g_idx"])
 
 
@@ -238,6 +246,12 @@ TP_CASES = {
     "fp8-on-load": ("llama3-gqa", None),
     # a scale a [16, 32] block: each rank's rows and columns of the scales with its weight's
     "fp8-blocks": ("llama3-gqa", {"method": "fp8", "block": (16, 32)}),
+    # compressed-tensors (written by its library): scales [N, G] and zero points packed along
+    # N, cut by columns / by groups along their dim 1; act-order's groups all kept by both ranks
+    "ct-w4a16-asym": ("llama3-gqa", {"ct": {"weights": W4A16_ASYM}}),
+    "ct-w4a16-actorder": ("llama3-gqa", {"ct": {"weights": W4A16, "act_order": True}}),
+    "ct-fp8-static": ("llama3-gqa", {"ct": {"weights": FP8_WEIGHTS,
+                                            "input_activations": FP8_STATIC_ACTS}}),
 }
 
 
@@ -248,6 +262,9 @@ def test_two_ranks_greedy_matches_one_rank_on_quantized_llama(case, tp_model_dir
     path, extra = Path(tp_model_dir(base)), {}
     if args is None:
         extra["quantization"] = "fp8"
+    elif "ct" in args:
+        write_compressed(path, tmp_path / "quantized", tmp_path / "dequantized", **args["ct"])
+        path = tmp_path / "quantized"
     else:
         write_quantized(path, tmp_path / "quantized", tmp_path / "dequantized", **args)
         path = tmp_path / "quantized"

@@ -31,6 +31,7 @@ from quantization.test_linear_methods import (
     int_config,
     load,
     pack_shards,
+    shard_weights,
 )
 
 pytestmark = pytest.mark.gpu
@@ -413,3 +414,40 @@ def test_layers_for_the_whole_k_gemv_are_column_blocked_and_exact(method, desc_a
         ref = x.float() @ w.t()
         torch.testing.assert_close(layer(x).float(), ref, rtol=0,
                                    atol=ref.abs().max().item() * 2e-2)
+
+
+@pytest.mark.parametrize("weights", ["w4a16-asym-bf16", "w8a16", "fp8-channel", "fp8-blocks"])
+def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
+    # compressed-tensors tensors (the library's compressor) of a fused qkv layer: the W4A16
+    # kernel (integers) or the FP8 GEMM, within rounding of the library's decompressed weight
+    from kvfleet_runtime.layers.quantization import CompressedTensorsConfig
+
+    from quantization.ct_checkpoints import (
+        FP8_DYNAMIC_ACTS,
+        FP8_WEIGHTS,
+        W4A16_ASYM,
+        W8A16,
+        compress_weight,
+        quantization_config,
+        scheme,
+    )
+    args, acts, dtype = {
+        "w4a16-asym-bf16": (W4A16_ASYM, None, torch.bfloat16),
+        "w8a16": (W8A16, None, torch.float32),
+        "fp8-channel": (FP8_WEIGHTS, FP8_DYNAMIC_ACTS, torch.bfloat16),
+        "fp8-blocks": ({**FP8_WEIGHTS, "strategy": "block", "block_structure": [16, 32]},
+                       FP8_DYNAMIC_ACTS, torch.bfloat16)}[weights]
+    s = scheme(args, acts)
+    pieces = [compress_weight(w.to(dtype), s) for w in shard_weights()]
+    config = CompressedTensorsConfig.from_config(quantization_config({"group_0": s}))
+    with torch.device("cuda"):
+        layer = build(config)
+    load(layer, [{k: v.cuda() for k, v in t.items()} for t, _ in pieces])
+    layer.linear_method.process_weights_after_loading(layer)
+    assert getattr(layer, "uses_fp8" if weights.startswith("fp8") else "uses_kernel")
+    exact = torch.cat([d for _, d in pieces]).cuda()
+    for rows in (1, 9, 300):        # the GEMV, the fused tiles, dequantize + cuBLAS
+        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ exact.t()
+        tolerance = 0.05 if weights.startswith("fp8") else 1e-2
+        assert (layer(x).float() - ref).norm() / ref.norm() < tolerance

@@ -51,6 +51,11 @@ class _MoeForCausalLM(LlamaForCausalLM):
         if self.expert_act_order:
             log_once("gptq: act-order (desc_act) experts are dequantized on load to the "
                      "model's dtype")
+        if getattr(quant_config, "name", None) == "compressed-tensors":
+            raise ValueError(f"{cfg.architecture} (a mixture of experts): compressed-tensors "
+                             "experts are not read yet (dense models' are); serve its GPTQ, AWQ "
+                             "or block-scaled FP8 checkpoint, or its bf16 weights (with "
+                             "--quantization fp8 to quantize them as they load)")
         if quant_config is not None and self.expert_int is None and not (
                 fp8 and (not quant_config.serialized or self.expert_block is not None)):
             raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no per-tensor "

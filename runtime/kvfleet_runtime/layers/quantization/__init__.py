@@ -1,4 +1,5 @@
-"""Quantized weights: GPTQ and AWQ (4/8-bit integer, fused W4A16 kernel), FP8 (e4m3).
+"""Quantized weights: GPTQ and AWQ (4/8-bit integer, fused W4A16 kernel), FP8 (e4m3), and
+compressed-tensors checkpoints of either kind.
 
 `get_quant_config` reads the checkpoint's scheme (config.json's quantization_config, else
 quantize_config.json / quant_config.json beside it) and reconciles it with the user's
@@ -12,15 +13,17 @@ import os
 
 from kvfleet_runtime.layers.quantization.awq import AWQConfig
 from kvfleet_runtime.layers.quantization.base import QuantConfig
+from kvfleet_runtime.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from kvfleet_runtime.layers.quantization.fp8 import FP8Config
 from kvfleet_runtime.layers.quantization.gptq import GPTQConfig
 
-CONFIGS: dict[str, type[GPTQConfig] | type[AWQConfig] | type[FP8Config]] = {
-    "gptq": GPTQConfig, "awq": AWQConfig, "fp8": FP8Config}
+CONFIGS: dict[str, type[QuantConfig]] = {
+    "gptq": GPTQConfig, "awq": AWQConfig, "fp8": FP8Config,
+    "compressed-tensors": CompressedTensorsConfig}
 # standalone files written by AutoGPTQ/GPTQModel and AutoAWQ, with the method they imply
 SIDE_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
-__all__ = ["AWQConfig", "FP8Config", "GPTQConfig", "QuantConfig", "get_quant_config"]
+__all__ = ["AWQConfig", "CompressedTensorsConfig", "FP8Config", "GPTQConfig", "QuantConfig", "get_quant_config"]
 
 
 def _checkpoint_scheme(hf_config: dict, model_dir: str | None) -> tuple[dict, str, str] | None:
@@ -39,7 +42,8 @@ def _checkpoint_scheme(hf_config: dict, model_dir: str | None) -> tuple[dict, st
 
 def get_quant_config(hf_config: dict, model_dir: str | None,
                      requested: str | None) -> QuantConfig | None:
-    """The checkpoint's quantization, checked against `requested` (None, gptq, awq, fp8)."""
+    """The checkpoint's quantization, checked against `requested` (None, gptq, awq, fp8,
+    compressed-tensors)."""
     if requested is not None and requested not in CONFIGS:
         raise ValueError(f"quantization must be one of {', '.join(CONFIGS)}; got {requested!r}")
     found = _checkpoint_scheme(hf_config, model_dir)

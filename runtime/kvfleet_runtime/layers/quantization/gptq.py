@@ -59,7 +59,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                      scales=scales, g_idx=g_idx, bits=bits)
 
 
-def _load_g_idx(layer: Linear, split: GroupSplit, param: torch.Tensor, loaded: torch.Tensor,
+def load_g_idx(layer: Linear, split: GroupSplit, param: torch.Tensor, loaded: torch.Tensor,
                 shard_id: int | None) -> None:
     # this rank's input rows, numbered like the groups of scales it holds (on the param's
     # device: checkpoints are read to the CPU, and fused shards' g_idx are compared below)
@@ -72,8 +72,9 @@ def _load_g_idx(layer: Linear, split: GroupSplit, param: torch.Tensor, loaded: t
         first, last = split.first_group, split.first_group + split.num_groups - 1
         raise ValueError(f"{layer.prefix}: g_idx of this rank's input rows names groups "
                          f"{int(loaded.min()) + first}..{int(loaded.max()) + first}, outside its "
-                         f"groups {first}..{last}; a shuffled (act-order) g_idx needs desc_act "
-                         "true in the quantization_config")
+                         f"groups {first}..{last}; a shuffled (act-order) g_idx needs act-order "
+                         "in the quantization_config (GPTQ's desc_act true, compressed-tensors' "
+                         "actorder group)")
     # fused shards share their input, so their act-order (hence g_idx) must be one
     if getattr(param, "is_loaded", False) and not torch.equal(param.data, loaded):
         raise ValueError(f"g_idx of shard {shard_id} differs from another shard's; fused "
@@ -108,7 +109,8 @@ class GPTQLinearMethod(IntWeightMethod):
             "qzeros": (torch.empty(g, n // per_word, dtype=torch.int32),
                        {"output_dim": 1, "output_pack": per_word, **split.attrs}),
             "scales": (torch.empty(g, n, dtype=torch.float16), {"output_dim": 1, **split.attrs}),
-            "g_idx": (g_idx, {"input_dim": 0, "weight_loader": partial(_load_g_idx, layer, split)}),
+            "g_idx": (g_idx, {"input_dim": 0, "optional": True,
+                              "weight_loader": partial(load_g_idx, layer, split)}),
         }
         for name, (tensor, attrs) in params.items():
             param = nn.Parameter(tensor, requires_grad=False)

@@ -1,0 +1,352 @@
+"""compressed-tensors checkpoints (llm-compressor's format: RedHatAI's and neuralmagic's
+W4A16 / W8A16 / FP8 models), read as they are stored.
+
+config.json's quantization_config (`quant_method: compressed-tensors`) holds `config_groups`,
+each a scheme (`weights`, `input_activations`) and the `targets` it applies to ("Linear": every
+linear layer; "re:<regex>": module names the regex matches from their start; else one module
+name), `ignore` (same matching; usually lm_head), and the storage `format` (one for all, or a
+group's own). Formats read:
+
+  pack-quantized   integer weights of `num_bits` 4 or 8, `strategy` group or channel, symmetric
+                   or not, activations unquantized (W4A16, W8A16 and their _ASYM presets):
+      weight_packed      [N, K * bits / 32] int32, packed along the inputs, value j of a word at
+                         bits [j*bits, (j+1)*bits), stored q + 2**(bits-1) (q signed)
+      weight_scale       [N, G] (G = K / group_size; 1 per channel)
+      weight_zero_point  [N * bits / 32, G] int32, packed along the outputs, the same offset
+                         (asymmetric schemes only; symmetric ones mean zero 2**(bits-1))
+      weight_g_idx       [K] group of each input (`actorder: group`, older checkpoints)
+      weight_shape       [2]: N, K
+    w[n, k] = (stored_q[n, k] - stored_zero[n, g]) * scale[n, g], g = g_idx[k]: the GPTQ / AWQ
+    integer weight of int_weight.py, so the same W4A16 kernels (or the dequantized fallback).
+  float-quantized  fp8-e4m3 weights (`strategy` tensor, channel or block): `weight` [N, K] and
+                   `weight_scale` ([1], [N, 1], or [N / bn, K / bk] for `block_structure`
+                   [bn, bk]); the FP8 method of fp8.py. Activations: dynamic per token (the
+                   FP8_DYNAMIC preset) as our FP8 GEMM does; a static per-tensor `input_scale`
+                   (the FP8 preset) or none (weight-only FP8) is served with per-token scales
+                   too, logged once: per-token scales are at least as close to the unquantized
+                   activations as one calibrated scale.
+
+Refused with the field named: other formats (int8 / fp4 activations, sparsity, nvfp4, mxfp4),
+quantized KV caches (`kv_cache_scheme`), a fused layer (qkv, gate/up) whose shards fall in
+different groups, and mixtures of experts (models/moe.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
+from kvfleet_runtime.layers.quantization.base import (
+    NEVER_QUANTIZED,
+    QuantConfig,
+    log_once,
+    shard_prefixes,
+)
+from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod
+from kvfleet_runtime.layers.quantization.gptq import load_g_idx
+from kvfleet_runtime.layers.quantization.int_weight import (
+    IntWeight,
+    IntWeightMethod,
+    check_divisible,
+    default_g_idx,
+    split_groups,
+)
+from kvfleet_runtime.layers.quantization.packing import unpack_int32
+
+NAME = "compressed-tensors"
+FORMATS = ("pack-quantized", "float-quantized")
+
+
+def _where(key: str) -> str:
+    return f"{NAME} quantization_config.{key}"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One config group's weights, as kvfleet runs them."""
+    format: str                    # pack-quantized | float-quantized
+    bits: int                      # 4 / 8 (int), 8 (fp8)
+    strategy: str                  # group / channel (int); tensor / channel / block (fp8)
+    group_size: int = -1           # int group strategy; -1: one group (channel)
+    symmetric: bool = True
+    act_order: bool = False        # actorder "group": weight_g_idx shuffles the groups
+    block: tuple[int, int] | None = None      # fp8 block_structure
+    static_input_scale: bool = False          # fp8 with a calibrated input_scale
+
+
+def _args(raw: object, key: str) -> dict:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{_where(key)} must be an object; got {raw!r}")
+    return raw
+
+
+def _pick(raw: dict, key: str, where: str, allowed: tuple, default: object = None) -> object:
+    value = raw.get(key, default)
+    if isinstance(value, str):
+        value = value.lower()
+    if value not in allowed:
+        shown = ", ".join(str(a) for a in allowed)
+        raise ValueError(f"{_where(where)}.{key} must be one of {shown}; got {value!r}")
+    return value
+
+
+def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
+    """A config group -> Scheme, or an error naming the field kvfleet does not serve."""
+    where = f"config_groups.{name}"
+    fmt = group.get("format") or default_format
+    if fmt not in FORMATS:
+        raise ValueError(f"{_where(where + '.format')} (or the top-level format) must be one of "
+                         f"{', '.join(FORMATS)} (W4A16 / W8A16 integer weights, FP8 weights); "
+                         f"got {fmt!r}")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{_where(where + '.output_activations')} must be null: quantized "
+                         "outputs are not served")
+    w = _args(group.get("weights"), where + ".weights")
+    acts = group.get("input_activations")
+    wkey = where + ".weights"
+    if w.get("dynamic", False) not in (False, None):
+        raise ValueError(f"{_where(wkey)}.dynamic must be false (weights are stored quantized)")
+    if fmt == "pack-quantized":
+        if acts is not None:
+            raise ValueError(f"{_where(where + '.input_activations')} must be null for "
+                             "pack-quantized weights (W4A16 / W8A16); integer activations "
+                             "(W8A8, W4A8) are not served")
+        _pick(w, "type", wkey, ("int",))
+        bits = _pick(w, "num_bits", wkey, (4, 8))
+        strategy = _pick(w, "strategy", wkey, ("group", "channel"))
+        group_size = -1
+        if strategy == "group":
+            group_size = w.get("group_size")
+            if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+                raise ValueError(f"{_where(wkey)}.group_size must be a positive integer for "
+                                 f"strategy group; got {group_size!r}")
+        actorder = _pick(w, "actorder", wkey, (None, False, "group", "weight", "static"))
+        return Scheme(fmt, bits, strategy, group_size,
+                      symmetric=_pick(w, "symmetric", wkey, (True, False), True),
+                      act_order=actorder == "group")
+    _pick(w, "type", wkey, ("float",))
+    _pick(w, "num_bits", wkey, (8,))
+    _pick(w, "symmetric", wkey, (True,), True)
+    strategy = _pick(w, "strategy", wkey, ("tensor", "channel", "block"))
+    block = None
+    if strategy == "block":
+        block = w.get("block_structure")
+        if not isinstance(block, list) or len(block) != 2 or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+            raise ValueError(f"{_where(wkey)}.block_structure must be two positive integers "
+                             f"[rows, columns] for strategy block; got {block!r}")
+        block = tuple(block)
+    static = False
+    if acts is not None:
+        akey = where + ".input_activations"
+        a = _args(acts, akey)
+        _pick(a, "type", akey, ("float",))
+        _pick(a, "num_bits", akey, (8,))
+        dynamic = a.get("dynamic", False)
+        static = dynamic is False
+        if static:
+            _pick(a, "strategy", akey, ("tensor",))
+        else:
+            _pick(a, "strategy", akey, ("token",))
+    return Scheme(fmt, 8, strategy, block=block, static_input_scale=static)
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' matching of a target against a checkpoint module name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+@dataclass
+class CompressedTensorsConfig(QuantConfig):
+    groups: list[tuple[str, list[str], Scheme]] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
+
+    name = NAME
+
+    @classmethod
+    def from_config(cls, raw: dict) -> CompressedTensorsConfig:
+        status = raw.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"{_where('quantization_status')} must be compressed (the weights "
+                             f"stored quantized); got {status!r}")
+        if raw.get("kv_cache_scheme") is not None:
+            raise ValueError(f"{_where('kv_cache_scheme')} must be null: a checkpoint's "
+                             "calibrated KV-cache scales are not read (serve it with "
+                             "--kv-cache-dtype fp8 for an fp8 cache with computed scales)")
+        sparsity = raw.get("sparsity_config")
+        if sparsity and sparsity.get("format", "dense") != "dense":
+            raise ValueError(f"{_where('sparsity_config')}: sparse checkpoints are not served; "
+                             f"got format {sparsity.get('format')!r}")
+        config_groups = raw.get("config_groups")
+        if not isinstance(config_groups, dict) or not config_groups:
+            raise ValueError(f"{_where('config_groups')} must name at least one group; got "
+                             f"{config_groups!r}")
+        top = raw.get("format")
+        top = None if top in (None, "mixed-precision") else top
+        groups = []
+        for name, group in config_groups.items():
+            group = _args(group, f"config_groups.{name}")
+            targets = group.get("targets")
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise ValueError(f"{_where(f'config_groups.{name}.targets')} must be a list of "
+                                 f"names; got {targets!r}")
+            groups.append((name, targets, parse_scheme(group, name, top)))
+        ignore = raw.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+            raise ValueError(f"{_where('ignore')} must be a list of module names; got {ignore!r}")
+        return cls(groups=groups, ignore=ignore)
+
+    def _scheme_of(self, module: str) -> Scheme | None:
+        """The scheme of one checkpoint module (None: left unquantized)."""
+        if any(_matches(module, i) for i in self.ignore):
+            return None
+        for _, targets, scheme in self.groups:
+            # "Linear" is a class name: every projection kvfleet asks about is one
+            if any(t == "Linear" or _matches(module, t) for t in targets):
+                return scheme
+        return None
+
+    def scheme_of(self, prefix: str) -> Scheme | None:
+        """The scheme of the Linear at `prefix`; its shards must agree."""
+        schemes = {s: self._scheme_of(s) for s in shard_prefixes(prefix)}
+        if len(set(schemes.values())) > 1:
+            raise ValueError(f"{NAME}: the shards of the fused layer {prefix} fall under "
+                             f"different schemes ({', '.join(f'{s}: {v}' for s, v in schemes.items())}); "
+                             "they must be quantized alike")
+        return next(iter(schemes.values()))
+
+    def get_linear_method(self, prefix: str) -> LinearMethod | None:
+        if prefix.rpartition(".")[2] in NEVER_QUANTIZED:
+            log_once(f"{NAME}: {prefix} stays unquantized (lm_head is never quantized)")
+            return None
+        scheme = self.scheme_of(prefix)
+        if scheme is None:
+            log_once(f"{NAME}: {prefix} stays unquantized (ignored or matched by no config "
+                     "group), in the model's dtype")
+            return None
+        if scheme.format == "pack-quantized":
+            return CTIntLinearMethod(scheme)
+        return CTFP8LinearMethod(scheme)
+
+
+def _check_shape(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
+                 shard_id: int | None) -> None:
+    """weight_shape [N, K] of a checkpoint piece: the piece's (or, where the checkpoint stores
+    the layer fused, as Phi-3 does, the whole layer's) outputs and inputs."""
+    piece = shard_id or 0
+    k = layer.full_input_size
+    expected = [[sum(layer.full_output_sizes), k]]
+    if shard_id is not None:
+        expected.append([layer.full_output_sizes[piece], k])
+    got = loaded.reshape(-1).tolist()
+    if got not in expected:
+        raise ValueError(f"{layer.prefix}: checkpoint weight_shape {got} of piece {piece} "
+                         f"is not the layer's {expected[-1]}")
+    param.is_loaded = True
+
+
+class CTIntLinearMethod(IntWeightMethod):
+    """pack-quantized weights, unpacked into IntWeight and served like GPTQ's."""
+    name = NAME
+
+    def __init__(self, scheme: Scheme) -> None:
+        super().__init__(scheme.bits, scheme.group_size)
+        self.scheme = scheme
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        per_word = 32 // self.bits
+        check_divisible(layer, "input size", input_size, per_word, self.name)
+        if not self.scheme.symmetric:
+            for size in output_sizes:
+                check_divisible(layer, "output size", size, per_word, self.name)
+        split = split_groups(layer, self.group_size, self.scheme.act_order, self.name)
+        # the group tensors keep their groups along dim 1: a row-parallel rank cuts them there
+        groups = {**split.attrs, "input_dim": 1} if split.attrs else {}
+        n, g = sum(output_sizes), split.num_groups
+        g_idx = default_g_idx(input_size, self.group_size, layer.input_start) - split.first_group
+        params = {
+            "weight_packed": (torch.empty(n, input_size // per_word, dtype=torch.int32),
+                              {"output_dim": 0, "input_dim": 1, "input_pack": per_word}),
+            "weight_scale": (torch.empty(n, g, dtype=torch.float32), {"output_dim": 0, **groups}),
+            "weight_shape": (torch.zeros(2, dtype=torch.int64),
+                             {"weight_loader": partial(_check_shape, layer)}),
+        }
+        if not self.scheme.symmetric:
+            params["weight_zero_point"] = (
+                torch.empty(n // per_word, g, dtype=torch.int32),
+                {"output_dim": 0, "output_pack": per_word, **groups})
+        if self.scheme.act_order:
+            params["weight_g_idx"] = (g_idx, {"input_dim": 0, "optional": True,
+                                              "weight_loader": partial(load_g_idx, layer, split)})
+        for name, (tensor, attrs) in params.items():
+            param = nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, **attrs)
+            layer.register_parameter(name, param)
+        self.checkpoint_params = tuple(params)      # what finalize replaces
+        layer.ct_g_idx = None if self.scheme.act_order else g_idx
+
+    def unpack(self, layer: Linear) -> IntWeight:
+        offset = 1 << (self.bits - 1)
+        q = unpack_int32(layer.weight_packed, self.bits, dim=1).t()           # [K, N]
+        if self.scheme.symmetric:
+            zeros = torch.full_like(layer.weight_scale, offset).t()
+        else:
+            zeros = unpack_int32(layer.weight_zero_point, self.bits, dim=0).t().float()
+        scales = layer.weight_scale.t()
+        if not torch.equal(scales.to(torch.float16).float(), scales.float()):
+            log_once(f"{NAME}: scales that fp16 does not hold exactly are rounded to fp16 for "
+                     "the W4A16 kernels (the CPU path keeps them exact)")
+        g_idx = layer.weight_g_idx if self.scheme.act_order else layer.ct_g_idx.to(q.device)
+        del layer.ct_g_idx
+        return IntWeight(q=q.contiguous(), zeros=zeros.contiguous(), scales=scales.contiguous(),
+                         g_idx=g_idx, bits=self.bits)
+
+
+def _ignore_input_scale(param: torch.Tensor, loaded: torch.Tensor,
+                        shard_id: int | None) -> None:
+    log_once(f"{NAME}: FP8 activations are scaled per token at run time; the checkpoint's "
+             "static input_scale is not used")
+    param.is_loaded = True
+
+
+class CTFP8LinearMethod(FP8LinearMethod):
+    """float-quantized weights on the FP8 method; a block scale arrives as `weight_scale`."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        super().__init__(serialized=True, block=scheme.block)
+        self.scheme = scheme
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_sizes, dtype)
+        if self.block is not None:
+            # the block scales under the checkpoint's name; the per-channel scale the
+            # FP8 method derives from them stays a buffer until then
+            blocks, channel = layer.weight_scale_inv, layer.weight_scale
+            del layer.weight_scale_inv
+            del layer.weight_scale
+            layer.register_parameter("weight_scale", blocks)
+            layer.ct_channel_scale = channel
+        if self.scheme.static_input_scale:
+            scale = nn.Parameter(torch.ones(1), requires_grad=False)
+            set_weight_attrs(scale, optional=True, weight_loader=_ignore_input_scale)
+            layer.register_parameter("input_scale", scale)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if hasattr(layer, "input_scale"):
+            del layer.input_scale
+        if self.block is not None:
+            blocks = layer.weight_scale
+            del layer.weight_scale
+            layer.register_parameter("weight_scale_inv", blocks)
+            layer.register_buffer("weight_scale", layer.ct_channel_scale, persistent=False)
+            del layer.ct_channel_scale
+        super().process_weights_after_loading(layer)

@@ -1,0 +1,170 @@
+"""compressed-tensors checkpoints of a tiny HF model, written by the compressed-tensors library
+itself (llm-compressor's format: RedHatAI's / neuralmagic's W4A16, W8A16, FP8 models).
+
+The library's own pieces do the work: `calculate_qparams` picks each scale and zero point from
+the weight's min / max (what llm-compressor's min-max observer feeds it), the format's
+compressor (`PackedQuantizationCompressor`, `FloatQuantizationCompressor`) quantizes and packs,
+its `decompress` gives the dequantized weight HF transformers loads as the reference, and
+`QuantizationConfig` writes config.json's quantization_config. Only act-order by group
+(`actorder: group`, a `weight_g_idx` a layer), which the library dropped in 2026 but older
+checkpoints carry, is laid out here, from the library's packer and the published layout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantization.checkpoints import PROJECTIONS, SAME_INPUT
+
+
+def scheme(weights: dict, input_activations: dict | None = None, targets=("Linear",)):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    acts = QuantizationArgs(**input_activations) if input_activations else None
+    return QuantizationScheme(targets=list(targets), weights=QuantizationArgs(**weights),
+                              input_activations=acts)
+
+
+# named as llm-compressor's preset schemes
+W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+W4A16_ASYM = {**W4A16, "symmetric": False}
+W8A16 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+FP8_DYNAMIC_ACTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                    "dynamic": True}
+FP8_STATIC_ACTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                   "dynamic": False}
+
+
+def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero point) of w [N, K] for args' strategy, from its min / max."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    n, k = w.shape
+    if args.strategy == "group":
+        tiles = w.reshape(n, k // args.group_size, args.group_size)
+        lo, hi = tiles.amin(-1), tiles.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    elif args.strategy == "block":
+        bn, bk = args.block_structure
+        tiles = w.reshape(n // bn, bn, k // bk, bk)
+        lo, hi = tiles.amin((1, 3)), tiles.amax((1, 3))
+    else:   # tensor
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    return calculate_qparams(lo, hi, args)
+
+
+def _act_order_tensors(w: torch.Tensor, args, seed: int) -> dict[str, torch.Tensor]:
+    """A layer quantized with `actorder: group`: groups formed by a shuffle of the inputs, a
+    `weight_g_idx` [K] naming each input's group; scales [N, G]; packed by the library."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    n, k = w.shape
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // args.group_size
+    grouped = w[:, order].reshape(n, k // args.group_size, args.group_size)
+    scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    lo, hi = -(1 << (args.num_bits - 1)), (1 << (args.num_bits - 1)) - 1
+    q = torch.clamp(torch.round(w / scale[:, g_idx]) + zero[:, g_idx], lo, hi).to(torch.int8)
+    out = {"weight_packed": pack_to_int32(q, args.num_bits), "weight_scale": scale,
+           "weight_shape": torch.tensor([n, k]), "weight_g_idx": g_idx.to(torch.int32)}
+    if not args.symmetric:
+        out["weight_zero_point"] = pack_to_int32(zero.to(torch.int8), args.num_bits, packed_dim=0)
+    out["dequantized"] = (q.float() - zero[:, g_idx].float()) * scale[:, g_idx].float()
+    return out
+
+
+def format_of(s) -> str:
+    """The storage format the library gives a scheme's weights."""
+    return "pack-quantized" if s.weights.type == "int" else "float-quantized"
+
+
+def compress_weight(w: torch.Tensor, s, act_order: bool = False, seed: int = 0
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the checkpoint tensors of one projection w [N, K] under scheme s, its dequantized
+    weight in fp32)."""
+    from compressed_tensors.compressors import BaseCompressor
+    if act_order:
+        out = _act_order_tensors(w, s.weights, seed)
+        return out, out.pop("dequantized")
+    scale, zero = _qparams(w, s.weights)
+    compressor = BaseCompressor.get_value_from_registry(format_of(s))
+    out = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, s)
+    # decompressed with the scales widened to fp32: the library's own dequantization returns
+    # the scales' dtype (bf16 would round the products kvfleet keeps exact)
+    state = {**out, "weight_scale": out["weight_scale"].float()}
+    return out, compressor.decompress(state, s)["weight"].float()
+
+
+def quantization_config(groups: dict, ignore: tuple[str, ...] = ("lm_head",),
+                        act_order: bool = False) -> dict:
+    """config.json's quantization_config, as the library writes it."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    fmt = {name: format_of(s) for name, s in groups.items()}
+    formats = set(fmt.values())
+    qc = QuantizationConfig(config_groups=groups, ignore=list(ignore),
+                            format=formats.pop() if len(formats) == 1 else "mixed-precision",
+                            quantization_status=QuantizationStatus.COMPRESSED)
+    raw = json.loads(json.dumps(qc.model_dump(exclude_none=False), default=str))
+    if qc.format == "mixed-precision":
+        for name, g in raw["config_groups"].items():
+            g["format"] = fmt[name]
+    if act_order:
+        for g in raw["config_groups"].values():
+            g["weights"]["actorder"] = "group"
+    return raw
+
+
+def write_compressed(src: Path, dst: Path, reference: Path, weights: dict | None,
+                     input_activations: dict | None = None, ignore: tuple[str, ...] = ("lm_head",),
+                     act_order: bool = False, dtype: torch.dtype = torch.float32,
+                     groups: dict | None = None) -> dict:
+    """Quantize src's projections into a compressed-tensors checkpoint dst; write the
+    dequantized weights (fp32; everything else unchanged) to `reference`. `groups` (name ->
+    QuantizationScheme) replaces the one group of `weights` / `input_activations` (mixed
+    schemes). Returns the quantization_config written."""
+    from compressed_tensors.utils import match_name
+    groups = groups or {"group_0": scheme(weights, input_activations)}
+    dst.mkdir(parents=True, exist_ok=True)
+    reference.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, w in sorted(tensors.items()):
+        module = name.removesuffix(".weight")
+        parts = module.split(".")
+        chosen = next((g for g, s in groups.items()
+                       if any(t == "Linear" or match_name(module, t) for t in s.targets)), None)
+        if not (name.endswith(".weight") and parts[-1] in PROJECTIONS) or chosen is None or any(
+                match_name(module, i) for i in ignore):
+            quantized[name] = dequantized[name] = w
+            continue
+        s = groups[chosen]
+        parent, _, proj = module.rpartition(".")
+        seed = zlib.crc32(f"{parent}.{SAME_INPUT.get(proj, proj)}".encode())
+        out, dequantized[name] = compress_weight(w.to(dtype), s, act_order, seed)
+        if s.input_activations is not None and not s.input_activations.dynamic:
+            # a static activation scale, as calibration would leave it
+            out["input_scale"] = torch.tensor([0.05], dtype=dtype)
+        quantized.update({f"{module}.{k}": v for k, v in out.items()})
+    save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps(config, indent=2))
+    raw = quantization_config(groups, ignore, act_order)
+    config["quantization_config"] = raw
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" \
+                and not f.name.endswith(".index.json"):
+            shutil.copy(f, dst / f.name)
+            shutil.copy(f, reference / f.name)
+    return raw

@@ -1,0 +1,181 @@
+"""compressed-tensors checkpoints (written by the compressed-tensors library: ct_checkpoints.py)
+served from their tensors as stored: greedy tokens equal to HF transformers' on the weights the
+library's own decompressor gives back, prompt log-probs to 1e-4, and the quantization shown to
+have moved the model (against the fp32 original). Unserved schemes are refused by field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet_runtime import LLM
+from kvfleet_runtime.layers.quantization import CompressedTensorsConfig, get_quant_config
+from support.tiny_models import make_tiny_model
+
+from quantization.ct_checkpoints import (
+    FP8_DYNAMIC_ACTS,
+    FP8_STATIC_ACTS,
+    FP8_WEIGHTS,
+    W4A16,
+    W4A16_ASYM,
+    W8A16,
+    scheme,
+    write_compressed,
+)
+from quantization.test_tiny_llama import _assert_matches_hf, _prompts, hf_reference
+
+# name -> (write_compressed arguments, how far the rounding may move a prompt log-prob from
+# the fp32 model's: 4-bit <= 0.1, 8-bit and fp8 <= 0.02 on this tiny model, as test_tiny_llama)
+CASES = {
+    "w4a16-g32": ({"weights": W4A16}, 0.1),
+    # scales in bf16, as real checkpoints store them; zero points packed along the outputs
+    "w4a16-asym-bf16": ({"weights": W4A16_ASYM, "dtype": torch.bfloat16}, 0.1),
+    "w8a16-channel": ({"weights": W8A16}, 0.02),
+    "w4a16-actorder-group": ({"weights": W4A16_ASYM, "act_order": True}, 0.1),
+    "fp8-dynamic": ({"weights": FP8_WEIGHTS, "input_activations": FP8_DYNAMIC_ACTS}, 0.02),
+    # FP8 with a calibrated input_scale: read past, the activations scaled per token instead
+    "fp8-static-per-tensor": ({"weights": {**FP8_WEIGHTS, "strategy": "tensor"},
+                               "input_activations": FP8_STATIC_ACTS}, 0.02),
+    "fp8-blocks-16x32": ({"weights": {**FP8_WEIGHTS, "strategy": "block",
+                                      "block_structure": [16, 32]},
+                          "input_activations": FP8_DYNAMIC_ACTS}, 0.02),
+    # two groups (attention 8-bit by regex, the rest 4-bit), one layer's down_proj ignored
+    "mixed-groups-and-ignore": ({"weights": None, "groups": {
+        "attention": scheme(W8A16, targets=["re:.*self_attn"]),
+        "rest": scheme(W4A16, targets=["Linear"])},
+        "ignore": ("lm_head", "model.layers.1.mlp.down_proj")}, 0.1),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(tiny_llama):
+    return hf_reference(tiny_llama, _prompts())[1]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compressed_tensors_tiny_llama_matches_hf_on_decompressed_weights(
+        case, tiny_llama, fp32_reference, tmp_path):
+    args, tolerance = CASES[case]
+    quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
+    write_compressed(tiny_llama, quantized, dequantized, **args)
+    logprobs = _assert_matches_hf(quantized, dequantized)
+    for our_lp, fp32_lp in zip(logprobs, fp32_reference, strict=True):
+        drift = (our_lp - fp32_lp).abs().max().item()
+        assert 0 < drift < tolerance, drift
+
+
+def test_ignored_and_unmatched_layers_stay_in_the_models_dtype(tiny_llama, tmp_path):
+    write_compressed(tiny_llama, tmp_path / "q", tmp_path / "d", None, groups={
+        "attention": scheme(W4A16, targets=["re:.*self_attn\\.(q|k|v)_proj$"])},
+        ignore=("lm_head", "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.k_proj",
+                "model.layers.0.self_attn.q_proj"))
+    config = get_quant_config(json.loads((tmp_path / "q" / "config.json").read_text()),
+                              str(tmp_path / "q"), None)
+    assert isinstance(config, CompressedTensorsConfig)
+    assert config.get_linear_method("model.layers.0.self_attn.qkv_proj") is None
+    assert config.get_linear_method("model.layers.1.self_attn.qkv_proj") is not None
+    assert config.get_linear_method("model.layers.1.self_attn.o_proj") is None
+    assert config.get_linear_method("model.layers.1.mlp.gate_up_proj") is None
+    _assert_matches_hf(tmp_path / "q", tmp_path / "d")
+
+
+@pytest.mark.parametrize("weights, acts", [(W4A16_ASYM, None), (FP8_WEIGHTS, FP8_STATIC_ACTS)],
+                         ids=["w4a16-asym", "fp8-per-channel-static"])
+def test_phi3_fused_compressed_projections_match_hf(weights, acts, tmp_path):
+    # Phi-3 stores qkv_proj and gate_up_proj fused: the packed weight, scales, zero points
+    # (packed along the outputs) split into the pieces; weight_shape names the fused layer
+    source = make_tiny_model("phi3", tmp_path / "phi3")
+    write_compressed(source, tmp_path / "q", tmp_path / "d", weights, acts)
+    _assert_matches_hf(tmp_path / "q", tmp_path / "d")
+
+
+def _config(**overrides) -> dict:
+    group = {"targets": ["Linear"], "weights": dict(W4A16), "input_activations": None,
+             "output_activations": None}
+    raw = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": ["lm_head"],
+           "config_groups": {"group_0": group}}
+    for key, value in overrides.items():
+        if key.startswith("group."):
+            group[key.removeprefix("group.")] = value
+        else:
+            raw[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"group.input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                  "dynamic": True}},
+     r"config_groups\.group_0\.input_activations must be null for pack-quantized weights"),
+    ({"format": "int-quantized"}, r"config_groups\.group_0\.format \(or the top-level format\) "
+                                  r"must be one of pack-quantized, float-quantized .*'int-quantized'"),
+    ({"format": "nvfp4-pack-quantized"}, r"got 'nvfp4-pack-quantized'"),
+    ({"group.weights": {**W4A16, "num_bits": 2}},
+     r"config_groups\.group_0\.weights\.num_bits must be one of 4, 8; got 2"),
+    ({"group.weights": {**W4A16, "strategy": "tensor"}},
+     r"weights\.strategy must be one of group, channel; got 'tensor'"),
+    ({"group.weights": {**W4A16, "group_size": None}},
+     r"weights\.group_size must be a positive integer for strategy group; got None"),
+    ({"format": "float-quantized", "group.weights": {**FP8_WEIGHTS, "strategy": "block"}},
+     r"weights\.block_structure must be two positive integers"),
+    ({"format": "float-quantized", "group.weights": FP8_WEIGHTS,
+      "group.input_activations": {**FP8_STATIC_ACTS, "strategy": "channel"}},
+     r"input_activations\.strategy must be one of tensor; got 'channel'"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+     r"kv_cache_scheme must be null"),
+    ({"quantization_status": "frozen"}, r"quantization_status must be compressed .* 'frozen'"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparse checkpoints are not served"),
+    ({"group.output_activations": {"num_bits": 8}}, r"output_activations must be null"),
+], ids=["int8-activations", "int-quantized", "nvfp4", "2-bit", "int-per-tensor", "no-group-size",
+        "fp8-block-without-structure", "static-per-channel-activations", "kv-cache-scheme",
+        "frozen", "sparse", "output-activations"])
+def test_unserved_schemes_are_refused_by_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        get_quant_config({"quantization_config": _config(**overrides)}, None, None)
+
+
+def test_fused_shards_under_different_schemes_are_refused():
+    raw = _config()
+    raw["config_groups"]["wide"] = {"targets": ["re:.*v_proj$"], "weights": W8A16}
+    raw["config_groups"] = {"wide": raw["config_groups"].pop("wide"), **raw["config_groups"]}
+    config = get_quant_config({"quantization_config": raw}, None, "compressed-tensors")
+    assert config.get_linear_method("model.layers.0.mlp.gate_up_proj").bits == 4
+    with pytest.raises(ValueError, match=r"the shards of the fused layer "
+                                         r"model\.layers\.0\.self_attn\.qkv_proj fall under "
+                                         r"different schemes"):
+        config.get_linear_method("model.layers.0.self_attn.qkv_proj")
+
+
+def test_a_method_requested_against_the_checkpoints_is_named(tiny_llama, tmp_path):
+    write_compressed(tiny_llama, tmp_path / "q", tmp_path / "d", W4A16)
+    with pytest.raises(ValueError, match="'gptq' was requested but the checkpoint is quantized "
+                                         "with 'compressed-tensors'"):
+        LLM(model=str(tmp_path / "q"), quantization="gptq")
+
+
+def test_a_weight_shape_of_another_layer_is_refused(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+    write_compressed(tiny_llama, tmp_path / "q", tmp_path / "d", W4A16)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([128, 64])
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: checkpoint "
+                                         r"weight_shape \[128, 64\] of piece 0 is not the "
+                                         r"layer's \[64, 128\]"):
+        LLM(model=str(tmp_path / "q"))
+
+
+def test_mixture_of_experts_compressed_tensors_checkpoint_is_refused(tmp_path):
+    source = make_tiny_model("qwen3_moe", tmp_path / "moe")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = _config()
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="compressed-tensors experts are not read yet"):
+        LLM(model=str(source))
