@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet_runtime import LLM
+from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.layers.quantization import CompressedTensorsConfig, get_quant_config
 from support.tiny_models import make_tiny_model
 
@@ -172,10 +172,58 @@ def test_a_weight_shape_of_another_layer_is_refused(tiny_llama, tmp_path):
         LLM(model=str(tmp_path / "q"))
 
 
-def test_mixture_of_experts_compressed_tensors_checkpoint_is_refused(tmp_path):
+@pytest.mark.parametrize(("arch", "weights", "act_order"), [
+    ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, False),
+    ("mixtral", {**W4A16, "group_size": 16}, False),
+    ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, True)],
+    ids=["qwen3_moe-w4a16-asym", "mixtral-w4a16", "qwen3_moe-actorder"])
+def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch, weights,
+                                                                          act_order, tmp_path):
+    # every projection quantized, experts too (each expert's its own tensors); the routers
+    # left alone as llm-compressor's recipes ignore them. Integer experts stay packed (the
+    # MoE kernels' IntExperts); act-order ones are dequantized as they load
+    from kvfleet_runtime.layers.moe import SparseMoeBlock
+    from support.hf_reference import hf_greedy
+    source = make_tiny_model(arch, tmp_path / "source")
+    write_compressed(source, tmp_path / "q", tmp_path / "d", weights, act_order=act_order,
+                     ignore=("lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"))
+    prompts = _prompts()
+    ref = hf_greedy(tmp_path / "d", prompts, 10)
+    assert ref != hf_greedy(source, prompts, 10)        # the rounding moves these outputs
+    llm = LLM(model=str(tmp_path / "q"), num_gpu_blocks=16)
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    if act_order:
+        assert block.int_experts is None and block.w13.dtype == torch.float32
+    else:
+        assert block.w13 is None and block.int_experts[0].group_size == weights["group_size"]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+
+
+def test_compressed_tensors_fp8_experts_match_hf_over_their_rounding(tmp_path):
+    # FP8 experts a scale a row, dynamic activations (FP8_DYNAMIC): dequantized as they load,
+    # then rounded a row at a time as --quantization fp8 rounds experts
+    from runtime.test_moe import hf_greedy_experts_rounded
+    from support.hf_reference import hf_greedy
+    source = make_tiny_model("qwen3_moe", tmp_path / "source")
+    write_compressed(source, tmp_path / "q", tmp_path / "d", FP8_WEIGHTS, FP8_DYNAMIC_ACTS,
+                     ignore=("lm_head", "re:.*mlp.gate$"))
+    prompts = _prompts()
+    ref = hf_greedy_experts_rounded(tmp_path / "d", prompts, 10)
+    assert ref != hf_greedy(source, prompts, 10)
+    llm = LLM(model=str(tmp_path / "q"), num_gpu_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+
+
+def test_experts_under_different_schemes_are_refused(tmp_path):
     source = make_tiny_model("qwen3_moe", tmp_path / "moe")
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = _config()
+    raw = _config()
+    raw["config_groups"] = {"down": {"targets": ["re:.*experts.*down_proj$"], "weights": W8A16},
+                            **raw["config_groups"]}
+    config["quantization_config"] = raw
     (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="compressed-tensors experts are not read yet"):
-        LLM(model=str(source))
+    with pytest.raises(ValueError, match="compressed-tensors experts must all fall under one "
+                                         "quantization scheme"):
+        LLM(model=str(source), num_gpu_blocks=16)

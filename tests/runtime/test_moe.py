@@ -141,14 +141,10 @@ def test_fp8_on_load_matches_hf_over_the_rounded_weights(arch, tmp_path, monkeyp
         expected.abs().max()                   # rounding, not another function
 
 
-def test_block_scaled_fp8_checkpoint_matches_hf_on_its_dequantized_weights(tmp_path):
-    # Qwen3-30B-A3B-FP8's format: every projection and expert e4m3 with a scale a block
-    # ([16, 16] at the tiny shapes), the routers unquantized
-    from quantization.checkpoints import write_quantized
+def _ramped(source):
+    """source's weights scaled to grow along rows and columns: every row's (and block's) scale
+    its own, so a scale grid read transposed, or scales mapped to the wrong rows, shows."""
     from safetensors.torch import load_file, save_file
-    source = make_tiny_model("qwen3_moe", tmp_path / "source")
-    # weights whose size grows along rows and columns: every block's scale its own (a scale
-    # grid read transposed, or blocks mapped to the wrong rows, shows)
     tensors = load_file(source / "model.safetensors")
     for name, w in tensors.items():
         if w.dim() == 2 and "embed" not in name and "lm_head" not in name:
@@ -156,6 +152,14 @@ def test_block_scaled_fp8_checkpoint_matches_hf_on_its_dequantized_weights(tmp_p
             cols = torch.linspace(1.0, 0.1, w.shape[1])[None, :]
             tensors[name] = w * rows * cols
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    return source
+
+
+def test_block_scaled_fp8_checkpoint_matches_hf_on_its_dequantized_weights(tmp_path):
+    # Qwen3-30B-A3B-FP8's format: every projection and expert e4m3 with a scale a block
+    # ([16, 16] at the tiny shapes), the routers unquantized
+    from quantization.checkpoints import write_quantized
+    source = _ramped(make_tiny_model("qwen3_moe", tmp_path / "source"))
     quantized, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
     write_quantized(source, quantized, dequantized, method="fp8", block=(16, 16))
     from safetensors import safe_open
@@ -202,7 +206,7 @@ def test_gptq_and_awq_experts_match_hf_on_their_dequantized_weights(arch, method
         set_backend("auto")
 
 
-def test_act_order_experts_are_dequantized_and_per_channel_fp8_refused(tmp_path, caplog):
+def test_act_order_experts_are_dequantized(tmp_path, caplog):
     # GPTQ desc_act: each expert's g_idx a shuffle of its own, its weight dequantized on load
     from quantization.checkpoints import write_quantized
     from safetensors.torch import load_file, save_file
@@ -228,9 +232,41 @@ def test_act_order_experts_are_dequantized_and_per_channel_fp8_refused(tmp_path,
     (tmp_path / "g" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="shuffled g_idx .* needs desc_act true"):
         LLM(model=str(tmp_path / "g"), num_gpu_blocks=16)
-    write_quantized(source, tmp_path / "f", tmp_path / "d2", method="fp8", per_channel=True)
-    with pytest.raises(ValueError, match="takes no per-tensor or per-channel FP8 checkpoint"):
-        LLM(model=str(tmp_path / "f"), num_gpu_blocks=16)
+
+
+def hf_greedy_experts_rounded(path, prompts, max_tokens: int) -> list[list[int]]:
+    """HF's greedy tokens on `path` with every expert's weight rounded to e4m3 a row at a
+    time, as the engine rounds FP8 checkpoints' experts once they are dequantized."""
+    from kvfleet_kernels.fp8 import quantize_fp8_rowwise
+    from support.hf_reference import greedy_of
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        rounded = 0
+        for name, p in hf.named_parameters():
+            if ".experts." in name and p.dim() >= 2:
+                q, scale = quantize_fp8_rowwise(p.reshape(-1, p.shape[-1]))
+                p.copy_((q.float() * scale).reshape(p.shape))
+                rounded += 1
+        assert rounded
+    return greedy_of(hf, prompts, max_tokens)
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+def test_per_channel_and_per_tensor_fp8_experts_match_hf_over_their_rounding(per_channel,
+                                                                            tmp_path):
+    # an FP8 checkpoint's experts with a scale a row or one a tensor: dequantized as they load,
+    # then rounded a row at a time (the attention's FP8 layers keep the checkpoint's values)
+    from quantization.checkpoints import write_quantized
+    source = _ramped(make_tiny_model("qwen3_moe", tmp_path / "source"))
+    write_quantized(source, tmp_path / "f", tmp_path / "d", method="fp8", per_channel=per_channel)
+    prompts = _prompts(4, seed=23)
+    ref = hf_greedy_experts_rounded(tmp_path / "d", prompts, 12)
+    assert ref != hf_greedy(source, prompts, 12)        # the rounding moves these outputs
+    llm = LLM(model=str(tmp_path / "f"), num_gpu_blocks=16)
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.fp8
+    assert _greedy(llm, prompts) == ref
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -34,11 +34,27 @@ def _method(quant_config, prefix: str):
 
 
 def _int_experts(quant_config) -> tuple[int, int] | None:
-    """(bits, group_size) of a GPTQ / AWQ checkpoint's experts (layers.moe), else None."""
-    if getattr(quant_config, "name", None) not in ("gptq", "awq") or getattr(
-            quant_config, "desc_act", False):
+    """(bits, group_size) of a GPTQ / AWQ / compressed-tensors integer checkpoint's experts
+    (layers.moe), else None."""
+    name = getattr(quant_config, "name", None)
+    if name == "compressed-tensors":
+        s = quant_config.expert_scheme          # (set by models/moe.py)
+        if s is None or s.format != "pack-quantized" or s.act_order:
+            return None
+        return s.bits, s.group_size
+    if name not in ("gptq", "awq") or getattr(quant_config, "desc_act", False):
         return None         # (act-order experts are dequantized as they load: models/moe.py)
     return getattr(quant_config, "bits", 4), quant_config.group_size
+
+
+def _fp8_experts(quant_config) -> bool:
+    """Whether a mixture of experts' experts are rounded to e4m3 once loaded (FP8 checkpoints'
+    arrive dequantized: models/moe.py)."""
+    name = getattr(quant_config, "name", None)
+    if name == "compressed-tensors":
+        s = quant_config.expert_scheme
+        return s is not None and s.format == "float-quantized"
+    return name == "fp8"
 
 
 def _heads_per_rank(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -147,9 +163,8 @@ class DecoderLayer(nn.Module):
                                       cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.moe_renormalize,
                                       cfg.architecture != "MixtralForCausalLM", dtype,
-                                      fp8=getattr(quant_config, "name", None) == "fp8",
+                                      fp8=_fp8_experts(quant_config),
                                       int_weights=_int_experts(quant_config))
-            # (a block-scaled FP8 checkpoint's experts arrive dequantized: models/moe.py)
             if cfg.shared_expert_intermediate_size:     # Qwen2-MoE's, a dense MLP
                 self.mlp.shared_expert = DecoderMLP(
                     cfg, dtype, quant_config, f"{prefix}.mlp.shared_expert",

@@ -7,17 +7,19 @@ tensor a projection an expert) are stacked into the block's w13 / w2 as they loa
 
 Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe);
 `--quantization fp8` quantizes the experts as it does the other projections (e4m3, a scale a
-row); a block-scaled FP8 checkpoint's experts (Qwen3-30B-A3B-FP8) are dequantized as they load,
-then rounded the same way. GPTQ and AWQ checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4,
-Mixtral AWQ) stay packed integers (layers.moe: IntExperts), each projection unpacked and
-repacked as it loads; GPTQ's act-order experts (desc_act) are dequantized as they load. Not yet:
-per-channel FP8 experts, LoRA on the experts (attention and dense layers' adapters apply),
-expert parallelism."""
+row); FP8 checkpoints' experts (block-scaled: Qwen3-30B-A3B-FP8; per channel or per tensor;
+compressed-tensors FP8) are dequantized as they load, then rounded the same way. GPTQ, AWQ and
+compressed-tensors integer checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ, W4A16)
+stay packed integers (layers.moe: IntExperts), each projection unpacked and repacked as it
+loads; act-order experts (GPTQ desc_act, compressed-tensors actorder group) are dequantized as
+they load. `ExpertReader` says which tensors make one expert projection in each format. Not
+yet: LoRA on the experts (attention and dense layers' adapters apply), expert parallelism."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,10 +29,91 @@ from kvfleet_runtime.layers.quantization.fp8 import dequantize_blocks
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\."
-                     r"(weight|weight_scale_inv|qweight|qzeros|scales|g_idx)")
-_INT_PIECES = {"qweight", "qzeros", "scales"}     # a GPTQ / AWQ projection (+ GPTQ's g_idx)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(\w+)")
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.gate\.weight")
+
+
+@dataclass
+class ExpertReader:
+    """How one expert projection's checkpoint tensors (by kind: `weight`, `qweight`, ...)
+    become what SparseMoeBlock loads: a dense weight [N, K] (load_expert; FP8 experts are
+    rounded a row at a time once loaded) or an IntWeight (load_int_expert, kept packed)."""
+    name: str                           # the format, for errors
+    required: frozenset[str]            # the kinds that make one projection
+    build: Callable[[str, dict[str, torch.Tensor]], object]     # (name, tensors) -> weight
+    packed: bool = False                # build gives an IntWeight
+    # kinds read past: each checked (or merely logged) as it arrives
+    extra: dict[str, Callable[[str, torch.Tensor], None]] = field(default_factory=dict)
+
+
+def _gptq_reader(q, act_order: bool) -> ExpertReader:
+    from kvfleet_runtime.layers.quantization.gptq import unpack_gptq
+    from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
+
+    def build(name: str, got: dict[str, torch.Tensor]):
+        rows = got["qweight"].shape[0] * 32 // q.bits
+        g_idx = got["g_idx"] if act_order else default_g_idx(rows, q.group_size)
+        w = unpack_gptq(got["qweight"], got["qzeros"], got["scales"], g_idx, q.bits,
+                        q.checkpoint_format)
+        return w.dequantize() if act_order else w
+
+    def plain_g_idx(name: str, g_idx: torch.Tensor) -> None:
+        if not torch.equal(g_idx.to(torch.int32).cpu(), default_g_idx(g_idx.numel(),
+                                                                      q.group_size)):
+            raise ValueError(f"checkpoint tensor {name!r}: a shuffled g_idx (GPTQ act-order) "
+                             "needs desc_act true in the quantization_config")
+    kinds = {"qweight", "qzeros", "scales"} | ({"g_idx"} if act_order else set())
+    return ExpertReader("gptq", frozenset(kinds), build, packed=not act_order,
+                        extra={} if act_order else {"g_idx": plain_g_idx})
+
+
+def _awq_reader(q) -> ExpertReader:
+    from kvfleet_runtime.layers.quantization.awq import unpack_awq
+    return ExpertReader("awq", frozenset({"qweight", "qzeros", "scales"}),
+                        lambda name, got: unpack_awq(got["qweight"], got["qzeros"], got["scales"],
+                                                     q.group_size), packed=True)
+
+
+def _fp8_reader(q) -> ExpertReader:
+    if q.block is not None:     # Qwen3-30B-A3B-FP8: a scale a block
+        return ExpertReader("fp8", frozenset({"weight", "weight_scale_inv"}),
+                            lambda name, got: dequantize_blocks(name, got["weight"],
+                                                                got["weight_scale_inv"], q.block))
+    from kvfleet_runtime.layers.quantization.compressed_tensors import dequantize_fp8
+    return ExpertReader("fp8", frozenset({"weight", "weight_scale"}),
+                        lambda name, got: dequantize_fp8(name, got["weight"], got["weight_scale"],
+                                                         None))
+
+
+def _ct_reader(config, scheme) -> ExpertReader:
+    from kvfleet_runtime.layers.quantization.compressed_tensors import (
+        dequantize_fp8,
+        unpack_ct,
+    )
+    from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
+    if scheme.format == "float-quantized":
+        def ignore(name: str, tensor: torch.Tensor) -> None:
+            log_once("compressed-tensors: FP8 activations are scaled per token at run time; "
+                     "the checkpoint's static input_scale is not used")
+        return ExpertReader("compressed-tensors FP8", frozenset({"weight", "weight_scale"}),
+                            lambda name, got: dequantize_fp8(name, got["weight"],
+                                                             got["weight_scale"], scheme.block),
+                            extra={"input_scale": ignore} if scheme.static_input_scale else {})
+
+    def build(name: str, got: dict[str, torch.Tensor]):
+        n, k = got["weight_shape"].reshape(-1).tolist()
+        if got["weight_packed"].shape != (n, k * scheme.bits // 32):
+            raise ValueError(f"{name}: weight_packed of shape {tuple(got['weight_packed'].shape)} "
+                             f"does not hold weight_shape {[n, k]}")
+        g_idx = got["weight_g_idx"] if scheme.act_order else default_g_idx(k, scheme.group_size)
+        w = unpack_ct(got["weight_packed"], got["weight_scale"], got.get("weight_zero_point"),
+                      g_idx, scheme.bits)
+        return w.dequantize() if scheme.act_order else w
+    kinds = {"weight_packed", "weight_scale", "weight_shape"}
+    kinds |= set() if scheme.symmetric else {"weight_zero_point"}
+    kinds |= {"weight_g_idx"} if scheme.act_order else set()
+    return ExpertReader("compressed-tensors", frozenset(kinds), build,
+                        packed=not scheme.act_order)
 
 
 class _MoeForCausalLM(LlamaForCausalLM):
@@ -38,52 +121,40 @@ class _MoeForCausalLM(LlamaForCausalLM):
     expert_pieces: dict[str, str] = {}          # checkpoint projection -> gate / up / down
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant_config=None) -> None:
-        fp8 = quant_config is not None and quant_config.name == "fp8"
-        # a block-scaled FP8 checkpoint (Qwen3-30B-A3B-FP8): each expert tensor dequantized by
-        # its weight_scale_inv as it loads, then rounded a row at a time as on-load FP8 does
-        self.expert_block = getattr(quant_config, "block", None) if fp8 else None
-        # GPTQ / AWQ: the experts' integers kept packed (layers.moe.SparseMoeBlock.int_weights)
-        self.expert_int = (quant_config.name if quant_config is not None
-                           and quant_config.name in ("gptq", "awq") else None)
-        # GPTQ with act-order (desc_act): each expert's rows shuffled its own way, which the
-        # kernels do not gather: those experts are dequantized as they load instead
-        self.expert_act_order = self.expert_int == "gptq" and quant_config.desc_act
-        if self.expert_act_order:
-            log_once("gptq: act-order (desc_act) experts are dequantized on load to the "
-                     "model's dtype")
-        if getattr(quant_config, "name", None) == "compressed-tensors":
-            raise ValueError(f"{cfg.architecture} (a mixture of experts): compressed-tensors "
-                             "experts are not read yet (dense models' are); serve its GPTQ, AWQ "
-                             "or block-scaled FP8 checkpoint, or its bf16 weights (with "
-                             "--quantization fp8 to quantize them as they load)")
-        if quant_config is not None and self.expert_int is None and not (
-                fp8 and (not quant_config.serialized or self.expert_block is not None)):
-            raise ValueError(f"{cfg.architecture} (a mixture of experts) takes no per-tensor "
-                             "or per-channel FP8 checkpoint yet (GPTQ, AWQ and block-scaled "
-                             "FP8 ones load): serve its bf16/fp16 weights, or quantize them "
-                             "to FP8 as they load (--quantization fp8)")
         self.quant_config = quant_config
+        self.expert_scheme = None
+        self.reader = self._reader(cfg, quant_config)
+        if self.reader.name in ("gptq", "compressed-tensors") and not self.reader.packed:
+            # GPTQ with act-order (desc_act / actorder group): each expert's rows shuffled its
+            # own way, which the kernels do not gather: those experts are dequantized as they
+            # load instead
+            log_once(f"{self.reader.name}: act-order experts are dequantized on load to the "
+                     "model's dtype")
         super().__init__(cfg, dtype, quant_config)
 
-    def _unpack(self, got: dict[str, torch.Tensor]):
-        """A GPTQ / AWQ expert projection's tensors -> IntWeight (g_idx: act-order's)."""
-        q = self.quant_config
-        if self.expert_int == "awq":
-            from kvfleet_runtime.layers.quantization.awq import unpack_awq
-            return unpack_awq(got["qweight"], got["qzeros"], got["scales"], q.group_size)
-        from kvfleet_runtime.layers.quantization.gptq import unpack_gptq
-        from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
-        rows = got["qweight"].shape[0] * 32 // q.bits
-        g_idx = got["g_idx"] if "g_idx" in got else default_g_idx(rows, q.group_size)
-        return unpack_gptq(got["qweight"], got["qzeros"], got["scales"], g_idx, q.bits,
-                           q.checkpoint_format)
-
-    def _check_g_idx(self, name: str, g_idx: torch.Tensor) -> None:
-        from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
-        if not torch.equal(g_idx.to(torch.int32).cpu(),
-                           default_g_idx(g_idx.numel(), self.quant_config.group_size)):
-            raise ValueError(f"checkpoint tensor {name!r}: a shuffled g_idx (GPTQ act-order) "
-                             "needs desc_act true in the quantization_config")
+    def _reader(self, cfg: ModelConfig, q) -> ExpertReader:
+        """What the experts' tensors are, from the checkpoint's quantization."""
+        name = getattr(q, "name", None)
+        if name is None or (name == "fp8" and not q.serialized):
+            # unquantized (--quantization fp8 rounds the experts once loaded)
+            return ExpertReader("unquantized", frozenset({"weight"}),
+                                lambda name, got: got["weight"])
+        if name == "fp8":
+            return _fp8_reader(q)
+        if name == "awq":
+            return _awq_reader(q)
+        if name == "gptq":
+            return _gptq_reader(q, q.desc_act)
+        # compressed-tensors: the experts' scheme, the same for every expert projection of
+        # the first sparse layer (each tensor's own is checked as it arrives)
+        layer = min(cfg.moe_layers)
+        schemes = {q.scheme_of_module(f"model.layers.{layer}.{self.block_name}.experts.0.{p}")
+                   for p in self.expert_pieces}
+        if len(schemes) != 1 or None in schemes:
+            raise ValueError(f"{cfg.architecture}: compressed-tensors experts must all fall "
+                             f"under one quantization scheme; got {schemes}")
+        self.expert_scheme = q.expert_scheme = schemes.pop()
+        return _ct_reader(q, self.expert_scheme)
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
         if layer >= len(self.model.layers) or not isinstance(self.model.layers[layer].mlp,
@@ -95,50 +166,42 @@ class _MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         pieces: dict[int, set[tuple[int, str]]] = {}
-        halves: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}    # an expert projection's pieces until complete (FP8 blocks, GPTQ / AWQ)
+        # an expert projection's tensors until all its kinds are in
+        halves: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}
+        reader = self.reader
 
         def dense():
             for name, tensor in weights:
                 expert = _EXPERT.fullmatch(name)
                 router = _ROUTER.fullmatch(name)
                 if expert and expert[2] == self.block_name:
-                    layer, index, proj = int(expert[1]), int(expert[3]), expert[4]
+                    layer, index, proj, kind = int(expert[1]), int(expert[3]), expert[4], expert[5]
                     block = self._block(layer, name)
-                    kind = expert[5]
-                    integer = kind in _INT_PIECES or kind == "g_idx"
                     if proj not in self.expert_pieces or index >= block.num_experts or (
-                            kind == "weight_scale_inv" and self.expert_block is None) or (
-                            integer != (self.expert_int is not None)):
+                            kind not in reader.required and kind not in reader.extra):
                         raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                         f"{self.config.architecture}" + (
-                                             f" with {self.expert_int} experts"
-                                             if self.expert_int else ""))
-                    if kind == "g_idx" and not self.expert_act_order:
-                        self._check_g_idx(name, tensor)
+                                         f"{self.config.architecture} with {reader.name} "
+                                         "experts")
+                    module = name.rpartition(".")[0]
+                    if self.expert_scheme is not None and \
+                            self.quant_config.scheme_of_module(module) != self.expert_scheme:
+                        raise ValueError(f"checkpoint tensor {name!r}: its compressed-tensors "
+                                         "scheme is not the other experts'; experts must all "
+                                         "be quantized alike")
+                    if kind in reader.extra:
+                        reader.extra[kind](name, tensor)
                         continue
-                    if integer:         # (act-order: its g_idx too, then dequantized)
-                        got = halves.setdefault((layer, index, proj), {})
-                        got[kind] = tensor
-                        if len(got) < len(_INT_PIECES) + self.expert_act_order:
-                            continue
-                        del halves[(layer, index, proj)]
-                        w, piece = self._unpack(got), self.expert_pieces[proj]
-                        if self.expert_act_order:
-                            block.load_expert(index, piece, w.dequantize().to(block.w13.dtype))
-                        else:
-                            block.load_int_expert(index, piece, w)
-                        pieces.setdefault(layer, set()).add((index, piece))
+                    got = halves.setdefault((layer, index, proj), {})
+                    got[kind] = tensor
+                    if len(got) < len(reader.required):
                         continue
-                    if self.expert_block is not None:
-                        got = halves.setdefault((layer, index, proj), {})
-                        got[expert[5]] = tensor
-                        if len(got) < 2:
-                            continue
-                        tensor = dequantize_blocks(name, got.pop("weight"),
-                                                   got.pop("weight_scale_inv"),
-                                                   self.expert_block).to(block.w13.dtype)
-                    block.load_expert(index, self.expert_pieces[proj], tensor)
-                    pieces.setdefault(layer, set()).add((index, self.expert_pieces[proj]))
+                    del halves[(layer, index, proj)]
+                    w, piece = reader.build(module, got), self.expert_pieces[proj]
+                    if reader.packed:
+                        block.load_int_expert(index, piece, w)
+                    else:
+                        block.load_expert(index, piece, w.to(block.w13.dtype))
+                    pieces.setdefault(layer, set()).add((index, piece))
                 elif router and router[2] == self.block_name:
                     layer = int(router[1])
                     gate = self._block(layer, name).gate.weight

@@ -28,7 +28,9 @@ group's own). Formats read:
 
 Refused with the field named: other formats (int8 / fp4 activations, sparsity, nvfp4, mxfp4),
 quantized KV caches (`kv_cache_scheme`), a fused layer (qkv, gate/up) whose shards fall in
-different groups, and mixtures of experts (models/moe.py).
+different groups. Mixtures of experts' experts (models/moe.py) take one scheme for all: integer
+ones stay packed (layers.moe's IntExperts; act-order ones dequantized), FP8 ones are
+dequantized as they load and rounded a row at a time as `--quantization fp8` rounds them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from kvfleet_runtime.layers.quantization.base import (
     log_once,
     shard_prefixes,
 )
-from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod
+from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod, dequantize_blocks
 from kvfleet_runtime.layers.quantization.gptq import load_g_idx
 from kvfleet_runtime.layers.quantization.int_weight import (
     IntWeight,
@@ -167,6 +169,8 @@ def _matches(name: str, target: str) -> bool:
 class CompressedTensorsConfig(QuantConfig):
     groups: list[tuple[str, list[str], Scheme]] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
+    # a mixture of experts' experts' scheme (set by models/moe.py before its layers are built)
+    expert_scheme: Scheme | None = None
 
     name = NAME
 
@@ -203,7 +207,7 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"{_where('ignore')} must be a list of module names; got {ignore!r}")
         return cls(groups=groups, ignore=ignore)
 
-    def _scheme_of(self, module: str) -> Scheme | None:
+    def scheme_of_module(self, module: str) -> Scheme | None:
         """The scheme of one checkpoint module (None: left unquantized)."""
         if any(_matches(module, i) for i in self.ignore):
             return None
@@ -215,7 +219,7 @@ class CompressedTensorsConfig(QuantConfig):
 
     def scheme_of(self, prefix: str) -> Scheme | None:
         """The scheme of the Linear at `prefix`; its shards must agree."""
-        schemes = {s: self._scheme_of(s) for s in shard_prefixes(prefix)}
+        schemes = {s: self.scheme_of_module(s) for s in shard_prefixes(prefix)}
         if len(set(schemes.values())) > 1:
             raise ValueError(f"{NAME}: the shards of the fused layer {prefix} fall under "
                              f"different schemes ({', '.join(f'{s}: {v}' for s, v in schemes.items())}); "
@@ -294,20 +298,38 @@ class CTIntLinearMethod(IntWeightMethod):
         layer.ct_g_idx = None if self.scheme.act_order else g_idx
 
     def unpack(self, layer: Linear) -> IntWeight:
-        offset = 1 << (self.bits - 1)
-        q = unpack_int32(layer.weight_packed, self.bits, dim=1).t()           # [K, N]
-        if self.scheme.symmetric:
-            zeros = torch.full_like(layer.weight_scale, offset).t()
-        else:
-            zeros = unpack_int32(layer.weight_zero_point, self.bits, dim=0).t().float()
-        scales = layer.weight_scale.t()
-        if not torch.equal(scales.to(torch.float16).float(), scales.float()):
-            log_once(f"{NAME}: scales that fp16 does not hold exactly are rounded to fp16 for "
-                     "the W4A16 kernels (the CPU path keeps them exact)")
-        g_idx = layer.weight_g_idx if self.scheme.act_order else layer.ct_g_idx.to(q.device)
+        g_idx = layer.weight_g_idx if self.scheme.act_order else layer.ct_g_idx
         del layer.ct_g_idx
-        return IntWeight(q=q.contiguous(), zeros=zeros.contiguous(), scales=scales.contiguous(),
-                         g_idx=g_idx, bits=self.bits)
+        return unpack_ct(layer.weight_packed, layer.weight_scale,
+                         getattr(layer, "weight_zero_point", None), g_idx, self.bits)
+
+
+def unpack_ct(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+              g_idx: torch.Tensor, bits: int) -> IntWeight:
+    """pack-quantized tensors of one projection (weight_packed [N, K / P], weight_scale [N, G],
+    weight_zero_point [N / P, G] or None: symmetric) -> IntWeight."""
+    q = unpack_int32(packed, bits, dim=1).t()                                   # [K, N]
+    if zero_point is None:
+        zeros = torch.full_like(scale, 1 << (bits - 1), dtype=torch.float32).t()
+    else:
+        zeros = unpack_int32(zero_point, bits, dim=0).t().float()
+    scales = scale.t()
+    if not torch.equal(scales.to(torch.float16).float(), scales.float()):
+        log_once(f"{NAME}: scales that fp16 does not hold exactly are rounded to fp16 for "
+                 "the W4A16 kernels (the CPU path keeps them exact)")
+    return IntWeight(q=q.contiguous(), zeros=zeros.contiguous(), scales=scales.contiguous(),
+                     g_idx=g_idx.to(q.device), bits=bits)
+
+
+def dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None) -> torch.Tensor:
+    """float-quantized tensors of one projection -> its weight in fp32."""
+    if block is not None:
+        return dequantize_blocks(name, weight, scale, block)
+    if scale.numel() not in (1, weight.shape[0]):
+        raise ValueError(f"{name}: weight_scale of shape {tuple(scale.shape)} is neither per "
+                         f"tensor nor per channel of a {tuple(weight.shape)} weight")
+    return weight.float() * scale.float().reshape(-1, 1)
 
 
 def _ignore_input_scale(param: torch.Tensor, loaded: torch.Tensor,
