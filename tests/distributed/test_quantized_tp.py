@@ -23,6 +23,8 @@ from quantization.checkpoints import quantize_fp8, quantize_int, write_quantized
 from quantization.ct_checkpoints import (
     FP8_STATIC_ACTS,
     FP8_WEIGHTS,
+    INT8_DYNAMIC_ACTS,
+    INT8_WEIGHTS,
     W4A16,
     W4A16_ASYM,
     write_compressed,
@@ -252,6 +254,8 @@ TP_CASES = {
     "ct-w4a16-actorder": ("llama3-gqa", {"ct": {"weights": W4A16, "act_order": True}}),
     "ct-fp8-static": ("llama3-gqa", {"ct": {"weights": FP8_WEIGHTS,
                                             "input_activations": FP8_STATIC_ACTS}}),
+    "ct-w8a8-int8-asym": ("llama3-gqa", {"ct": {"weights": {**INT8_WEIGHTS, "symmetric": False},
+                                                "input_activations": INT8_DYNAMIC_ACTS}}),
 }
 
 

@@ -39,6 +39,12 @@ FP8_DYNAMIC_ACTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy
                     "dynamic": True}
 FP8_STATIC_ACTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
                    "dynamic": False}
+# W8A8 int8 (int-quantized): int8 weights a scale a row, int8 activations (dynamic per token)
+INT8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+INT8_DYNAMIC_ACTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                     "dynamic": True}
+INT8_STATIC_ACTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+                    "dynamic": False}
 
 
 def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +88,10 @@ def _act_order_tensors(w: torch.Tensor, args, seed: int) -> dict[str, torch.Tens
 
 def format_of(s) -> str:
     """The storage format the library gives a scheme's weights."""
-    return "pack-quantized" if s.weights.type == "int" else "float-quantized"
+    if s.weights.type == "float":
+        return "float-quantized"
+    acts = s.input_activations
+    return "int-quantized" if acts is not None and acts.type == "int" else "pack-quantized"
 
 
 def compress_weight(w: torch.Tensor, s, act_order: bool = False, seed: int = 0
@@ -154,6 +163,8 @@ def write_compressed(src: Path, dst: Path, reference: Path, weights: dict | None
         if s.input_activations is not None and not s.input_activations.dynamic:
             # a static activation scale, as calibration would leave it
             out["input_scale"] = torch.tensor([0.05], dtype=dtype)
+            if s.input_activations.type == "int":
+                out["input_zero_point"] = torch.tensor([0], dtype=torch.int8)
         quantized.update({f"{module}.{k}": v for k, v in out.items()})
     save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})

@@ -18,6 +18,9 @@ from quantization.ct_checkpoints import (
     FP8_DYNAMIC_ACTS,
     FP8_STATIC_ACTS,
     FP8_WEIGHTS,
+    INT8_DYNAMIC_ACTS,
+    INT8_STATIC_ACTS,
+    INT8_WEIGHTS,
     W4A16,
     W4A16_ASYM,
     W8A16,
@@ -41,6 +44,12 @@ CASES = {
     "fp8-blocks-16x32": ({"weights": {**FP8_WEIGHTS, "strategy": "block",
                                       "block_structure": [16, 32]},
                           "input_activations": FP8_DYNAMIC_ACTS}, 0.02),
+    # W8A8 int8 (int-quantized): int8 weights, their activations served unquantized
+    "w8a8-int8-dynamic": ({"weights": INT8_WEIGHTS, "input_activations": INT8_DYNAMIC_ACTS},
+                          0.02),
+    "w8a8-int8-asym-per-tensor-static": ({"weights": {**INT8_WEIGHTS, "symmetric": False,
+                                                      "strategy": "tensor"},
+                                          "input_activations": INT8_STATIC_ACTS}, 0.02),
     # two groups (attention 8-bit by regex, the rest 4-bit), one layer's down_proj ignored
     "mixed-groups-and-ignore": ({"weights": None, "groups": {
         "attention": scheme(W8A16, targets=["re:.*self_attn"]),
@@ -114,8 +123,15 @@ def _config(**overrides) -> dict:
     ({"group.input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
                                   "dynamic": True}},
      r"config_groups\.group_0\.input_activations must be null for pack-quantized weights"),
-    ({"format": "int-quantized"}, r"config_groups\.group_0\.format \(or the top-level format\) "
-                                  r"must be one of pack-quantized, float-quantized .*'int-quantized'"),
+    ({"format": "marlin-24"}, r"config_groups\.group_0\.format \(or the top-level format\) "
+                              r"must be one of pack-quantized, int-quantized, naive-quantized, "
+                              r"float-quantized .*'marlin-24'"),
+    ({"format": "int-quantized", "group.weights": {**INT8_WEIGHTS, "strategy": "group",
+                                                   "group_size": 32}},
+     r"weights\.strategy must be one of channel, tensor; got 'group'"),
+    ({"format": "int-quantized", "group.weights": INT8_WEIGHTS,
+      "group.input_activations": {**INT8_DYNAMIC_ACTS, "num_bits": 4}},
+     r"input_activations\.num_bits must be one of 8; got 4"),
     ({"format": "nvfp4-pack-quantized"}, r"got 'nvfp4-pack-quantized'"),
     ({"group.weights": {**W4A16, "num_bits": 2}},
      r"config_groups\.group_0\.weights\.num_bits must be one of 4, 8; got 2"),
@@ -133,7 +149,7 @@ def _config(**overrides) -> dict:
     ({"quantization_status": "frozen"}, r"quantization_status must be compressed .* 'frozen'"),
     ({"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparse checkpoints are not served"),
     ({"group.output_activations": {"num_bits": 8}}, r"output_activations must be null"),
-], ids=["int8-activations", "int-quantized", "nvfp4", "2-bit", "int-per-tensor", "no-group-size",
+], ids=["int8-activations", "marlin-24", "int8-groups", "int4-activations", "nvfp4", "2-bit", "int-per-tensor", "no-group-size",
         "fp8-block-without-structure", "static-per-channel-activations", "kv-cache-scheme",
         "frozen", "sparse", "output-activations"])
 def test_unserved_schemes_are_refused_by_field(overrides, message):
@@ -172,12 +188,13 @@ def test_a_weight_shape_of_another_layer_is_refused(tiny_llama, tmp_path):
         LLM(model=str(tmp_path / "q"))
 
 
-@pytest.mark.parametrize(("arch", "weights", "act_order"), [
-    ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, False),
-    ("mixtral", {**W4A16, "group_size": 16}, False),
-    ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, True)],
-    ids=["qwen3_moe-w4a16-asym", "mixtral-w4a16", "qwen3_moe-actorder"])
-def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch, weights,
+@pytest.mark.parametrize(("arch", "weights", "acts", "act_order"), [
+    ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, None, False),
+    ("mixtral", {**W4A16, "group_size": 16}, None, False),
+    ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, None, True),
+    ("qwen3_moe", {**INT8_WEIGHTS, "symmetric": False}, INT8_STATIC_ACTS, False)],
+    ids=["qwen3_moe-w4a16-asym", "mixtral-w4a16", "qwen3_moe-actorder", "qwen3_moe-w8a8-asym"])
+def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch, weights, acts,
                                                                           act_order, tmp_path):
     # every projection quantized, experts too (each expert's its own tensors); the routers
     # left alone as llm-compressor's recipes ignore them. Integer experts stay packed (the
@@ -185,7 +202,7 @@ def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch,
     from kvfleet_runtime.layers.moe import SparseMoeBlock
     from support.hf_reference import hf_greedy
     source = make_tiny_model(arch, tmp_path / "source")
-    write_compressed(source, tmp_path / "q", tmp_path / "d", weights, act_order=act_order,
+    write_compressed(source, tmp_path / "q", tmp_path / "d", weights, acts, act_order=act_order,
                      ignore=("lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"))
     prompts = _prompts()
     ref = hf_greedy(tmp_path / "d", prompts, 10)
@@ -195,7 +212,7 @@ def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch,
     if act_order:
         assert block.int_experts is None and block.w13.dtype == torch.float32
     else:
-        assert block.w13 is None and block.int_experts[0].group_size == weights["group_size"]
+        assert block.w13 is None and block.int_experts[0].bits == weights["num_bits"]
     params = SamplingParams(temperature=0.0, max_tokens=10)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
 

@@ -416,7 +416,8 @@ def test_layers_for_the_whole_k_gemv_are_column_blocked_and_exact(method, desc_a
                                    atol=ref.abs().max().item() * 2e-2)
 
 
-@pytest.mark.parametrize("weights", ["w4a16-asym-bf16", "w8a16", "fp8-channel", "fp8-blocks"])
+@pytest.mark.parametrize("weights", ["w4a16-asym-bf16", "w8a16", "w8a8-int8-asym", "fp8-channel",
+                                     "fp8-blocks"])
 def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
     # compressed-tensors tensors (the library's compressor) of a fused qkv layer: the W4A16
     # kernel (integers) or the FP8 GEMM, within rounding of the library's decompressed weight
@@ -425,6 +426,8 @@ def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
     from quantization.ct_checkpoints import (
         FP8_DYNAMIC_ACTS,
         FP8_WEIGHTS,
+        INT8_DYNAMIC_ACTS,
+        INT8_WEIGHTS,
         W4A16_ASYM,
         W8A16,
         compress_weight,
@@ -434,6 +437,8 @@ def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
     args, acts, dtype = {
         "w4a16-asym-bf16": (W4A16_ASYM, None, torch.bfloat16),
         "w8a16": (W8A16, None, torch.float32),
+        "w8a8-int8-asym": ({**INT8_WEIGHTS, "symmetric": False}, INT8_DYNAMIC_ACTS,
+                           torch.bfloat16),
         "fp8-channel": (FP8_WEIGHTS, FP8_DYNAMIC_ACTS, torch.bfloat16),
         "fp8-blocks": ({**FP8_WEIGHTS, "strategy": "block", "block_structure": [16, 32]},
                        FP8_DYNAMIC_ACTS, torch.bfloat16)}[weights]

@@ -39,7 +39,7 @@ def _int_experts(quant_config) -> tuple[int, int] | None:
     name = getattr(quant_config, "name", None)
     if name == "compressed-tensors":
         s = quant_config.expert_scheme          # (set by models/moe.py)
-        if s is None or s.format != "pack-quantized" or s.act_order:
+        if s is None or s.format not in ("pack-quantized", "int-quantized") or s.act_order:
             return None
         return s.bits, s.group_size
     if name not in ("gptq", "awq") or getattr(quant_config, "desc_act", False):

@@ -89,16 +89,27 @@ def _ct_reader(config, scheme) -> ExpertReader:
     from kvfleet_runtime.layers.quantization.compressed_tensors import (
         dequantize_fp8,
         unpack_ct,
+        unpack_ct_int8,
     )
     from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
+
+    def read_past(name: str, tensor: torch.Tensor) -> None:
+        log_once("compressed-tensors: the checkpoint's static activation scales (input_scale) "
+                 "are not used: FP8 activations are scaled per token at run time, int8 ones "
+                 "stay unquantized")
+    static = {"input_scale": read_past, "input_zero_point": read_past} \
+        if scheme.static_input_scale else {}
     if scheme.format == "float-quantized":
-        def ignore(name: str, tensor: torch.Tensor) -> None:
-            log_once("compressed-tensors: FP8 activations are scaled per token at run time; "
-                     "the checkpoint's static input_scale is not used")
         return ExpertReader("compressed-tensors FP8", frozenset({"weight", "weight_scale"}),
                             lambda name, got: dequantize_fp8(name, got["weight"],
                                                              got["weight_scale"], scheme.block),
-                            extra={"input_scale": ignore} if scheme.static_input_scale else {})
+                            extra=static)
+    if scheme.format == "int-quantized":
+        kinds = {"weight", "weight_scale"} | (set() if scheme.symmetric else {"weight_zero_point"})
+        return ExpertReader("compressed-tensors int8", frozenset(kinds),
+                            lambda name, got: unpack_ct_int8(got["weight"], got["weight_scale"],
+                                                             got.get("weight_zero_point")),
+                            packed=True, extra=static)
 
     def build(name: str, got: dict[str, torch.Tensor]):
         n, k = got["weight_shape"].reshape(-1).tolist()

@@ -49,7 +49,11 @@ from kvfleet_runtime.layers.quantization.base import (
     log_once,
     shard_prefixes,
 )
-from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod, dequantize_blocks
+from kvfleet_runtime.layers.quantization.fp8 import (
+    FP8LinearMethod,
+    dequantize_blocks,
+    load_row_scale,
+)
 from kvfleet_runtime.layers.quantization.gptq import load_g_idx
 from kvfleet_runtime.layers.quantization.int_weight import (
     IntWeight,
@@ -61,7 +65,7 @@ from kvfleet_runtime.layers.quantization.int_weight import (
 from kvfleet_runtime.layers.quantization.packing import unpack_int32
 
 NAME = "compressed-tensors"
-FORMATS = ("pack-quantized", "float-quantized")
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
 
 def _where(key: str) -> str:
@@ -71,14 +75,14 @@ def _where(key: str) -> str:
 @dataclass(frozen=True)
 class Scheme:
     """One config group's weights, as kvfleet runs them."""
-    format: str                    # pack-quantized | float-quantized
+    format: str                    # pack-quantized | int-quantized | float-quantized
     bits: int                      # 4 / 8 (int), 8 (fp8)
     strategy: str                  # group / channel (int); tensor / channel / block (fp8)
     group_size: int = -1           # int group strategy; -1: one group (channel)
     symmetric: bool = True
     act_order: bool = False        # actorder "group": weight_g_idx shuffles the groups
     block: tuple[int, int] | None = None      # fp8 block_structure
-    static_input_scale: bool = False          # fp8 with a calibrated input_scale
+    static_input_scale: bool = False          # a calibrated input_scale (fp8, int8)
 
 
 def _args(raw: object, key: str) -> dict:
@@ -103,7 +107,8 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
     fmt = group.get("format") or default_format
     if fmt not in FORMATS:
         raise ValueError(f"{_where(where + '.format')} (or the top-level format) must be one of "
-                         f"{', '.join(FORMATS)} (W4A16 / W8A16 integer weights, FP8 weights); "
+                         f"{', '.join(FORMATS)} (W4A16 / W8A16 / W8A8 integer weights, FP8 "
+                         "weights); "
                          f"got {fmt!r}")
     if group.get("output_activations") is not None:
         raise ValueError(f"{_where(where + '.output_activations')} must be null: quantized "
@@ -113,6 +118,25 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
     wkey = where + ".weights"
     if w.get("dynamic", False) not in (False, None):
         raise ValueError(f"{_where(wkey)}.dynamic must be false (weights are stored quantized)")
+    if fmt in ("int-quantized", "naive-quantized"):
+        # W8A8 int8 (RedHatAI's *.w8a8): int8 weights a row (or a tensor) a scale, served as
+        # W8A16: the activations stay unquantized
+        _pick(w, "type", wkey, ("int",))
+        _pick(w, "num_bits", wkey, (8,))
+        strategy = _pick(w, "strategy", wkey, ("channel", "tensor"))
+        static = False
+        if acts is not None:
+            akey = where + ".input_activations"
+            a = _args(acts, akey)
+            _pick(a, "type", akey, ("int",))
+            _pick(a, "num_bits", akey, (8,))
+            static = a.get("dynamic", False) is False
+            _pick(a, "strategy", akey, ("tensor",) if static else ("token",))
+            log_once(f"{NAME}: int8 activations (W8A8) are served unquantized, as W8A16 (the "
+                     "int8 weights on the integer kernels)")
+        return Scheme("int-quantized", 8, strategy,
+                      symmetric=_pick(w, "symmetric", wkey, (True, False), True),
+                      static_input_scale=static)
     if fmt == "pack-quantized":
         if acts is not None:
             raise ValueError(f"{_where(where + '.input_activations')} must be null for "
@@ -237,6 +261,8 @@ class CompressedTensorsConfig(QuantConfig):
             return None
         if scheme.format == "pack-quantized":
             return CTIntLinearMethod(scheme)
+        if scheme.format == "int-quantized":
+            return CTInt8LinearMethod(scheme)
         return CTFP8LinearMethod(scheme)
 
 
@@ -332,10 +358,61 @@ def dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor,
     return weight.float() * scale.float().reshape(-1, 1)
 
 
-def _ignore_input_scale(param: torch.Tensor, loaded: torch.Tensor,
-                        shard_id: int | None) -> None:
-    log_once(f"{NAME}: FP8 activations are scaled per token at run time; the checkpoint's "
-             "static input_scale is not used")
+def unpack_ct_int8(weight: torch.Tensor, scale: torch.Tensor,
+                   zero_point: torch.Tensor | None) -> IntWeight:
+    """int-quantized tensors of one projection (weight int8 [N, K], a scale and a zero point
+    [N] a row) -> IntWeight (unsigned: q + 128, zero + 128)."""
+    n = weight.shape[0]
+    q = (weight.to(torch.int32) + 128).t()                                       # [K, N]
+    scale = scale.float().reshape(-1).expand(n).reshape(1, n)     # (one a tensor: every row)
+    zeros = torch.full_like(scale, 128)
+    if zero_point is not None:
+        zeros = zeros + zero_point.float().reshape(-1).expand(n).reshape(1, n)
+    return IntWeight(q=q.contiguous(), zeros=zeros, scales=scale.contiguous(),
+                     g_idx=torch.zeros(q.shape[0], dtype=torch.int32, device=q.device), bits=8)
+
+
+class CTInt8LinearMethod(IntWeightMethod):
+    """int-quantized int8 weights (W8A8 checkpoints), unpacked into IntWeight: the 8-bit
+    integer kernels, the activations unquantized."""
+    name = NAME
+
+    def __init__(self, scheme: Scheme) -> None:
+        super().__init__(8, -1)
+        self.scheme = scheme
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        check_divisible(layer, "input size", input_size, 4, self.name)
+        n = sum(output_sizes)
+        rows = partial(load_row_scale, layer)
+        params = {"weight": (torch.empty(n, input_size, dtype=torch.int8),
+                             {"output_dim": 0, "input_dim": 1}),
+                  "weight_scale": (torch.empty(n, dtype=torch.float32),
+                                   {"output_dim": 0, "weight_loader": rows})}
+        if not self.scheme.symmetric:
+            params["weight_zero_point"] = (torch.empty(n, dtype=torch.int8),
+                                           {"output_dim": 0, "weight_loader": rows})
+        if self.scheme.static_input_scale:
+            params["input_scale"] = (torch.ones(1), {"optional": True,
+                                                     "weight_loader": _read_past})
+            params["input_zero_point"] = (torch.zeros(1), {"optional": True,
+                                                           "weight_loader": _read_past})
+        for name, (tensor, attrs) in params.items():
+            param = nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, **attrs)
+            layer.register_parameter(name, param)
+        self.checkpoint_params = tuple(params)
+
+    def unpack(self, layer: Linear) -> IntWeight:
+        return unpack_ct_int8(layer.weight.data, layer.weight_scale.data,
+                              getattr(layer, "weight_zero_point", None))
+
+
+def _read_past(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
+    """A static activation scale (or zero point): activations are not rounded by it."""
+    log_once(f"{NAME}: the checkpoint's static activation scales (input_scale) are not used: "
+             "FP8 activations are scaled per token at run time, int8 ones stay unquantized")
     param.is_loaded = True
 
 
@@ -359,7 +436,7 @@ class CTFP8LinearMethod(FP8LinearMethod):
             layer.ct_channel_scale = channel
         if self.scheme.static_input_scale:
             scale = nn.Parameter(torch.ones(1), requires_grad=False)
-            set_weight_attrs(scale, optional=True, weight_loader=_ignore_input_scale)
+            set_weight_attrs(scale, optional=True, weight_loader=_read_past)
             layer.register_parameter("input_scale", scale)
 
     def process_weights_after_loading(self, layer: Linear) -> None:

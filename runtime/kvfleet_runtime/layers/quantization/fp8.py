@@ -70,8 +70,10 @@ def feeds_fp8(producer: nn.Module, consumer: Linear) -> None:
     consumer.fp8_input_producers = (*getattr(consumer, "fp8_input_producers", ()), producer)
 
 
-def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
-                       shard_id: int | None) -> None:
+def load_row_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
+                   shard_id: int | None) -> None:
+    """A per-tensor (one number a checkpoint piece) or per-channel value of each output row
+    into `param` [N] (FP8 scales; compressed-tensors int8 scales and zero points)."""
     if loaded.numel() == 1:
         # per tensor: this rank's rows of the piece all get it
         if shard_id is None:
@@ -82,7 +84,7 @@ def _load_weight_scale(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
         return
     full = sum(layer.full_output_sizes) if shard_id is None else layer.full_output_sizes[shard_id]
     if loaded.numel() != full:
-        raise ValueError(f"{layer.prefix}: fp8 weight_scale of shape {tuple(loaded.shape)} is "
+        raise ValueError(f"{layer.prefix}: weight_scale of shape {tuple(loaded.shape)} is "
                          f"neither per-tensor (1 value) nor per-channel ({full} values)")
     layer.place(param, loaded.reshape(full), shard_id)
 
@@ -133,7 +135,7 @@ class FP8LinearMethod(LinearMethod):
             layer.register_buffer("weight_scale", scale, persistent=False)
         elif self.serialized:
             scale = nn.Parameter(scale, requires_grad=False)
-            set_weight_attrs(scale, weight_loader=partial(_load_weight_scale, layer))
+            set_weight_attrs(scale, weight_loader=partial(load_row_scale, layer))
             layer.register_parameter("weight_scale", scale)
         else:
             # not a checkpoint tensor: each weight's rounding fills it
