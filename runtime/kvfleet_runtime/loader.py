@@ -17,6 +17,7 @@ import torch
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.layers.linear import Linear
 from kvfleet_runtime.layers.quantization import get_quant_config
+from kvfleet_runtime.layers.quantization.base import log_once
 from kvfleet_runtime.models import get_model_class
 from kvfleet_runtime.models.config import ModelConfig
 
@@ -59,6 +60,24 @@ def _drop_zero_biases(tensors: Iterator[tuple[str, torch.Tensor]],
                                                  and ".o_proj." not in name):
             if not torch.any(tensor):
                 continue
+        yield name, tensor
+
+
+# calibrated KV-cache (and attention) scales of FP8 checkpoints (compressed-tensors'
+# kv_cache_scheme, vLLM-style fp8 ones): kvfleet's fp8 cache (--kv-cache-dtype fp8) keeps K and
+# V with a scale of 1.0, so these are read past
+_KV_SCALES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.q_scale",
+              ".self_attn.prob_scale", ".self_attn.attn.k_scale", ".self_attn.attn.v_scale")
+
+
+def _drop_kv_scales(tensors: Iterator[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        if name.endswith(_KV_SCALES):
+            log_once("the checkpoint's calibrated KV-cache scales (self_attn.k_scale / v_scale) "
+                     "are not used: an fp8 KV cache (--kv-cache-dtype fp8) keeps K and V at a "
+                     "scale of 1.0, as vLLM's does without them")
+            continue
         yield name, tensor
 
 
@@ -147,7 +166,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         head = getattr(model, "lm_head", None)
         if not cfg.tie_word_embeddings and isinstance(getattr(head, "weight", None), torch.Tensor):
             head.weight.data.zero_()        # defined if the checkpoint has none (below)
-        loaded = model.load_weights(_base_model_names(_drop_zero_biases(tensors(), cfg)))
+        loaded = model.load_weights(
+            _base_model_names(_drop_kv_scales(_drop_zero_biases(tensors(), cfg))))
         # some tensors are optional (GPTQ's g_idx: plain grouping when absent; a static FP8
         # input_scale kvfleet does not use)
         expected = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}

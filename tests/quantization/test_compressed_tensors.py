@@ -144,13 +144,11 @@ def _config(**overrides) -> dict:
     ({"format": "float-quantized", "group.weights": FP8_WEIGHTS,
       "group.input_activations": {**FP8_STATIC_ACTS, "strategy": "channel"}},
      r"input_activations\.strategy must be one of tensor; got 'channel'"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
-     r"kv_cache_scheme must be null"),
     ({"quantization_status": "frozen"}, r"quantization_status must be compressed .* 'frozen'"),
     ({"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparse checkpoints are not served"),
     ({"group.output_activations": {"num_bits": 8}}, r"output_activations must be null"),
 ], ids=["int8-activations", "marlin-24", "int8-groups", "int4-activations", "nvfp4", "2-bit", "int-per-tensor", "no-group-size",
-        "fp8-block-without-structure", "static-per-channel-activations", "kv-cache-scheme",
+        "fp8-block-without-structure", "static-per-channel-activations",
         "frozen", "sparse", "output-activations"])
 def test_unserved_schemes_are_refused_by_field(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -244,3 +242,23 @@ def test_experts_under_different_schemes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="compressed-tensors experts must all fall under one "
                                          "quantization scheme"):
         LLM(model=str(source), num_gpu_blocks=16)
+
+
+def test_calibrated_kv_cache_scales_are_read_past(tiny_llama, tmp_path, caplog):
+    # FP8 with a kv_cache_scheme (llm-compressor's FP8 + KV recipes): self_attn.k_scale /
+    # v_scale beside the weights; the fp8 cache keeps a scale of 1.0, the bf16 one none
+    from safetensors.torch import load_file, save_file
+    write_compressed(tiny_llama, tmp_path / "q", tmp_path / "d", FP8_WEIGHTS, FP8_DYNAMIC_ACTS)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    for layer in range(2):
+        for kind in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{kind}"] = torch.tensor(0.02)
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+        "symmetric": True}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("INFO"):
+        _assert_matches_hf(tmp_path / "q", tmp_path / "d")
+    assert "calibrated KV-cache scales (self_attn.k_scale / v_scale) are not used" in caplog.text

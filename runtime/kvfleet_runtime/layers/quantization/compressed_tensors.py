@@ -26,8 +26,11 @@ group's own). Formats read:
                    too, logged once: per-token scales are at least as close to the unquantized
                    activations as one calibrated scale.
 
-Refused with the field named: other formats (int8 / fp4 activations, sparsity, nvfp4, mxfp4),
-quantized KV caches (`kv_cache_scheme`), a fused layer (qkv, gate/up) whose shards fall in
+A `kv_cache_scheme`'s calibrated scales (self_attn.k_scale / v_scale) are read past (loader.py):
+the fp8 KV cache (`--kv-cache-dtype fp8`) keeps a scale of 1.0.
+
+Refused with the field named: other formats (int4 / fp4 activations, sparsity, nvfp4, mxfp4),
+a fused layer (qkv, gate/up) whose shards fall in
 different groups. Mixtures of experts' experts (models/moe.py) take one scheme for all: integer
 ones stay packed (layers.moe's IntExperts; act-order ones dequantized), FP8 ones are
 dequantized as they load and rounded a row at a time as `--quantization fp8` rounds them.
@@ -204,10 +207,6 @@ class CompressedTensorsConfig(QuantConfig):
         if status != "compressed":
             raise ValueError(f"{_where('quantization_status')} must be compressed (the weights "
                              f"stored quantized); got {status!r}")
-        if raw.get("kv_cache_scheme") is not None:
-            raise ValueError(f"{_where('kv_cache_scheme')} must be null: a checkpoint's "
-                             "calibrated KV-cache scales are not read (serve it with "
-                             "--kv-cache-dtype fp8 for an fp8 cache with computed scales)")
         sparsity = raw.get("sparsity_config")
         if sparsity and sparsity.get("format", "dense") != "dense":
             raise ValueError(f"{_where('sparsity_config')}: sparse checkpoints are not served; "
