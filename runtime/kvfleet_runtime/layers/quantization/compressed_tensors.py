@@ -1,5 +1,5 @@
 """compressed-tensors checkpoints (llm-compressor's format: RedHatAI's and neuralmagic's
-W4A16 / W8A16 / FP8 models), read as they are stored.
+W4A16 / W8A16 / W8A8 / FP8 models), read as they are stored.
 
 config.json's quantization_config (`quant_method: compressed-tensors`) holds `config_groups`,
 each a scheme (`weights`, `input_activations`) and the `targets` it applies to ("Linear": every
@@ -18,6 +18,11 @@ group's own). Formats read:
       weight_shape       [2]: N, K
     w[n, k] = (stored_q[n, k] - stored_zero[n, g]) * scale[n, g], g = g_idx[k]: the GPTQ / AWQ
     integer weight of int_weight.py, so the same W4A16 kernels (or the dequantized fallback).
+  int-quantized    (alias naive-quantized) W8A8 int8: `weight` [N, K] int8, `weight_scale` and
+                   (asymmetric) `weight_zero_point` a row ([N, 1]) or a tensor ([1]): the same
+                   integer weight (q + 128), 8 bits, one group; the int8 activations are not
+                   applied (W8A16), logged once; static `input_scale` / `input_zero_point` read
+                   past.
   float-quantized  fp8-e4m3 weights (`strategy` tensor, channel or block): `weight` [N, K] and
                    `weight_scale` ([1], [N, 1], or [N / bn, K / bk] for `block_structure`
                    [bn, bk]); the FP8 method of fp8.py. Activations: dynamic per token (the
@@ -29,9 +34,9 @@ group's own). Formats read:
 A `kv_cache_scheme`'s calibrated scales (self_attn.k_scale / v_scale) are read past (loader.py):
 the fp8 KV cache (`--kv-cache-dtype fp8`) keeps a scale of 1.0.
 
-Refused with the field named: other formats (int4 / fp4 activations, sparsity, nvfp4, mxfp4),
-a fused layer (qkv, gate/up) whose shards fall in
-different groups. Mixtures of experts' experts (models/moe.py) take one scheme for all: integer
+Refused with the field named: other formats (sparsity, nvfp4, mxfp4, marlin-24), integer
+activations on packed weights (W4A8), a fused layer (qkv, gate/up) whose shards fall under
+different schemes. Mixtures of experts' experts (models/moe.py) take one scheme for all: integer
 ones stay packed (layers.moe's IntExperts; act-order ones dequantized), FP8 ones are
 dequantized as they load and rounded a row at a time as `--quantization fp8` rounds them.
 """
