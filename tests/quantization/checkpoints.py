@@ -103,11 +103,7 @@ def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits:
                     block: tuple[int, int] | None = None) -> None:
     """Quantize src's projections into dst (method gptq, awq or fp8); write the dequantized
     fp32 weights (and everything else unchanged) to `reference`."""
-    dst.mkdir(parents=True, exist_ok=True)
-    reference.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    tensors = read_tensors(src)
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, w in sorted(tensors.items()):
@@ -134,17 +130,33 @@ def write_quantized(src: Path, dst: Path, reference: Path, method: str, *, bits:
                   else pack_awq(iq.q, iq.zeros, iq.scales))
         quantized.update({f"{module}.{k}": v for k, v in packed.items()})
         dequantized[name] = iq.dequantize()
-    save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    raw = _quantization_config(method, bits, group_size, sym, desc_act, list(not_convert))
+    if block:
+        raw["weight_block_size"] = list(block)
+    write_pair(src, dst, reference, quantized, dequantized, raw)
+
+
+def read_tensors(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors files."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def write_pair(src: Path, dst: Path, reference: Path, quantized: dict[str, torch.Tensor],
+               dequantized: dict[str, torch.Tensor], quantization_config: dict) -> None:
+    """The quantized folder (its config.json with `quantization_config`) and the reference
+    folder of dequantized weights, each with src's other files (tokenizer, ...)."""
+    for folder, tensors in ((dst, quantized), (reference, dequantized)):
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     (reference / "config.json").write_text(json.dumps(config, indent=2))
-    config["quantization_config"] = _quantization_config(method, bits, group_size, sym,
-                                                         desc_act, list(not_convert))
-    if block:
-        config["quantization_config"]["weight_block_size"] = list(block)
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name not in ("config.json",) \
+        if f.suffix != ".safetensors" and f.name != "config.json" \
                 and not f.name.endswith(".index.json"):
             shutil.copy(f, dst / f.name)
             shutil.copy(f, reference / f.name)

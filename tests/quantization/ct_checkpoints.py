@@ -13,14 +13,12 @@ checkpoints carry, is laid out here, from the library's packer and the published
 from __future__ import annotations
 
 import json
-import shutil
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from quantization.checkpoints import PROJECTIONS, SAME_INPUT
+from quantization.checkpoints import PROJECTIONS, SAME_INPUT, read_tensors, write_pair
 
 
 def scheme(weights: dict, input_activations: dict | None = None, targets=("Linear",)):
@@ -140,11 +138,7 @@ def write_compressed(src: Path, dst: Path, reference: Path, weights: dict | None
     schemes). Returns the quantization_config written."""
     from compressed_tensors.utils import match_name
     groups = groups or {"group_0": scheme(weights, input_activations)}
-    dst.mkdir(parents=True, exist_ok=True)
-    reference.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    tensors = read_tensors(src)
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, w in sorted(tensors.items()):
@@ -166,16 +160,6 @@ def write_compressed(src: Path, dst: Path, reference: Path, weights: dict | None
             if s.input_activations.type == "int":
                 out["input_zero_point"] = torch.tensor([0], dtype=torch.int8)
         quantized.update({f"{module}.{k}": v for k, v in out.items()})
-    save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    (reference / "config.json").write_text(json.dumps(config, indent=2))
     raw = quantization_config(groups, ignore, act_order)
-    config["quantization_config"] = raw
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json" \
-                and not f.name.endswith(".index.json"):
-            shutil.copy(f, dst / f.name)
-            shutil.copy(f, reference / f.name)
+    write_pair(src, dst, reference, quantized, dequantized, raw)
     return raw

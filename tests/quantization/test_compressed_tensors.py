@@ -6,7 +6,6 @@ have moved the model (against the fp32 original). Unserved schemes are refused b
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from quantization.ct_checkpoints import (
     scheme,
     write_compressed,
 )
-from quantization.test_tiny_llama import _assert_matches_hf, _prompts, hf_reference
+from quantization.test_tiny_llama import _assert_matches_hf, _prompts
 
 # name -> (write_compressed arguments, how far the rounding may move a prompt log-prob from
 # the fp32 model's: 4-bit <= 0.1, 8-bit and fp8 <= 0.02 on this tiny model, as test_tiny_llama)
@@ -56,16 +55,6 @@ CASES = {
         "rest": scheme(W4A16, targets=["Linear"])},
         "ignore": ("lm_head", "model.layers.1.mlp.down_proj")}, 0.1),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def fp32_reference(tiny_llama):
-    return hf_reference(tiny_llama, _prompts())[1]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -74,16 +74,6 @@ def _assert_matches_hf(quantized: Path, dequantized: Path, **engine_args) -> lis
     return logprobs
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def fp32_reference(tiny_llama):
-    return hf_reference(tiny_llama, _prompts())[1]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_quantized_tiny_llama_matches_hf_on_dequantized_weights(case, tiny_llama, fp32_reference,
                                                                 tmp_path):

@@ -86,15 +86,17 @@ def read_bool(raw: dict, key: str, default: bool, method: str) -> bool:
 
 
 def read_choice(raw: dict, keys: tuple[str, ...], default: object, allowed: tuple,
-                method: str) -> object:
-    """The first of `keys` present in `raw` (checkpoints spell some fields two ways), checked."""
+                method: str, path: str = "") -> object:
+    """The first of `keys` present in `raw` (checkpoints spell some fields two ways), checked;
+    `path`: where `raw` sits in the quantization_config, for the error ("config_groups.g.")."""
     key = next((k for k in keys if k in raw), keys[0])
     value = raw.get(key, default)
     if isinstance(value, str):
         value = value.lower()
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
-        raise ValueError(f"{method} quantization_config.{key} must be one of {shown}; got {value!r}")
+        raise ValueError(f"{method} quantization_config.{path}{key} must be one of {shown}; "
+                         f"got {value!r}")
     return value
 
 

@@ -55,6 +55,7 @@ from kvfleet_runtime.layers.quantization.base import (
     NEVER_QUANTIZED,
     QuantConfig,
     log_once,
+    read_choice,
     shard_prefixes,
 )
 from kvfleet_runtime.layers.quantization.fp8 import (
@@ -100,13 +101,19 @@ def _args(raw: object, key: str) -> dict:
 
 
 def _pick(raw: dict, key: str, where: str, allowed: tuple, default: object = None) -> object:
-    value = raw.get(key, default)
-    if isinstance(value, str):
-        value = value.lower()
-    if value not in allowed:
-        shown = ", ".join(str(a) for a in allowed)
-        raise ValueError(f"{_where(where)}.{key} must be one of {shown}; got {value!r}")
-    return value
+    return read_choice(raw, (key,), default, allowed, NAME, where + ".")
+
+
+def _activations(acts: object, where: str, kind: str) -> bool:
+    """Checks a scheme's input_activations of `kind` (int / float), 8 bits, dynamic per token
+    or static per tensor; whether they are static (a calibrated input_scale)."""
+    key = where + ".input_activations"
+    a = _args(acts, key)
+    _pick(a, "type", key, (kind,))
+    _pick(a, "num_bits", key, (8,))
+    static = a.get("dynamic", False) is False
+    _pick(a, "strategy", key, ("tensor",) if static else ("token",))
+    return static
 
 
 def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
@@ -132,14 +139,8 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
         _pick(w, "type", wkey, ("int",))
         _pick(w, "num_bits", wkey, (8,))
         strategy = _pick(w, "strategy", wkey, ("channel", "tensor"))
-        static = False
+        static = acts is not None and _activations(acts, where, "int")
         if acts is not None:
-            akey = where + ".input_activations"
-            a = _args(acts, akey)
-            _pick(a, "type", akey, ("int",))
-            _pick(a, "num_bits", akey, (8,))
-            static = a.get("dynamic", False) is False
-            _pick(a, "strategy", akey, ("tensor",) if static else ("token",))
             log_once(f"{NAME}: int8 activations (W8A8) are served unquantized, as W8A16 (the "
                      "int8 weights on the integer kernels)")
         return Scheme("int-quantized", 8, strategy,
@@ -175,18 +176,7 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
             raise ValueError(f"{_where(wkey)}.block_structure must be two positive integers "
                              f"[rows, columns] for strategy block; got {block!r}")
         block = tuple(block)
-    static = False
-    if acts is not None:
-        akey = where + ".input_activations"
-        a = _args(acts, akey)
-        _pick(a, "type", akey, ("float",))
-        _pick(a, "num_bits", akey, (8,))
-        dynamic = a.get("dynamic", False)
-        static = dynamic is False
-        if static:
-            _pick(a, "strategy", akey, ("tensor",))
-        else:
-            _pick(a, "strategy", akey, ("token",))
+    static = acts is not None and _activations(acts, where, "float")
     return Scheme(fmt, 8, strategy, block=block, static_input_scale=static)
 
 
