@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,9 +12,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 # torch is imported where a dtype or device is resolved, not here: the commands that only read
 # the engine's flags (`kvfleet bench serve`, any --help) start without it
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
+# vLLM's names of the same checkpoints served by another of its kernels (Marlin): kvfleet's
+# own kernels serve them, so a vLLM command line's --quantization works unchanged
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors":
+                        "compressed-tensors"}
 # how a thinking model marks its reasoning (server/reasoning.py splits it from the answer; a
 # grammar waits for the reasoning to end: structured_outputs.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -167,6 +174,10 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization!r}")
         if self.quantization in ("", "none", "None"):
             self.quantization = None
+        if self.quantization in QUANTIZATION_ALIASES:
+            log.info("quantization %r is served as %r by kvfleet's kernels", self.quantization,
+                     QUANTIZATION_ALIASES[self.quantization])
+            self.quantization = QUANTIZATION_ALIASES[self.quantization]
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")

@@ -83,8 +83,22 @@ def test_bad_fields_are_named_with_allowed_values(raw, message):
 
 
 def test_unknown_request_is_rejected():
-    with pytest.raises(ValueError, match="quantization must be one of gptq, awq, fp8, compressed-tensors; got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of gptq, awq, fp8, "
+                                         "compressed-tensors; got 'int3'"):
         get_quant_config({}, None, "int3")
+
+
+@pytest.mark.parametrize("given, taken", [("gptq_marlin", "gptq"), ("awq_marlin", "awq"),
+                                          ("compressed_tensors", "compressed-tensors"),
+                                          ("none", None), ("fp8", "fp8")])
+def test_vllm_quantization_names_are_taken_as_kvfleets(given, taken):
+    # a vLLM command line's --quantization gptq_marlin / awq_marlin works unchanged: kvfleet's
+    # own kernels serve those checkpoints
+    from kvfleet_runtime.config import EngineConfig
+    assert EngineConfig(model="m", quantization=given).quantization == taken
+    with pytest.raises(ValueError, match="quantization must be one of gptq, awq, fp8, "
+                                         "compressed-tensors; got 'marlin'"):
+        EngineConfig(model="m", quantization="marlin")
 
 
 def test_lm_head_and_modules_to_not_convert_stay_unquantized_with_one_log_line(caplog):

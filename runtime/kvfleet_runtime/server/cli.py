@@ -25,6 +25,7 @@ from typing import Any
 from kvfleet_runtime.config import (
     DTYPES,
     KV_CACHE_DTYPES,
+    QUANTIZATION_ALIASES,
     QUANTIZATION_METHODS,
     REASONING_PARSERS,
     RUNNERS,
@@ -77,7 +78,8 @@ _ENGINE_HELP = {
     "scheduling_policy": "fcfs (first come, first served) or priority: requests' priority field "
                          "orders the queue, lower first, and the lowest running request is "
                          "preempted when KV blocks run out (vLLM's; default: fcfs)",
-    "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)}",
+    "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)} (default: what "
+                    "the checkpoint says; vLLM's gptq_marlin / awq_marlin are taken as gptq / awq)",
     "enforce_eager": "no CUDA graphs",
     "tensor_parallel_size": "GPUs to shard the model over",
     "attention_backend": "auto, triton or torch",
@@ -103,7 +105,8 @@ _ENGINE_HELP = {
                         "from the answer; structured outputs constrain only the answer after it "
                         "(default: off)",
 }
-_CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES), "quantization": list(QUANTIZATION_METHODS),
+_CHOICES: dict[str, list[str]] = {"dtype": list(DTYPES),
+                                  "quantization": [*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES],
                                   "kv_cache_dtype": list(KV_CACHE_DTYPES),
                                   "attention_backend": ["auto", "triton", "torch"],
                                   "reasoning_parser": list(REASONING_PARSERS),
