@@ -6,6 +6,7 @@ have moved the model (against the fp32 original). Unserved schemes are refused b
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,12 +58,26 @@ CASES = {
 }
 
 
+# cases HF transformers itself loads from the compressed checkpoint (decompressing on load):
+# its model there is the reference's, exactly (a check of the reference by a second reader)
+HF_READS = ("w4a16-g32", "w8a16-channel")
+
+
+def _hf_logits(path: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.inference_mode():
+        return model(torch.tensor([_prompts()[1]])).logits
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_compressed_tensors_tiny_llama_matches_hf_on_decompressed_weights(
         case, tiny_llama, fp32_reference, tmp_path):
     args, tolerance = CASES[case]
     quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
     write_compressed(tiny_llama, quantized, dequantized, **args)
+    if case in HF_READS:
+        torch.testing.assert_close(_hf_logits(quantized), _hf_logits(dequantized), rtol=0, atol=0)
     logprobs = _assert_matches_hf(quantized, dequantized)
     for our_lp, fp32_lp in zip(logprobs, fp32_reference, strict=True):
         drift = (our_lp - fp32_lp).abs().max().item()
