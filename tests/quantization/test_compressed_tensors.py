@@ -151,9 +151,12 @@ def _config(**overrides) -> dict:
     ({"quantization_status": "frozen"}, r"quantization_status must be compressed .* 'frozen'"),
     ({"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparse checkpoints are not served"),
     ({"group.output_activations": {"num_bits": 8}}, r"output_activations must be null"),
+    ({"transform_config": {"config_groups": {"R1": {"type": "hadamard"}}}},
+     r"transform_config must be null: rotated \(transformed\) weights are not served"),
+    ({"moe_sparsity_config": {"method": "prune"}}, r"moe_sparsity_config must be null"),
 ], ids=["int8-activations", "marlin-24", "int8-groups", "int4-activations", "nvfp4", "2-bit", "int-per-tensor", "no-group-size",
         "fp8-block-without-structure", "static-per-channel-activations",
-        "frozen", "sparse", "output-activations"])
+        "frozen", "sparse", "output-activations", "transform", "moe-sparsity"])
 def test_unserved_schemes_are_refused_by_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         get_quant_config({"quantization_config": _config(**overrides)}, None, None)

@@ -202,6 +202,10 @@ class CompressedTensorsConfig(QuantConfig):
         if status != "compressed":
             raise ValueError(f"{_where('quantization_status')} must be compressed (the weights "
                              f"stored quantized); got {status!r}")
+        for key, what in (("transform_config", "rotated (transformed) weights"),
+                          ("moe_sparsity_config", "pruned or replaced experts")):
+            if raw.get(key):
+                raise ValueError(f"{_where(key)} must be null: {what} are not served")
         sparsity = raw.get("sparsity_config")
         if sparsity and sparsity.get("format", "dense") != "dense":
             raise ValueError(f"{_where('sparsity_config')}: sparse checkpoints are not served; "
