@@ -25,7 +25,7 @@ import torch
 
 from kvfleet_runtime.layers.moe import SparseMoeBlock
 from kvfleet_runtime.layers.quantization.base import log_once
-from kvfleet_runtime.layers.quantization.fp8 import dequantize_blocks
+from kvfleet_runtime.layers.quantization.fp8 import dequantize_fp8
 from kvfleet_runtime.models.config import ModelConfig
 from kvfleet_runtime.models.llama import LlamaForCausalLM
 
@@ -75,22 +75,14 @@ def _awq_reader(q) -> ExpertReader:
 
 
 def _fp8_reader(q) -> ExpertReader:
-    if q.block is not None:     # Qwen3-30B-A3B-FP8: a scale a block
-        return ExpertReader("fp8", frozenset({"weight", "weight_scale_inv"}),
-                            lambda name, got: dequantize_blocks(name, got["weight"],
-                                                                got["weight_scale_inv"], q.block))
-    from kvfleet_runtime.layers.quantization.compressed_tensors import dequantize_fp8
-    return ExpertReader("fp8", frozenset({"weight", "weight_scale"}),
-                        lambda name, got: dequantize_fp8(name, got["weight"], got["weight_scale"],
-                                                         None))
+    # a scale a block (Qwen3-30B-A3B-FP8: weight_scale_inv), else a row or a tensor
+    scale = "weight_scale_inv" if q.block is not None else "weight_scale"
+    return ExpertReader("fp8", frozenset({"weight", scale}),
+                        lambda name, got: dequantize_fp8(name, got["weight"], got[scale], q.block))
 
 
-def _ct_reader(config, scheme) -> ExpertReader:
-    from kvfleet_runtime.layers.quantization.compressed_tensors import (
-        dequantize_fp8,
-        unpack_ct,
-        unpack_ct_int8,
-    )
+def _ct_reader(scheme) -> ExpertReader:
+    from kvfleet_runtime.layers.quantization.compressed_tensors import unpack_ct, unpack_ct_int8
     from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
 
     def read_past(name: str, tensor: torch.Tensor) -> None:
@@ -165,7 +157,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cfg.architecture}: compressed-tensors experts must all fall "
                              f"under one quantization scheme; got {schemes}")
         self.expert_scheme = q.expert_scheme = schemes.pop()
-        return _ct_reader(q, self.expert_scheme)
+        return _ct_reader(self.expert_scheme)
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
         if layer >= len(self.model.layers) or not isinstance(self.model.layers[layer].mlp,

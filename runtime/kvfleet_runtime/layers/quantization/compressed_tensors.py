@@ -58,11 +58,7 @@ from kvfleet_runtime.layers.quantization.base import (
     read_choice,
     shard_prefixes,
 )
-from kvfleet_runtime.layers.quantization.fp8 import (
-    FP8LinearMethod,
-    dequantize_blocks,
-    load_row_scale,
-)
+from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod, load_row_scale
 from kvfleet_runtime.layers.quantization.gptq import load_g_idx
 from kvfleet_runtime.layers.quantization.int_weight import (
     IntWeight,
@@ -343,17 +339,6 @@ def unpack_ct(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
                  "the W4A16 kernels (the CPU path keeps them exact)")
     return IntWeight(q=q.contiguous(), zeros=zeros.contiguous(), scales=scales.contiguous(),
                      g_idx=g_idx.to(q.device), bits=bits)
-
-
-def dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor,
-                   block: tuple[int, int] | None) -> torch.Tensor:
-    """float-quantized tensors of one projection -> its weight in fp32."""
-    if block is not None:
-        return dequantize_blocks(name, weight, scale, block)
-    if scale.numel() not in (1, weight.shape[0]):
-        raise ValueError(f"{name}: weight_scale of shape {tuple(scale.shape)} is neither per "
-                         f"tensor nor per channel of a {tuple(weight.shape)} weight")
-    return weight.float() * scale.float().reshape(-1, 1)
 
 
 def unpack_ct_int8(weight: torch.Tensor, scale: torch.Tensor,

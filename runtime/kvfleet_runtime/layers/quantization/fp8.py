@@ -102,6 +102,18 @@ def dequantize_blocks(name: str, weight: torch.Tensor, scale: torch.Tensor,
     return weight.float() * full
 
 
+def dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None) -> torch.Tensor:
+    """An e4m3 weight [N, K] in fp32: times its block scales (`block`), or its scale a row
+    ([N] / [N, 1]) or a tensor (one number)."""
+    if block is not None:
+        return dequantize_blocks(name, weight, scale, block)
+    if scale.numel() not in (1, weight.shape[0]):
+        raise ValueError(f"{name}: weight_scale of shape {tuple(scale.shape)} is neither per "
+                         f"tensor nor per channel of a {tuple(weight.shape)} weight")
+    return weight.float() * scale.float().reshape(-1, 1)
+
+
 def _quantize_on_load(layer: Linear, param: torch.Tensor, loaded: torch.Tensor,
                       shard_id: int | None) -> None:
     # rounded in the model's dtype first: what the layer would hold unquantized
