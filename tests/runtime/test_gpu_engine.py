@@ -145,6 +145,33 @@ def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, metho
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
 
 
+@pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8-int8", "fp8-dynamic"])
+def test_compressed_tensors_checkpoints_run_their_kernels_and_graphs_match_eager(tmp_path,
+                                                                                 scheme):
+    # llm-compressor's formats (written by the compressed-tensors library) on the W4A16
+    # kernels (4 and 8 bits) and the FP8 GEMM, captured in CUDA graphs
+    from quantization.ct_checkpoints import (
+        FP8_DYNAMIC_ACTS,
+        FP8_WEIGHTS,
+        INT8_DYNAMIC_ACTS,
+        INT8_WEIGHTS,
+        W4A16_ASYM,
+        write_compressed,
+    )
+    from support.tiny_models import make_tiny_model
+    weights, acts = {"w4a16-asym": (W4A16_ASYM, None),
+                     "w8a8-int8": (INT8_WEIGHTS, INT8_DYNAMIC_ACTS),
+                     "fp8-dynamic": (FP8_WEIGHTS, FP8_DYNAMIC_ACTS)}[scheme]
+    write_compressed(make_tiny_model("llama", tmp_path / "src"), tmp_path / "q", tmp_path / "d",
+                     weights, acts, dtype=torch.bfloat16)
+    path, prompts = str(tmp_path / "q"), _prompts(8)
+    eager = LLM(model=path, dtype="bfloat16", enforce_eager=True)
+    qkv = eager.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert getattr(qkv, "uses_fp8" if scheme.startswith("fp8") else "uses_kernel")
+    tokens = _greedy(eager, prompts)
+    assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == tokens
+
+
 def test_kv_cache_is_sized_from_memory_utilization(case):
     path, _ = case
     llm = LLM(model=path, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024)
