@@ -307,21 +307,14 @@ class CTIntLinearMethod(IntWeightMethod):
             params["weight_zero_point"] = (
                 torch.empty(n // per_word, g, dtype=torch.int32),
                 {"output_dim": 0, "output_pack": per_word, **groups})
-        if self.scheme.act_order:
-            params["weight_g_idx"] = (g_idx, {"input_dim": 0, "optional": True,
-                                              "weight_loader": partial(load_g_idx, layer, split)})
-        for name, (tensor, attrs) in params.items():
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, **attrs)
-            layer.register_parameter(name, param)
-        self.checkpoint_params = tuple(params)      # what finalize replaces
-        layer.ct_g_idx = None if self.scheme.act_order else g_idx
+        # as GPTQ's g_idx: the plain grouping unless the checkpoint has one (actorder group)
+        params["weight_g_idx"] = (g_idx, {"input_dim": 0, "optional": True,
+                                          "weight_loader": partial(load_g_idx, layer, split)})
+        self.checkpoint_params = tuple(_register(layer, params, self.scheme))   # finalize's
 
     def unpack(self, layer: Linear) -> IntWeight:
-        g_idx = layer.weight_g_idx if self.scheme.act_order else layer.ct_g_idx
-        del layer.ct_g_idx
         return unpack_ct(layer.weight_packed, layer.weight_scale,
-                         getattr(layer, "weight_zero_point", None), g_idx, self.bits)
+                         getattr(layer, "weight_zero_point", None), layer.weight_g_idx, self.bits)
 
 
 def unpack_ct(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -376,16 +369,7 @@ class CTInt8LinearMethod(IntWeightMethod):
         if not self.scheme.symmetric:
             params["weight_zero_point"] = (torch.empty(n, dtype=torch.int8),
                                            {"output_dim": 0, "weight_loader": rows})
-        if self.scheme.static_input_scale:
-            params["input_scale"] = (torch.ones(1), {"optional": True,
-                                                     "weight_loader": _read_past})
-            params["input_zero_point"] = (torch.zeros(1), {"optional": True,
-                                                           "weight_loader": _read_past})
-        for name, (tensor, attrs) in params.items():
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, **attrs)
-            layer.register_parameter(name, param)
-        self.checkpoint_params = tuple(params)
+        self.checkpoint_params = tuple(_register(layer, params, self.scheme))
 
     def unpack(self, layer: Linear) -> IntWeight:
         return unpack_ct_int8(layer.weight.data, layer.weight_scale.data,
@@ -397,6 +381,23 @@ def _read_past(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) 
     log_once(f"{NAME}: the checkpoint's static activation scales (input_scale) are not used: "
              "FP8 activations are scaled per token at run time, int8 ones stay unquantized")
     param.is_loaded = True
+
+
+def _register(layer: Linear, params: dict[str, tuple[torch.Tensor, dict]],
+              scheme: Scheme) -> dict[str, tuple[torch.Tensor, dict]]:
+    """Registers `params` (name -> (tensor, weight attrs)) on the layer, with the optional
+    static activation scales a scheme's checkpoint carries (read past); returns them all."""
+    if scheme.static_input_scale:
+        params = {**params, "input_scale": (torch.ones(1), {"optional": True,
+                                                            "weight_loader": _read_past})}
+        if scheme.format == "int-quantized":
+            params["input_zero_point"] = (torch.zeros(1), {"optional": True,
+                                                           "weight_loader": _read_past})
+    for name, (tensor, attrs) in params.items():
+        param = nn.Parameter(tensor, requires_grad=False)
+        set_weight_attrs(param, **attrs)
+        layer.register_parameter(name, param)
+    return params
 
 
 class CTFP8LinearMethod(FP8LinearMethod):
@@ -417,10 +418,7 @@ class CTFP8LinearMethod(FP8LinearMethod):
             del layer.weight_scale
             layer.register_parameter("weight_scale", blocks)
             layer.ct_channel_scale = channel
-        if self.scheme.static_input_scale:
-            scale = nn.Parameter(torch.ones(1), requires_grad=False)
-            set_weight_attrs(scale, optional=True, weight_loader=_read_past)
-            layer.register_parameter("input_scale", scale)
+        _register(layer, {}, self.scheme)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if hasattr(layer, "input_scale"):
