@@ -40,11 +40,25 @@ FP8_E4M3_MAX = 448.0
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
-def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x cast to the cache dtype, as the kernels write it: clamped first when the cache is fp8."""
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x cast to the cache dtype, as the kernels write it: for an fp8 cache divided by its scale
+    (times 1 / scale in fp32) and clamped first."""
+    check_kv_scales(cache_dtype, scale)
     if cache_dtype == FP8_KV_DTYPE:
+        if scale != 1.0:
+            x = x.float() * (1.0 / scale)
         x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_dtype)
+
+
+def check_kv_scales(cache_dtype: torch.dtype, *scales: float) -> None:
+    """Scales other than 1.0 belong to an fp8 cache only; each finite and positive."""
+    for scale in scales:
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"a KV-cache scale must be finite and > 0; got {scale}")
+        if scale != 1.0 and cache_dtype != FP8_KV_DTYPE:
+            raise ValueError(f"KV-cache scales apply to an fp8 cache only; got {scale} for a "
+                             f"{cache_dtype} cache")
 
 
 def token_major_v(v_cache: torch.Tensor) -> torch.Tensor:
@@ -77,14 +91,16 @@ def is_token_major(v_cache: torch.Tensor) -> bool:
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots; slot -1 is skipped."""
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots; slot -1 is skipped.
+    An fp8 cache holds K / k_scale and V / v_scale (calibrated scales; 1.0 without)."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = quantize_kv_ref(key[valid], k_cache.dtype)
-    v_cache[blocks, offsets] = quantize_kv_ref(value[valid], v_cache.dtype)
+    k_cache[blocks, offsets] = quantize_kv_ref(key[valid], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv_ref(value[valid], v_cache.dtype, v_scale)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -97,14 +113,18 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
+                        max_query_len: int | None = None, window: int = 0,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     query: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
     Computed in fp32; GQA by repeating KV heads. The reference the kernels are tested against.
     window > 0: sliding-window attention (Mistral's, HF's mask): a query at position p sees the
     keys at positions p - window + 1 .. p only.
+    k_scale / v_scale: an fp8 cache's scales (it holds K / k_scale, V / v_scale): read back
+    times them.
     """
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -112,14 +132,15 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if max_query_len == 1 and len(lens) > 1:
-        return _decode_batched_ref(query, k_cache, v_cache, block_tables, lens, scale, window)
+        return _decode_batched_ref(query, k_cache, v_cache, block_tables, lens, scale, window,
+                                   k_scale, v_scale)
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_context(k_cache, block_tables[i], seq_len).float()   # [S, Hkv, D]
-        v = _gather_context(v_cache, block_tables[i], seq_len).float()
+        k = _gather_context(k_cache, block_tables[i], seq_len).float() * k_scale   # [S, Hkv, D]
+        v = _gather_context(v_cache, block_tables[i], seq_len).float() * v_scale
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
@@ -138,7 +159,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, lens: list[int], scale: float,
-                        window: int = 0) -> torch.Tensor:
+                        window: int = 0, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence: gather all contexts padded, one masked softmax."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -150,7 +172,7 @@ def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k = k_cache[table].flatten(1, 2)[:, :max_len]      # [B, S, Hkv, D]
     v = v_cache[table].flatten(1, 2)[:, :max_len]
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bshd->bhgs", q.float(), k.float()) * scale
+    scores = torch.einsum("bhgd,bshd->bhgs", q.float(), k.float() * k_scale) * scale
     seq_lens = torch.tensor(lens, device=query.device)
     k_pos = torch.arange(max_len, device=query.device)[None, :]
     mask = k_pos >= seq_lens[:, None]                                   # [B, S]
@@ -158,7 +180,7 @@ def _decode_batched_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         mask |= k_pos < seq_lens[:, None] - window
     scores.masked_fill_(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v.float() * v_scale)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
@@ -178,16 +200,18 @@ _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)    # kernels read only const
 
 
 @triton.jit
-def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
-    """x cast to the KV cache's element type; clamped to +-FP8_E4M3_MAX first for an fp8 cache."""
+def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr, inv_scale=1.0):
+    """x cast to the KV cache's element type; for an fp8 cache times inv_scale (1 / the cache's
+    scale) in fp32 and clamped to +-FP8_E4M3_MAX first (quantize_kv_ref's)."""
     if CACHE_DTYPE == tl.float8e4nv:
+        x = x.to(tl.float32) * inv_scale      # exact for a scale of 1.0
         x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
     return x.to(CACHE_DTYPE)
 
 
 @triton.jit
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                              stride_kt, stride_kh, stride_vt, stride_vh,
+                              k_inv_scale, v_inv_scale, stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                               stride_vcd, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -207,20 +231,22 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     # stride_vcd: 1, or block_size for a token-major V cache
     v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch
              + d[None, :] * stride_vcd)
-    tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty, k_inv_scale), mask=mask)
+    tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty, v_inv_scale), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Triton twin of `reshape_and_cache_ref`: same arguments, same in-place effect."""
     num_tokens, num_kv_heads, head_dim = key.shape
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     if num_tokens == 0:
         return
     _require_unit_last_stride(key=key, value=value, k_cache=k_cache)
     check_v_cache_strides(v_cache)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -424,7 +450,7 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
 # a running batch (a block table's width; whether decode splits contexts).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, scale_log2,
+                    query_start_loc_ptr, scale_log2, v_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     window,
@@ -488,7 +514,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_CAUSAL, True,
                                      V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale      # an fp8 cache's V scale (attention is linear in V)
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty),
              mask=_and_dims(row_valid[:, None], d[None, :], D_REAL, HEAD_DIM))
@@ -502,7 +528,7 @@ def _window_base(lo, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
+                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2, v_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    partition_size, num_splits, window,
@@ -608,7 +634,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                                      BLOCK_N, HEAD_DIM, BLOCK_SIZE, _MASK_END, K_BY_ROWS,
                                      V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale      # an fp8 cache's V scale (attention is linear in V)
     if num_splits == 1:
         tl.store(out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty),
@@ -846,7 +872,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     *, out: torch.Tensor | None = None,
                     plan_num_seqs: int | None = None,
-                    min_query_len: int | None = None, window: int = 0) -> torch.Tensor:
+                    min_query_len: int | None = None, window: int = 0,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same layout and result; v_cache may be
     token_major_v's view).
 
@@ -880,7 +907,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
-    scale_log2 = scale * _LOG2E
+    # an fp8 cache's K scale folds into the softmax scale, its V scale into the output
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    scale_log2 = scale * k_scale * _LOG2E
     on_gpu = query.is_cuda
     fp8_cache = k_cache.dtype == FP8_KV_DTYPE
     # fp16 dots pay off for a bf16 query only (an fp32 one would lose precision)
@@ -897,7 +926,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
         _prefill_kernel[grid](
             query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
-            *strides, window, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
+            v_scale, *strides, window, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size,
             DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, V_TOKEN_MAJOR=v_token_major,
             SLIDING=window > 0, D_REAL=head_dim, num_warps=cfg.num_warps,
@@ -918,7 +947,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         part_out = part_lse = out
     _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
-        query_start_loc, scale_log2, *strides, split.partition_size, split.num_splits, window,
+        query_start_loc, scale_log2, v_scale, *strides, split.partition_size, split.num_splits, window,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size, D_REAL=head_dim,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.paged_attention import (
+    check_kv_scales,
     check_v_cache_strides,
     reshape_and_cache_ref,
     to_cache_dtype,
@@ -46,17 +47,19 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
 
 
 @triton.jit
-def _store_rounded(dst, val, mask, src):
+def _store_rounded(dst, val, mask, src, inv_scale=1.0):
     # Round to the input's dtype first (what the unfused rotary returns), then to the
-    # destination's as reshape_and_cache does (an e4m3 cache saturates at +-FP8_E4M3_MAX):
-    # a cache of another dtype holds exactly what rotary + reshape_and_cache would write.
-    tl.store(dst, to_cache_dtype(val.to(src.dtype.element_ty), dst.dtype.element_ty), mask=mask)
+    # destination's as reshape_and_cache does (an e4m3 cache: times 1 / its scale, saturated at
+    # +-FP8_E4M3_MAX): a cache holds exactly what rotary + reshape_and_cache would write.
+    tl.store(dst, to_cache_dtype(val.to(src.dtype.element_ty), dst.dtype.element_ty, inv_scale),
+             mask=mask)
 
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, token, stride_x, stride_o, stride_oh, cos, sin, i, i_valid,
                   NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr,
-                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  inv_scale=1.0):
     # All heads of one token: rotate pairs (first[i], second[i]), copy dims >= ROT_DIM.
     # Source heads are HEAD_SIZE apart; destination heads stride_oh apart.
     h = tl.arange(0, BLOCK_H)
@@ -72,12 +75,13 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_x, stride_o, stride_oh, cos, sin
     mask = h_valid[:, None] & i_valid[None, :]
     x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_rounded(dst + first[None, :], x1 * cos - x2 * sin, mask, src)
-    _store_rounded(dst + second[None, :], x2 * cos + x1 * sin, mask, src)
+    _store_rounded(dst + first[None, :], x1 * cos - x2 * sin, mask, src, inv_scale)
+    _store_rounded(dst + second[None, :], x2 * cos + x1 * sin, mask, src, inv_scale)
     if ROT_DIM < HEAD_SIZE:
         d = ROT_DIM + tl.arange(0, BLOCK_D)
         rest_mask = h_valid[:, None] & (d < HEAD_SIZE)[None, :]
-        _store_rounded(dst + d[None, :], tl.load(src + d[None, :], mask=rest_mask), rest_mask, src)
+        _store_rounded(dst + d[None, :], tl.load(src + d[None, :], mask=rest_mask), rest_mask, src,
+                       inv_scale)
 
 
 @triton.jit
@@ -142,19 +146,20 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def rotary_and_cache_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor,
                          is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> torch.Tensor:
+                         slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
     """rotary_embedding_ref, then reshape_and_cache_ref of the rotated key and the value;
     returns the rotated query [T, Hq * D]."""
     q, k = rotary_embedding_ref(positions, query, key, head_size, cos_sin_cache, is_neox)
     num_tokens = positions.shape[0]
     reshape_and_cache_ref(k.view(num_tokens, -1, head_size), value.reshape(num_tokens, -1, head_size),
-                          k_cache, v_cache, slot_mapping)
+                          k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
 @triton.jit
 def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                             slot_mapping_ptr, cos_sin_ptr,
+                             slot_mapping_ptr, cos_sin_ptr, k_inv_scale, v_inv_scale,
                              stride_q, stride_k, stride_v, stride_qo, stride_cache,
                              stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                              stride_vcd, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -177,7 +182,7 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
         offset = slot % BLOCK_SIZE
         k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
         _rotate_heads(k_ptr, k_dst, token, stride_k, 0, stride_kch, cos, sin, i, i_valid,
-                      NUM_KV_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HK, BLOCK_REST)
+                      NUM_KV_HEADS, HEAD_SIZE, ROT_DIM, IS_NEOX, BLOCK_HK, BLOCK_REST, k_inv_scale)
         h = tl.arange(0, BLOCK_HK)
         d = tl.arange(0, BLOCK_D)
         mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_SIZE)
@@ -185,13 +190,14 @@ def _rotary_and_cache_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_ca
         # stride_vcd: 1, or block_size for a token-major V cache (paged_attention.token_major_v)
         v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch
                  + d[None, :] * stride_vcd)
-        _store_rounded(v_dst, tl.load(src, mask=mask), mask, src)
+        _store_rounded(v_dst, tl.load(src, mask=mask), mask, src, v_inv_scale)
 
 
 def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor,
                      is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> torch.Tensor:
+                     slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Triton twin of `rotary_and_cache_ref`: one launch does the rotary of query and key and the
     KV-cache write (a decode step's three small per-layer kernels and a copy in one).
 
@@ -216,6 +222,7 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     if k_cache.stride(3) != 1:
         raise ValueError(f"k_cache must have a contiguous last dimension; got strides {tuple(k_cache.stride())}")
     check_v_cache_strides(v_cache)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     if rot_dim % 2 or not 0 < rot_dim <= head_size:
         raise ValueError(f"cos_sin_cache's rot_dim must be even and in (0, head_size={head_size}]; got {rot_dim}")
     q_out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -223,6 +230,7 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         num_q_heads = query.shape[1] // head_size
         _rotary_and_cache_kernel[(num_tokens,)](
             positions, query, key, value, q_out, k_cache, v_cache, slot_mapping, cos_sin_cache,
+            1.0 / k_scale, 1.0 / v_scale,
             query.stride(0), key.stride(0), value.stride(0), q_out.stride(0), cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),

@@ -63,22 +63,62 @@ def _drop_zero_biases(tensors: Iterator[tuple[str, torch.Tensor]],
         yield name, tensor
 
 
-# calibrated KV-cache (and attention) scales of FP8 checkpoints (compressed-tensors'
-# kv_cache_scheme, vLLM-style fp8 ones): kvfleet's fp8 cache (--kv-cache-dtype fp8) keeps K and
-# V with a scale of 1.0, so these are read past
-_KV_SCALES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.q_scale",
-              ".self_attn.prob_scale", ".self_attn.attn.k_scale", ".self_attn.attn.v_scale")
+# Calibrated KV-cache scales of FP8 checkpoints (compressed-tensors' kv_cache_scheme, vLLM-style
+# fp8 ones; an older compressed-tensors stored them as k_proj / v_proj output scales, and
+# AutoFP8 one `kv_scale` for both), by the suffix that follows a layer's `self_attn`: an fp8 KV
+# cache (--kv-cache-dtype fp8) holds K / k_scale and V / v_scale (the model runner binds them)
+_KV_SCALES = {"k_scale": "k", "attn.k_scale": "k", "k_proj.output_scale": "k",
+              "v_scale": "v", "attn.v_scale": "v", "v_proj.output_scale": "v",
+              "kv_scale": "kv", "attn.kv_scale": "kv"}
+# scales for FP8 attention math (queries, probabilities), which kvfleet's attention does not use
+_ATTENTION_SCALES = ("q_scale", "attn.q_scale", "prob_scale", "attn.prob_scale")
 
 
-def _drop_kv_scales(tensors: Iterator[tuple[str, torch.Tensor]]
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in tensors:
-        if name.endswith(_KV_SCALES):
-            log_once("the checkpoint's calibrated KV-cache scales (self_attn.k_scale / v_scale) "
-                     "are not used: an fp8 KV cache (--kv-cache-dtype fp8) keeps K and V at a "
-                     "scale of 1.0, as vLLM's does without them")
-            continue
-        yield name, tensor
+class KVScales:
+    """Takes the calibrated KV-cache scales out of a checkpoint's tensors, then hands them to
+    the attention layers (`Attention.checkpoint_kv_scales`)."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, float]] = {}    # `...self_attn` -> {"k": .., "v": ..}
+        self.names: dict[str, str] = {}                 # `...self_attn` -> a tensor's name
+
+    def take(self, tensors: Iterator[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            attn, sep, suffix = name.rpartition(".self_attn.")
+            if sep and suffix in _ATTENTION_SCALES:
+                log_once("the checkpoint's FP8 attention scales (self_attn.q_scale / prob_scale) "
+                         "are not used: kvfleet's attention runs in the compute dtype")
+                continue
+            if not sep or suffix not in _KV_SCALES:
+                yield name, tensor
+                continue
+            value = tensor.float()
+            if value.numel() == 0 or not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+                raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale, which must be "
+                                 f"finite and > 0; got {value.flatten()[:8].tolist()}")
+            if value.numel() > 1:
+                # per-head scales: the largest serves every head of the layer (its quotients
+                # stay within e4m3's range; the other heads' lose a little precision)
+                log_once("the checkpoint's KV-cache scales are per head; each layer's fp8 cache "
+                         "takes its largest")
+            key = attn + ".self_attn"
+            for kind in ("k", "v") if _KV_SCALES[suffix] == "kv" else (_KV_SCALES[suffix],):
+                self.found.setdefault(key, {})[kind] = float(value.max())
+            self.names[key] = name
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Each layer's (k_scale, v_scale) onto its Attention (1.0 where only one is given)."""
+        if not self.found:
+            return
+        from kvfleet_runtime.layers.attention import Attention
+        layers = {name.removesuffix(".attn"): m for name, m in model.named_modules()
+                  if isinstance(m, Attention)}
+        for key, scales in self.found.items():
+            if key not in layers:
+                raise ValueError(f"checkpoint tensor {self.names[key]!r} has no place in "
+                                 f"{type(model).__name__}: no attention layer {key}")
+            layers[key].checkpoint_kv_scales = (scales.get("k", 1.0), scales.get("v", 1.0))
 
 
 def _base_model_names(tensors: Iterator[tuple[str, torch.Tensor]]
@@ -166,8 +206,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
         head = getattr(model, "lm_head", None)
         if not cfg.tie_word_embeddings and isinstance(getattr(head, "weight", None), torch.Tensor):
             head.weight.data.zero_()        # defined if the checkpoint has none (below)
+        kv_scales = KVScales()
         loaded = model.load_weights(
-            _base_model_names(_drop_kv_scales(_drop_zero_biases(tensors(), cfg))))
+            kv_scales.take(_base_model_names(_drop_zero_biases(tensors(), cfg))))
+        kv_scales.bind(model)
         # some tensors are optional (GPTQ's g_idx: plain grouping when absent; a static FP8
         # input_scale kvfleet does not use)
         expected = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}

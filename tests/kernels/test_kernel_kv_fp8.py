@@ -1,4 +1,5 @@
-"""An fp8 (e4m3, scale 1.0) KV cache: reshape_and_cache and paged_attention against their references.
+"""An fp8 (e4m3) KV cache: reshape_and_cache and paged_attention against their references, with
+a scale of 1.0 and with calibrated k_scale / v_scale (the cache holds K / k_scale, V / v_scale).
 
 The write is compared byte for byte (`.view(torch.uint8)`); attention over an fp8 cache is
 compared with paged_attention_ref over the same fp8 cache, so both read identical inputs (e4m3
@@ -27,6 +28,7 @@ from kvfleet_kernels.paged_attention import (
     reshape_and_cache_ref,
     token_major_v,
 )
+from kvfleet_kernels.rotary import rotary_and_cache, rotary_and_cache_ref
 from paged_batch import ATTENTION_TOLERANCE as TOLERANCE
 from paged_batch import CPU_DTYPES, DEVICE, PagedBatch, make_paged_batch
 
@@ -53,11 +55,12 @@ def _poisoned_fp8_cache(num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 def _write_both(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                num_blocks: int, block_size: int) -> list[torch.Tensor]:
-    """[kernel k, kernel v, ref k, ref v] fp8 caches after writing key/value at slot_mapping."""
+                num_blocks: int, block_size: int, *scales: float) -> list[torch.Tensor]:
+    """[kernel k, kernel v, ref k, ref v] fp8 caches after writing key/value at slot_mapping
+    (scales: k_scale, v_scale)."""
     caches = [_poisoned_fp8_cache(num_blocks, block_size, *key.shape[1:]) for _ in range(4)]
-    reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
-    reshape_and_cache_ref(key, value, caches[2], caches[3], slot_mapping)
+    reshape_and_cache(key, value, caches[0], caches[1], slot_mapping, *scales)
+    reshape_and_cache_ref(key, value, caches[2], caches[3], slot_mapping, *scales)
     return caches
 
 
@@ -121,15 +124,19 @@ def _fp8_batch(q_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *, nu
     return batch
 
 
-def _check_fp8(batch: PagedBatch, *, decode_only: bool = False) -> None:
+def _check_fp8(batch: PagedBatch, *, decode_only: bool = False, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+    """paged_attention against paged_attention_ref over batch's fp8 caches; returns the
+    reference's output."""
     assert batch.k_cache.dtype == FP8_KV_DTYPE and batch.v_cache.dtype == FP8_KV_DTYPE
     max_query_len = 1 if decode_only else None
     args = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
             batch.query_start_loc, batch.scale, max_query_len)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     out = torch.full_like(batch.query, float("nan"))
-    result = paged_attention(*args, batch.max_seq_len if decode_only else None, out=out)
+    result = paged_attention(*args, batch.max_seq_len if decode_only else None, out=out, **scales)
     assert result is out and out.dtype == batch.query.dtype
-    expected = paged_attention_ref(*args)
+    expected = paged_attention_ref(*args, **scales)
     # outputs are averages of V values up to ~20: the tolerance is relative to their scale
     scale = max(float(expected.float().abs().max()), 1.0)
     torch.testing.assert_close(out.float() / scale, expected.float() / scale, rtol=0.0,
@@ -138,8 +145,9 @@ def _check_fp8(batch: PagedBatch, *, decode_only: bool = False) -> None:
         # token-major V, head-major K: the same tiles reach the same dots, so the bits of K
         # and V in rows
         rows = (args[0], batch.k_cache.contiguous(), batch.v_cache.contiguous(), *args[3:])
-        in_rows = paged_attention(*rows, batch.max_seq_len if decode_only else None)
+        in_rows = paged_attention(*rows, batch.max_seq_len if decode_only else None, **scales)
         assert torch.equal(out, in_rows)
+    return expected
 
 
 @pytest.mark.parametrize("v_layout", ["token-major", "rows"])
@@ -237,14 +245,118 @@ def test_write_then_attend_through_fp8_cache_matches_reference(dtype: torch.dtyp
     _check_fp8(batch)
 
 
+# ------------------------------------------------------------------ calibrated k_scale / v_scale
+# Powers of two on a CPU: K / k_scale of an e4m3 value times k_scale is that value again, so the
+# interpreter's fp8 rounding (module docstring) never comes into play; any scale on the GPU.
+POW2_SCALES = (4.0, 0.25)
+
+
+def _scaled_e4m3(shape: tuple[int, ...], gen: torch.Generator, scale: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, those values times scale in dtype): what the cache must hold, what to write."""
+    held = _e4m3_values(shape, gen).to(DEVICE)
+    return held, (held * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_reshape_and_cache_fp8_stores_k_and_v_over_their_scales(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(18)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 3, 32
+    k_scale, v_scale = POW2_SCALES
+    k_held, key = _scaled_e4m3((9, num_kv_heads, head_dim), gen, k_scale, dtype)
+    v_held, value = _scaled_e4m3((9, num_kv_heads, head_dim), gen, v_scale, dtype)
+    # past the range after the division too: saturates at +-448
+    key[0, 0, :2] = torch.tensor([1000.0 * k_scale, -500.0 * k_scale])
+    k_held[0, 0, :2] = torch.tensor([FP8_E4M3_MAX, -FP8_E4M3_MAX])
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:9].to(DEVICE)
+    caches = _write_both(key, value, slots, num_blocks, block_size, k_scale, v_scale)
+    _assert_same_bytes(caches[0], caches[2])
+    _assert_same_bytes(caches[1], caches[3])
+    blocks, offsets = slots // block_size, slots % block_size
+    _assert_same_bytes(caches[0][blocks, offsets], k_held.to(FP8_KV_DTYPE))
+    _assert_same_bytes(caches[1][blocks, offsets], v_held.to(FP8_KV_DTYPE))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary_and_cache_stores_k_and_v_over_their_scales(dtype: torch.dtype) -> None:
+    # every token at position 0 (cos 1, sin 0): the rotated key is the key itself, exact in
+    # the interpreter; the GPU test (test_kernel_pointwise) rotates at real positions
+    gen = torch.Generator().manual_seed(19)
+    num_tokens, num_q_heads, num_kv_heads, head_dim = 6, 4, 2, 32
+    k_scale, v_scale = POW2_SCALES
+    k_held, key = _scaled_e4m3((num_tokens, num_kv_heads * head_dim), gen, k_scale, dtype)
+    v_held, value = _scaled_e4m3((num_tokens, num_kv_heads * head_dim), gen, v_scale, dtype)
+    query = torch.randn(num_tokens, num_q_heads * head_dim, generator=gen).to(dtype=dtype,
+                                                                             device=DEVICE)
+    cos_sin = torch.cat([torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)], -1)
+    positions = torch.zeros(num_tokens, dtype=torch.long, device=DEVICE)
+    slots = torch.tensor([5, 17, 0, 30, 9, 22], device=DEVICE)
+    caches = [_poisoned_fp8_cache(4, 8, num_kv_heads, head_dim) for _ in range(4)]
+    args = (positions, query, key, value, head_dim, cos_sin.to(DEVICE), True)
+    q_out = rotary_and_cache(*args, caches[0], caches[1], slots, k_scale, v_scale)
+    q_ref = rotary_and_cache_ref(*args, caches[2], caches[3], slots, k_scale, v_scale)
+    assert torch.equal(q_out, q_ref)
+    _assert_same_bytes(caches[0], caches[2])
+    _assert_same_bytes(caches[1], caches[3])
+    blocks, offsets = slots // 8, slots % 8
+    _assert_same_bytes(caches[0][blocks, offsets],
+                       k_held.view(num_tokens, num_kv_heads, head_dim).to(FP8_KV_DTYPE))
+    _assert_same_bytes(caches[1][blocks, offsets],
+                       v_held.view(num_tokens, num_kv_heads, head_dim).to(FP8_KV_DTYPE))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [
+    ([5, 23, 9], [5, 23, 47]),                # fresh prompts, a chunk after a cached prefix
+    ([1, 12, 1, 6], [40, 12, 70, 33]),        # mixed decode and prefill
+    ([1, 1, 1], [600, 37, 290]),              # decode cut into partitions
+], ids=["prefill", "mixed", "decode-split"])
+def test_attention_over_a_scaled_fp8_cache_reads_k_and_v_times_their_scales(
+        dtype: torch.dtype, q_lens: list[int], seq_lens: list[int]) -> None:
+    k_scale, v_scale = 3.3, 0.07
+    batch = _fp8_batch(q_lens, seq_lens, dtype, num_heads=8, seed=sum(seq_lens))
+    batch.query = (batch.query.float() / k_scale).to(dtype)      # scores stay as unscaled ones
+    decode_only = max(q_lens) == 1
+    expected = _check_fp8(batch, decode_only=decode_only, k_scale=k_scale, v_scale=v_scale)
+    # what the scales mean: attention over the cache dequantized (times them) in fp32
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale,
+            1 if decode_only else None)
+    dequantized = paged_attention_ref(batch.query.float(), batch.k_cache.float() * k_scale,
+                                      batch.v_cache.float() * v_scale, *args)
+    torch.testing.assert_close(expected.float(), dequantized, rtol=0.0,
+                               atol=TOLERANCE[dtype] * float(dequantized.abs().max()))
+    unscaled = paged_attention_ref(batch.query, batch.k_cache, batch.v_cache, *args)
+    assert (unscaled.float() - dequantized).abs().max() > 0.5 * dequantized.abs().max()
+
+
+def test_kv_scales_belong_to_an_fp8_cache_and_must_be_finite_and_positive() -> None:
+    key = torch.ones(2, 1, 16, device=DEVICE)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    plain = [torch.zeros(2, 4, 1, 16, device=DEVICE) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"fp8 cache only; got 2.0 for a torch.float32 cache"):
+        reshape_and_cache(key, key, *plain, slots, k_scale=2.0)
+    with pytest.raises(ValueError, match="fp8 cache only"):
+        paged_attention(key, *plain, torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+                        torch.ones(2, dtype=torch.int32, device=DEVICE),
+                        torch.arange(3, dtype=torch.int32, device=DEVICE), 1.0, v_scale=0.5)
+    fp8 = [_poisoned_fp8_cache(2, 4, 1, 16) for _ in range(2)]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be finite and > 0"):
+            reshape_and_cache(key, key, *fp8, slots, v_scale=bad)
+        with pytest.raises(ValueError, match="must be finite and > 0"):
+            reshape_and_cache_ref(key, key, *fp8, slots, k_scale=bad)
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 LLAMA8B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 GPU_DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 0.0021)], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_reshape_and_cache_fp8_rounds_like_torch(dtype: torch.dtype) -> None:
+def test_gpu_reshape_and_cache_fp8_rounds_like_torch(dtype: torch.dtype,
+                                                     scales: tuple[float, float]) -> None:
     # arbitrary values: round-to-nearest-even ties and carries into the exponent included
     gen = torch.Generator().manual_seed(20)
     key = (torch.randn(1000, 8, 128, generator=gen) * 100).to(dtype=dtype, device="cuda")
@@ -252,9 +364,23 @@ def test_gpu_reshape_and_cache_fp8_rounds_like_torch(dtype: torch.dtype) -> None
     key[0, 0, :len(OUT_OF_RANGE)] = torch.tensor(OUT_OF_RANGE, dtype=dtype)
     slot_mapping = torch.randperm(300 * 16, generator=gen)[:1000].cuda()
     slot_mapping[::7] = -1
-    caches = _write_both(key, value, slot_mapping, 300, 16)
+    caches = _write_both(key, value, slot_mapping, 300, 16, *scales)
     _assert_same_bytes(caches[0], caches[2])
     _assert_same_bytes(caches[1], caches[3])
+
+
+@pytest.mark.gpu
+def test_gpu_attention_over_a_scaled_fp8_cache() -> None:
+    # the compiled kernels' scale arguments: decode (batch 1 before the PDL wait, partitions,
+    # one warp a program) and prefill after a cached prefix
+    gen = torch.Generator().manual_seed(33)
+    for num_seqs, max_len in [(1, 700), (64, 3000), (256, 1500)]:
+        seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+        seq_lens[0] = max_len
+        _check_fp8(_fp8_batch([1] * num_seqs, seq_lens.tolist(), torch.bfloat16, seed=num_seqs,
+                              **LLAMA8B), decode_only=True, k_scale=0.6, v_scale=2.7)
+    _check_fp8(_fp8_batch([1000, 1, 300], [1000, 1500, 2000], torch.bfloat16, seed=34, **LLAMA8B),
+               k_scale=0.6, v_scale=2.7)
 
 
 @pytest.mark.gpu

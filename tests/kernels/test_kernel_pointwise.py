@@ -99,7 +99,8 @@ def test_rotary_embedding_full_and_partial(dtype: torch.dtype, is_neox: bool, ro
 def _check_rotary_and_cache(num_q_heads: int, num_kv_heads: int, head_size: int, rot_dim: int,
                             is_neox: bool, dtype: torch.dtype, num_tokens: int, block_size: int,
                             seed: int, cache_dtype: torch.dtype | None = None,
-                            v_token_major: bool = False, k_head_major: bool = False) -> None:
+                            v_token_major: bool = False, k_head_major: bool = False,
+                            scales: tuple[float, float] = (1.0, 1.0)) -> None:
     cache = _cos_sin_cache(4096, rot_dim)
     gen = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
@@ -123,9 +124,10 @@ def _check_rotary_and_cache(num_q_heads: int, num_kv_heads: int, head_size: int,
     if k_head_major:      # the kernel writes K head-major; the reference into rows
         caches[0] = head_major_k(torch.empty_like(caches[0])).copy_(caches[0])
     qkv_before = qkv.clone()
-    q_out = rotary_and_cache(positions, query, key, value, head_size, cache, is_neox, *caches, slots)
+    q_out = rotary_and_cache(positions, query, key, value, head_size, cache, is_neox, *caches,
+                             slots, *scales)
     q_ref = rotary_and_cache_ref(positions, query, key, value, head_size, cache, is_neox,
-                                 *expected, slots)
+                                 *expected, slots, *scales)
     _close(q_out, q_ref)
     # The rotated keys went through the same rounding as the query: compare them like q;
     # values are copies (bit-exact); untouched slots keep their old contents.
@@ -209,5 +211,9 @@ def test_gpu_pointwise_kernels_at_llama_8b_shapes(dtype: torch.dtype) -> None:
                             cache_dtype=torch.float8_e4m3fn, v_token_major=True)
     _check_rotary_and_cache(32, 8, 128, 128, True, dtype, num_tokens=300, block_size=16, seed=27,
                             cache_dtype=torch.float8_e4m3fn, v_token_major=True, k_head_major=True)
+    # an fp8 cache's calibrated scales (K / k_scale, V / v_scale)
+    _check_rotary_and_cache(32, 8, 128, 128, True, dtype, num_tokens=300, block_size=16, seed=28,
+                            cache_dtype=torch.float8_e4m3fn, v_token_major=True,
+                            scales=(0.031, 0.0077))
     x = _randn(2048, 2 * 14336, dtype=dtype, seed=23)
     _close(silu_and_mul(x), silu_and_mul_ref(x))

@@ -251,15 +251,17 @@ def test_experts_under_different_schemes_are_refused(tmp_path):
         LLM(model=str(source), num_gpu_blocks=16)
 
 
-def test_calibrated_kv_cache_scales_are_read_past(tiny_llama, tmp_path, caplog):
+def test_calibrated_kv_cache_scales_bind_to_an_fp8_cache(tiny_llama, tmp_path, caplog):
     # FP8 with a kv_cache_scheme (llm-compressor's FP8 + KV recipes): self_attn.k_scale /
-    # v_scale beside the weights; the fp8 cache keeps a scale of 1.0, the bf16 one none
+    # v_scale beside the weights; an fp8 cache takes them (tests/runtime/test_kv_scales.py),
+    # the default cache keeps K and V as they are (HF's outputs)
     from safetensors.torch import load_file, save_file
     write_compressed(tiny_llama, tmp_path / "q", tmp_path / "d", FP8_WEIGHTS, FP8_DYNAMIC_ACTS)
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     for layer in range(2):
         for kind in ("k_scale", "v_scale"):
-            tensors[f"model.layers.{layer}.self_attn.{kind}"] = torch.tensor(0.02)
+            tensors[f"model.layers.{layer}.self_attn.{kind}"] = torch.tensor(
+                0.02 if kind == "k_scale" else 0.03)
     save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     config["quantization_config"]["kv_cache_scheme"] = {
@@ -268,4 +270,7 @@ def test_calibrated_kv_cache_scales_are_read_past(tiny_llama, tmp_path, caplog):
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     with caplog.at_level("INFO"):
         _assert_matches_hf(tmp_path / "q", tmp_path / "d")
-    assert "calibrated KV-cache scales (self_attn.k_scale / v_scale) are not used" in caplog.text
+    assert "calibrated KV-cache scales apply to an fp8 cache" in caplog.text
+    llm = LLM(model=str(tmp_path / "q"), kv_cache_dtype="fp8", num_gpu_blocks=16)
+    assert [(layer.k_scale, layer.v_scale) for layer in llm.engine.runner.model.attention_layers()] \
+        == [(pytest.approx(0.02), pytest.approx(0.03))] * 2

@@ -188,6 +188,7 @@ class ModelRunner:
                 max(config.max_num_batched_tokens, self.max_rows, most_rows), self.dtype,
                 self.device)
         self._check_kv_cache_dtype()
+        self._bind_kv_scales()
         # every rank holds the same block ids, so the pool is the smallest rank's
         self.num_blocks = min_over_ranks(self._determine_num_blocks())
         self._allocate_kv_cache()
@@ -373,6 +374,26 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype {self.config.kv_cache_dtype} needs a GPU of compute "
                              f"capability >= 8.9 (Ada, Hopper) for the Triton kernels; this one "
                              f"is {major}.{minor} (attention_backend torch runs it, slowly)")
+
+    def _bind_kv_scales(self) -> None:
+        """An fp8 cache's per-layer scales: the checkpoint's calibrated ones, else 1.0 (vLLM's
+        choice too); any other cache keeps K and V as they are."""
+        layers = self.model.attention_layers()
+        calibrated = [layer for layer in layers if layer.checkpoint_kv_scales is not None]
+        fp8 = self.kv_cache_dtype == FP8_KV_DTYPE
+        for layer in layers:
+            layer.k_scale, layer.v_scale = (layer.checkpoint_kv_scales or (1.0, 1.0)) if fp8 \
+                else (1.0, 1.0)
+        if fp8 and calibrated:
+            log.info("fp8 KV cache: the checkpoint's calibrated k_scale / v_scale for %d of %d "
+                     "layers", len(calibrated), len(layers))
+        elif fp8:
+            log.warning("fp8 KV cache with scale 1.0 (the checkpoint has no calibrated k_scale / "
+                        "v_scale): K and V beyond +-448 saturate")
+        elif calibrated:
+            log.info("the checkpoint's calibrated KV-cache scales apply to an fp8 cache "
+                     "(--kv-cache-dtype fp8); this %s cache keeps K and V as they are",
+                     self.kv_cache_dtype)
 
     def _determine_num_blocks(self) -> int:
         cfg = self.config

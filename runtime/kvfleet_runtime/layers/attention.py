@@ -8,8 +8,11 @@ Backends: the Triton kernels on CUDA; elsewhere a torch path built on
 scaled_dot_product_attention (fast on CPU). Both are checked against
 `kvfleet_kernels.paged_attention.paged_attention_ref`.
 
-An fp8 cache (`kv_cache_dtype="fp8"`, scale 1.0) holds K/V clamped and cast to e4m3; both
-backends read it back in the query's dtype and attend over exactly what the cache holds.
+An fp8 cache (`kv_cache_dtype="fp8"`) holds K / k_scale and V / v_scale clamped and cast to
+e4m3: each layer's scales are the checkpoint's calibrated ones (`self_attn.k_scale / v_scale`,
+bound by the model runner), else 1.0. Both backends read it back in the query's dtype and
+attend over exactly what the cache holds, k_scale folded into the softmax scale and v_scale
+into the output.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class Attention(nn.Module):
         # sliding-window attention: a token sees the last `window` positions (itself included)
         self.window = window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # an fp8 cache's scales (the model runner's choice); 1.0 for any other cache
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # the checkpoint's calibrated (k_scale, v_scale), set by the loader; None: it has none
+        self.checkpoint_kv_scales: tuple[float, float] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -70,24 +78,31 @@ class Attention(nn.Module):
         if on_triton:
             from kvfleet_kernels import paged_attention as pa
             if k is not None:
-                pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale,
+                                     self.v_scale)
             out = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, self.scale, meta.max_query_len,
                                      meta.max_seq_len, plan_num_seqs=meta.plan_num_seqs,
-                                     min_query_len=meta.min_query_len, window=self.window)
+                                     min_query_len=meta.min_query_len, window=self.window,
+                                     k_scale=self.k_scale, v_scale=self.v_scale)
         else:
-            k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+            k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale,
+                                  self.v_scale)
+            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta,
+                                        self.scale * self.k_scale, self.window)
+            if self.v_scale != 1.0:
+                out = out * self.v_scale
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Write k, v ([T, Hkv, D]) into their slots; return them as the cache now holds them.
 
     With a cache in k's dtype that is k and v themselves; an fp8 cache returns the rounded
-    values (in k's dtype), so attention over this step's fresh tokens sees what later steps
-    read back, as on the Triton path.
+    values (in k's dtype, still divided by k_scale / v_scale), so attention over this step's
+    fresh tokens sees what later steps read back, as on the Triton path.
     """
     if slot_mapping.is_cuda:
         # CUDA-graph padding rows carry slot -1 (index_copy_ takes none): they write into the
@@ -98,7 +113,7 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
         return k, v
     from kvfleet_kernels.paged_attention import quantize_kv_ref
-    kq, vq = quantize_kv_ref(k, k_cache.dtype), quantize_kv_ref(v, v_cache.dtype)
+    kq, vq = quantize_kv_ref(k, k_cache.dtype, k_scale), quantize_kv_ref(v, v_cache.dtype, v_scale)
     for xq, cache in ((kq, k_cache), (vq, v_cache)):
         # index_copy_ has no float8 kernel on a CPU: copy the bytes of 1-byte elements
         as_bytes = torch.uint8 if cache.element_size() == 1 else cache.dtype

@@ -118,7 +118,8 @@ class DecoderAttention(nn.Module):
             from kvfleet_kernels.rotary import rotary_and_cache
             k_cache, v_cache = self.attn.kv_cache
             q = rotary_and_cache(positions, q, k, v, self.head_dim, self.rotary_emb.cos_sin_cache,
-                                 True, k_cache, v_cache, meta.slot_mapping)
+                                 True, k_cache, v_cache, meta.slot_mapping, self.attn.k_scale,
+                                 self.attn.v_scale)
             return self.o_proj(self.attn(q, None, None, meta))
         q, k = self.rotary_emb(positions, q, k, rope)
         return self.o_proj(self.attn(q, k, v.contiguous(), meta))

@@ -57,7 +57,8 @@ _ENGINE_HELP = {
     "dtype": "compute dtype (auto: the checkpoint's, bf16 for fp32 ones, on a GPU; on a CPU bf16 "
              "for half/quantized checkpoints where the CPU has native bf16, else fp32)",
     "kv_cache_dtype": "KV-cache element type: auto (the compute dtype) or fp8 / fp8_e4m3 "
-                      "(e4m3, scale 1.0: twice the cached tokens per GiB, slightly less accurate)",
+                      "(e4m3 with the checkpoint's calibrated k_scale / v_scale, else 1.0: twice "
+                      "the cached tokens per GiB, slightly less accurate)",
     "device": "cuda, cpu or auto",
     "seed": "engine seed for requests without their own",
     "block_size": "tokens per KV-cache block: 8, 16, 32, 64 or 128",

@@ -31,8 +31,10 @@ group's own). Formats read:
                    too, logged once: per-token scales are at least as close to the unquantized
                    activations as one calibrated scale.
 
-A `kv_cache_scheme`'s calibrated scales (self_attn.k_scale / v_scale) are read past (loader.py):
-the fp8 KV cache (`--kv-cache-dtype fp8`) keeps a scale of 1.0.
+A `kv_cache_scheme` (FP8, symmetric, per tensor or per head) gives each layer calibrated
+scales (self_attn.k_scale / v_scale, loader.KVScales): an fp8 KV cache (`--kv-cache-dtype fp8`)
+holds K / k_scale and V / v_scale; per-head scales serve as their layer's largest. A checkpoint
+may quantize the KV cache only (no config_groups: every Linear unquantized).
 
 Refused with the field named: other formats (sparsity, nvfp4, mxfp4, marlin-24), integer
 activations on packed weights (W4A8), a fused layer (qkv, gate/up) whose shards fall under
@@ -110,6 +112,20 @@ def _activations(acts: object, where: str, kind: str) -> bool:
     static = a.get("dynamic", False) is False
     _pick(a, "strategy", key, ("tensor",) if static else ("token",))
     return static
+
+
+def _kv_cache_scheme(raw: object) -> None:
+    """The KV cache's scheme must be what the fp8 cache holds: e4m3 (float, 8 bits), symmetric,
+    one scale per layer (tensor) or per kv head (attn_head)."""
+    key = "kv_cache_scheme"
+    a = _args(raw, key)
+    _pick(a, "type", key, ("float",))
+    _pick(a, "num_bits", key, (8,))
+    _pick(a, "strategy", key, ("tensor", "attn_head"))
+    _pick(a, "symmetric", key, (True,), True)
+    if a.get("dynamic", False) is not False:
+        raise ValueError(f"{_where(key)}.dynamic must be false (calibrated scales); got "
+                         f"{a.get('dynamic')!r}")
 
 
 def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
@@ -206,14 +222,18 @@ class CompressedTensorsConfig(QuantConfig):
         if sparsity and sparsity.get("format", "dense") != "dense":
             raise ValueError(f"{_where('sparsity_config')}: sparse checkpoints are not served; "
                              f"got format {sparsity.get('format')!r}")
+        kv_cache = raw.get("kv_cache_scheme")
+        if kv_cache is not None:
+            _kv_cache_scheme(kv_cache)
         config_groups = raw.get("config_groups")
-        if not isinstance(config_groups, dict) or not config_groups:
-            raise ValueError(f"{_where('config_groups')} must name at least one group; got "
-                             f"{config_groups!r}")
+        if not (isinstance(config_groups, dict) and config_groups
+                or kv_cache is not None and not config_groups):
+            raise ValueError(f"{_where('config_groups')} must name at least one group (or a "
+                             f"kv_cache_scheme be given); got {config_groups!r}")
         top = raw.get("format")
         top = None if top in (None, "mixed-precision") else top
         groups = []
-        for name, group in config_groups.items():
+        for name, group in (config_groups or {}).items():
             group = _args(group, f"config_groups.{name}")
             targets = group.get("targets")
             if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
