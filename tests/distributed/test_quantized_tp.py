@@ -27,6 +27,7 @@ from quantization.ct_checkpoints import (
     INT8_WEIGHTS,
     W4A16,
     W4A16_ASYM,
+    fp4_preset,
     write_compressed,
 )
 from test_tensor_parallel import ENGINE_ARGS, _greedy, _live_workers, _prompts
@@ -256,6 +257,9 @@ TP_CASES = {
                                             "input_activations": FP8_STATIC_ACTS}}),
     "ct-w8a8-int8-asym": ("llama3-gqa", {"ct": {"weights": {**INT8_WEIGHTS, "symmetric": False},
                                                 "input_activations": INT8_DYNAMIC_ACTS}}),
+    # NVFP4: packed bytes and e4m3 group scales cut like the int ones, a global scale a piece
+    "ct-nvfp4": ("llama3-gqa", {"ct": dict(zip(("weights", "input_activations"),
+                                               fp4_preset("NVFP4A16"), strict=True))}),
 }
 
 

@@ -21,11 +21,23 @@ import torch
 from quantization.checkpoints import PROJECTIONS, SAME_INPUT, read_tensors, write_pair
 
 
-def scheme(weights: dict, input_activations: dict | None = None, targets=("Linear",)):
+def scheme(weights, input_activations=None, targets=("Linear",)):
+    """A QuantizationScheme of weights / input_activations (dicts of QuantizationArgs fields,
+    or the library's QuantizationArgs as its presets hold them)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    acts = QuantizationArgs(**input_activations) if input_activations else None
-    return QuantizationScheme(targets=list(targets), weights=QuantizationArgs(**weights),
-                              input_activations=acts)
+
+    def args(a):
+        return a if a is None or isinstance(a, QuantizationArgs) else QuantizationArgs(**a)
+    return QuantizationScheme(targets=list(targets), weights=args(weights),
+                              input_activations=args(input_activations))
+
+
+def fp4_preset(name: str) -> tuple:
+    """(weights, input_activations) of the library's NVFP4A16 / NVFP4 / MXFP4A16 / MXFP4
+    presets (their scale dtypes set: e4m3 for NVFP4, e8m0 bytes for MXFP4)."""
+    from compressed_tensors.quantization import quant_scheme
+    preset = getattr(quant_scheme, name)
+    return preset["weights"], preset.get("input_activations")
 
 
 # named as llm-compressor's preset schemes
@@ -49,7 +61,7 @@ def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero point) of w [N, K] for args' strategy, from its min / max."""
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     n, k = w.shape
-    if args.strategy == "group":
+    if args.strategy in ("group", "tensor_group"):
         tiles = w.reshape(n, k // args.group_size, args.group_size)
         lo, hi = tiles.amin(-1), tiles.amax(-1)
     elif args.strategy == "channel":
@@ -60,7 +72,13 @@ def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = tiles.amin((1, 3)), tiles.amax((1, 3))
     else:   # tensor
         lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-    return calculate_qparams(lo, hi, args)
+    return calculate_qparams(lo, hi, args, _global_scale(w, args))
+
+
+def _global_scale(w: torch.Tensor, args) -> torch.Tensor | None:
+    """NVFP4's scale of the group scales (tensor_group), from the weight's min / max."""
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+    return generate_gparam(w.amin(), w.amax()) if args.strategy == "tensor_group" else None
 
 
 def _act_order_tensors(w: torch.Tensor, args, seed: int) -> dict[str, torch.Tensor]:
@@ -86,6 +104,8 @@ def _act_order_tensors(w: torch.Tensor, args, seed: int) -> dict[str, torch.Tens
 
 def format_of(s) -> str:
     """The storage format the library gives a scheme's weights."""
+    if s.weights.type == "float" and s.weights.num_bits == 4:
+        return "nvfp4-pack-quantized" if s.weights.group_size == 16 else "mxfp4-pack-quantized"
     if s.weights.type == "float":
         return "float-quantized"
     acts = s.input_activations
@@ -102,7 +122,22 @@ def compress_weight(w: torch.Tensor, s, act_order: bool = False, seed: int = 0
         return out, out.pop("dequantized")
     scale, zero = _qparams(w, s.weights)
     compressor = BaseCompressor.get_value_from_registry(format_of(s))
-    out = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, s)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero}
+    global_scale = _global_scale(w, s.weights)
+    if global_scale is not None:
+        state["weight_global_scale"] = global_scale
+    out = compressor.compress(state, s)
+    if s.weights.num_bits == 4 and s.weights.type == "float":
+        # FP4: the library's decompress rounds the weight to bf16; its own unpacking and
+        # dequantization in fp32 instead
+        from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+        n, half = out["weight_packed"].shape
+        q = unpack_fp4_from_uint8(out["weight_packed"], n, 2 * half, dtype=torch.float32)
+        return out, dequantize(x_q=q, scale=compressor._decompress_scale(out["weight_scale"],
+                                                                          torch.float32),
+                               args=s.weights, global_scale=out.get("weight_global_scale"),
+                               dtype=torch.float32)
     # decompressed with the scales widened to fp32: the library's own dequantization returns
     # the scales' dtype (bf16 would round the products kvfleet keeps exact)
     state = {**out, "weight_scale": out["weight_scale"].float()}
@@ -154,7 +189,11 @@ def write_compressed(src: Path, dst: Path, reference: Path, weights: dict | None
         parent, _, proj = module.rpartition(".")
         seed = zlib.crc32(f"{parent}.{SAME_INPUT.get(proj, proj)}".encode())
         out, dequantized[name] = compress_weight(w.to(dtype), s, act_order, seed)
-        if s.input_activations is not None and not s.input_activations.dynamic:
+        acts = s.input_activations
+        if acts is not None and acts.type == "float" and acts.num_bits == 4:
+            # NVFP4 / MXFP4 W4A4: a calibrated global scale of the activations' group scales
+            out["input_global_scale"] = torch.tensor([3000.0])
+        elif s.input_activations is not None and not s.input_activations.dynamic:
             # a static activation scale, as calibration would leave it
             out["input_scale"] = torch.tensor([0.05], dtype=dtype)
             if s.input_activations.type == "int":

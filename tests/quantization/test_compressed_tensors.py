@@ -24,10 +24,11 @@ from quantization.ct_checkpoints import (
     W4A16,
     W4A16_ASYM,
     W8A16,
+    fp4_preset,
     scheme,
     write_compressed,
 )
-from quantization.test_tiny_llama import _assert_matches_hf, _prompts
+from quantization.test_tiny_llama import _assert_matches_hf, _prompts, hf_reference, kvfleet_run
 
 # name -> (write_compressed arguments, how far the rounding may move a prompt log-prob from
 # the fp32 model's: 4-bit <= 0.1, 8-bit and fp8 <= 0.02 on this tiny model, as test_tiny_llama)
@@ -44,12 +45,22 @@ CASES = {
     "fp8-blocks-16x32": ({"weights": {**FP8_WEIGHTS, "strategy": "block",
                                       "block_structure": [16, 32]},
                           "input_activations": FP8_DYNAMIC_ACTS}, 0.02),
-    # W8A8 int8 (int-quantized): int8 weights, their activations served unquantized
+    # W8A8 int8 (int-quantized): int8 weights, on a CPU their activations unquantized (W8A16;
+    # the GPU's W8A8 path: test_w8a8_int8_quantizes_activations_per_token_on_the_integer_gemm)
     "w8a8-int8-dynamic": ({"weights": INT8_WEIGHTS, "input_activations": INT8_DYNAMIC_ACTS},
                           0.02),
     "w8a8-int8-asym-per-tensor-static": ({"weights": {**INT8_WEIGHTS, "symmetric": False,
                                                       "strategy": "tensor"},
                                           "input_activations": INT8_STATIC_ACTS}, 0.02),
+    # FP4 weights (the library's presets), dequantized on load: NVFP4 (e4m3 scales a 16
+    # inputs over a global scale a projection), MXFP4 (power-of-two scales a 32), and NVFP4
+    # W4A4 (its FP4 activations left unquantized, input_global_scale read past)
+    "nvfp4a16": (dict(zip(("weights", "input_activations"), fp4_preset("NVFP4A16"),
+                          strict=True)), 0.15),
+    "mxfp4a16": (dict(zip(("weights", "input_activations"), fp4_preset("MXFP4A16"),
+                          strict=True)), 0.15),
+    "nvfp4-w4a4": (dict(zip(("weights", "input_activations"), fp4_preset("NVFP4"),
+                            strict=True)), 0.15),
     # two groups (attention 8-bit by regex, the rest 4-bit), one layer's down_proj ignored
     "mixed-groups-and-ignore": ({"weights": None, "groups": {
         "attention": scheme(W8A16, targets=["re:.*self_attn"]),
@@ -82,6 +93,52 @@ def test_compressed_tensors_tiny_llama_matches_hf_on_decompressed_weights(
     for our_lp, fp32_lp in zip(logprobs, fp32_reference, strict=True):
         drift = (our_lp - fp32_lp).abs().max().item()
         assert 0 < drift < tolerance, drift
+
+
+def _int8_activations(model) -> None:
+    """Each projection's input rounded per token to int8 and back (W8A8's activations:
+    kvfleet_kernels.int8.quantize_int8_per_token_ref), as forward pre-hooks on HF's model."""
+    from kvfleet_kernels.int8 import quantize_int8_per_token_ref
+
+    def hook(module, args):
+        x = args[0]
+        q, scale = quantize_int8_per_token_ref(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).reshape(x.shape).to(x.dtype),)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
+            module.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("weights", ["channel", "tensor"])
+def test_w8a8_int8_quantizes_activations_per_token_on_the_integer_gemm(
+        weights, tiny_llama, fp32_reference, tmp_path, monkeypatch):
+    # the GPU's W8A8 path run on a CPU (int8_supported forced: the Triton kernels interpreted,
+    # torch._int_mm on the CPU): HF on the library's decompressed weights with every
+    # projection's input rounded per token to int8 is the same arithmetic
+    from kvfleet_runtime.layers.quantization import compressed_tensors as ct
+    monkeypatch.setattr(ct, "int8_supported", lambda device: True)
+    quantized, dequantized = tmp_path / "q", tmp_path / "d"
+    write_compressed(tiny_llama, quantized, dequantized, {**INT8_WEIGHTS, "strategy": weights},
+                     INT8_DYNAMIC_ACTS)
+    llm = LLM(model=str(quantized))
+    layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "uses_int8")]
+    assert len(layers) == 8 and all(m.uses_int8 for m in layers)     # 4 projections x 2 layers
+    del llm
+    prompts = _prompts()
+    tokens, logprobs = kvfleet_run(quantized, prompts)
+    ref_tokens, ref_logprobs = hf_reference(dequantized, prompts, prepare=_int8_activations)
+    _, w8a16_logprobs = hf_reference(dequantized, prompts)
+    assert tokens == ref_tokens
+    for ours, ref, w8a16, fp32 in zip(logprobs, ref_logprobs, w8a16_logprobs, fp32_reference,
+                                      strict=True):
+        # ~1e-6 (fp32 sums in other orders) but where an activation sat on an int8 rounding
+        # boundary: one step apart there (measured 3.6e-4 at one prompt position of 96)
+        diff = (ours - ref).abs()
+        assert int((diff > 1e-5).sum()) <= 1 and diff.max() < 5e-4, diff
+        # the activations' rounding moved the model past the weights' alone (measured
+        # 1.4e-3 to 2.2e-3 a prompt), within int8's reach of the fp32 model
+        assert (ours - w8a16).abs().max() > 1e-3
+        assert (ours - fp32).abs().max() < 0.02
 
 
 def test_ignored_and_unmatched_layers_stay_in_the_models_dtype(tiny_llama, tmp_path):
@@ -129,14 +186,22 @@ def _config(**overrides) -> dict:
      r"config_groups\.group_0\.input_activations must be null for pack-quantized weights"),
     ({"format": "marlin-24"}, r"config_groups\.group_0\.format \(or the top-level format\) "
                               r"must be one of pack-quantized, int-quantized, naive-quantized, "
-                              r"float-quantized .*'marlin-24'"),
+                              r"float-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized "
+                              r".*'marlin-24'"),
     ({"format": "int-quantized", "group.weights": {**INT8_WEIGHTS, "strategy": "group",
                                                    "group_size": 32}},
      r"weights\.strategy must be one of channel, tensor; got 'group'"),
     ({"format": "int-quantized", "group.weights": INT8_WEIGHTS,
       "group.input_activations": {**INT8_DYNAMIC_ACTS, "num_bits": 4}},
      r"input_activations\.num_bits must be one of 8; got 4"),
-    ({"format": "nvfp4-pack-quantized"}, r"got 'nvfp4-pack-quantized'"),
+    ({"format": "mxfp6-pack-quantized"}, r"got 'mxfp6-pack-quantized'"),
+    ({"format": "nvfp4-pack-quantized", "group.weights": {**W4A16, "type": "float",
+                                                          "strategy": "tensor_group"}},
+     r"weights\.group_size must be one of 16; got 32"),
+    ({"format": "mxfp4-pack-quantized", "group.weights": {**W4A16, "type": "float",
+                                                          "group_size": 32,
+                                                          "symmetric": False}},
+     r"weights\.symmetric must be one of True; got False"),
     ({"group.weights": {**W4A16, "num_bits": 2}},
      r"config_groups\.group_0\.weights\.num_bits must be one of 4, 8; got 2"),
     ({"group.weights": {**W4A16, "strategy": "tensor"}},
@@ -154,7 +219,8 @@ def _config(**overrides) -> dict:
     ({"transform_config": {"config_groups": {"R1": {"type": "hadamard"}}}},
      r"transform_config must be null: rotated \(transformed\) weights are not served"),
     ({"moe_sparsity_config": {"method": "prune"}}, r"moe_sparsity_config must be null"),
-], ids=["int8-activations", "marlin-24", "int8-groups", "int4-activations", "nvfp4", "2-bit", "int-per-tensor", "no-group-size",
+], ids=["int8-activations", "marlin-24", "int8-groups", "int4-activations", "mxfp6",
+        "nvfp4-group-32", "mxfp4-asymmetric", "2-bit", "int-per-tensor", "no-group-size",
         "fp8-block-without-structure", "static-per-channel-activations",
         "frozen", "sparse", "output-activations", "transform", "moe-sparsity"])
 def test_unserved_schemes_are_refused_by_field(overrides, message):
@@ -197,13 +263,17 @@ def test_a_weight_shape_of_another_layer_is_refused(tiny_llama, tmp_path):
     ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, None, False),
     ("mixtral", {**W4A16, "group_size": 16}, None, False),
     ("qwen3_moe", {**W4A16_ASYM, "group_size": 8}, None, True),
-    ("qwen3_moe", {**INT8_WEIGHTS, "symmetric": False}, INT8_STATIC_ACTS, False)],
-    ids=["qwen3_moe-w4a16-asym", "mixtral-w4a16", "qwen3_moe-actorder", "qwen3_moe-w8a8-asym"])
+    ("qwen3_moe", {**INT8_WEIGHTS, "symmetric": False}, INT8_STATIC_ACTS, False),
+    ("qwen3_moe", *fp4_preset("NVFP4"), False),
+    ("mixtral", *fp4_preset("MXFP4A16"), False)],
+    ids=["qwen3_moe-w4a16-asym", "mixtral-w4a16", "qwen3_moe-actorder", "qwen3_moe-w8a8-asym",
+         "qwen3_moe-nvfp4-w4a4", "mixtral-mxfp4"])
 def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch, weights, acts,
                                                                           act_order, tmp_path):
     # every projection quantized, experts too (each expert's its own tensors); the routers
     # left alone as llm-compressor's recipes ignore them. Integer experts stay packed (the
-    # MoE kernels' IntExperts); act-order ones are dequantized as they load
+    # MoE kernels' IntExperts; FP4 ones as 8-bit integers); act-order ones are dequantized as
+    # they load
     from kvfleet_runtime.layers.moe import SparseMoeBlock
     from support.hf_reference import hf_greedy
     source = make_tiny_model(arch, tmp_path / "source")
@@ -216,8 +286,9 @@ def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch,
     block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
     if act_order:
         assert block.int_experts is None and block.w13.dtype == torch.float32
-    else:
-        assert block.w13 is None and block.int_experts[0].bits == weights["num_bits"]
+    else:       # (the FP4 presets are QuantizationArgs: their values doubled into 8 bits)
+        bits = weights["num_bits"] if isinstance(weights, dict) else 8
+        assert block.w13 is None and block.int_experts[0].bits == bits
     params = SamplingParams(temperature=0.0, max_tokens=10)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
 

@@ -416,8 +416,8 @@ def test_layers_for_the_whole_k_gemv_are_column_blocked_and_exact(method, desc_a
                                    atol=ref.abs().max().item() * 2e-2)
 
 
-@pytest.mark.parametrize("weights", ["w4a16-asym-bf16", "w8a16", "w8a8-int8-asym", "fp8-channel",
-                                     "fp8-blocks"])
+@pytest.mark.parametrize("weights", ["w4a16-asym-bf16", "w8a16", "w8a8-int8-asym", "w8a8-int8",
+                                     "fp8-channel", "fp8-blocks", "nvfp4", "mxfp4"])
 def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
     # compressed-tensors tensors (the library's compressor) of a fused qkv layer: the W4A16
     # kernel (integers) or the FP8 GEMM, within rounding of the library's decompressed weight
@@ -431,6 +431,7 @@ def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
         W4A16_ASYM,
         W8A16,
         compress_weight,
+        fp4_preset,
         quantization_config,
         scheme,
     )
@@ -439,6 +440,10 @@ def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
         "w8a16": (W8A16, None, torch.float32),
         "w8a8-int8-asym": ({**INT8_WEIGHTS, "symmetric": False}, INT8_DYNAMIC_ACTS,
                            torch.bfloat16),
+        "w8a8-int8": (INT8_WEIGHTS, INT8_DYNAMIC_ACTS, torch.bfloat16),
+        # FP4 as 8-bit integers on the integer kernels (group scales rounded to fp16)
+        "nvfp4": (*fp4_preset("NVFP4A16"), torch.bfloat16),
+        "mxfp4": (*fp4_preset("MXFP4A16"), torch.bfloat16),
         "fp8-channel": (FP8_WEIGHTS, FP8_DYNAMIC_ACTS, torch.bfloat16),
         "fp8-blocks": ({**FP8_WEIGHTS, "strategy": "block", "block_structure": [16, 32]},
                        FP8_DYNAMIC_ACTS, torch.bfloat16)}[weights]
@@ -449,10 +454,13 @@ def test_compressed_tensors_layers_run_the_kernels_on_gpu(weights):
         layer = build(config)
     load(layer, [{k: v.cuda() for k, v in t.items()} for t, _ in pieces])
     layer.linear_method.process_weights_after_loading(layer)
-    assert getattr(layer, "uses_fp8" if weights.startswith("fp8") else "uses_kernel")
+    assert getattr(layer, "uses_fp8" if weights.startswith("fp8") else
+                   "uses_int8" if weights == "w8a8-int8" else "uses_kernel")
     exact = torch.cat([d for _, d in pieces]).cuda()
-    for rows in (1, 9, 300):        # the GEMV, the fused tiles, dequantize + cuBLAS
+    for rows in (1, 9, 300):        # the GEMV, the fused tiles (int8: padded), the big GEMM
         x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ exact.t()
-        tolerance = 0.05 if weights.startswith("fp8") else 1e-2
+        # FP8 / int8 activations: their per-token rounding (int8 ~0.9% of a row's norm)
+        tolerance = (0.05 if weights.startswith("fp8") else 0.02 if weights == "w8a8-int8"
+                     else 1e-2)
         assert (layer(x).float() - ref).norm() / ref.norm() < tolerance

@@ -35,10 +35,13 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 19, 33)]
 
 
-def hf_reference(model_dir: Path, prompts: list[list[int]]):
-    """HF's greedy continuations, and its log-prob of each prompt token after the first."""
+def hf_reference(model_dir: Path, prompts: list[list[int]], prepare=None):
+    """HF's greedy continuations, and its log-prob of each prompt token after the first;
+    prepare(model), if given, is called on the loaded model first (hooks)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if prepare is not None:
+        prepare(model)
     tokens, logprobs = [], []
     with torch.inference_mode():
         for prompt in prompts:

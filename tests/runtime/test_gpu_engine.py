@@ -145,29 +145,33 @@ def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, metho
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8-int8", "fp8-dynamic"])
+@pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8-int8", "fp8-dynamic", "nvfp4"])
 def test_compressed_tensors_checkpoints_run_their_kernels_and_graphs_match_eager(tmp_path,
                                                                                  scheme):
     # llm-compressor's formats (written by the compressed-tensors library) on the W4A16
-    # kernels (4 and 8 bits) and the FP8 GEMM, captured in CUDA graphs
+    # kernels (4 bits; NVFP4 as 8-bit integers), the W8A8 int8 GEMM and the FP8 GEMM, captured
+    # in CUDA graphs
     from quantization.ct_checkpoints import (
         FP8_DYNAMIC_ACTS,
         FP8_WEIGHTS,
         INT8_DYNAMIC_ACTS,
         INT8_WEIGHTS,
         W4A16_ASYM,
+        fp4_preset,
         write_compressed,
     )
     from support.tiny_models import make_tiny_model
     weights, acts = {"w4a16-asym": (W4A16_ASYM, None),
                      "w8a8-int8": (INT8_WEIGHTS, INT8_DYNAMIC_ACTS),
-                     "fp8-dynamic": (FP8_WEIGHTS, FP8_DYNAMIC_ACTS)}[scheme]
+                     "fp8-dynamic": (FP8_WEIGHTS, FP8_DYNAMIC_ACTS),
+                     "nvfp4": fp4_preset("NVFP4")}[scheme]
     write_compressed(make_tiny_model("llama", tmp_path / "src"), tmp_path / "q", tmp_path / "d",
                      weights, acts, dtype=torch.bfloat16)
     path, prompts = str(tmp_path / "q"), _prompts(8)
     eager = LLM(model=path, dtype="bfloat16", enforce_eager=True)
     qkv = eager.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert getattr(qkv, "uses_fp8" if scheme.startswith("fp8") else "uses_kernel")
+    assert getattr(qkv, "uses_fp8" if scheme.startswith("fp8") else
+                   "uses_int8" if scheme == "w8a8-int8" else "uses_kernel")
     tokens = _greedy(eager, prompts)
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == tokens
 

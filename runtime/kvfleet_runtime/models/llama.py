@@ -38,8 +38,13 @@ def _int_experts(quant_config) -> tuple[int, int] | None:
     (layers.moe), else None."""
     name = getattr(quant_config, "name", None)
     if name == "compressed-tensors":
+        from kvfleet_runtime.layers.quantization.compressed_tensors import FP4_FORMATS
         s = quant_config.expert_scheme          # (set by models/moe.py)
-        if s is None or s.format not in ("pack-quantized", "int-quantized") or s.act_order:
+        if s is None or s.act_order:
+            return None
+        if s.format in FP4_FORMATS:
+            return 8, s.group_size              # (held as 8-bit integers: unpack_fp4)
+        if s.format not in ("pack-quantized", "int-quantized"):
             return None
         return s.bits, s.group_size
     if name not in ("gptq", "awq") or getattr(quant_config, "desc_act", False):

@@ -82,7 +82,12 @@ def _fp8_reader(q) -> ExpertReader:
 
 
 def _ct_reader(scheme) -> ExpertReader:
-    from kvfleet_runtime.layers.quantization.compressed_tensors import unpack_ct, unpack_ct_int8
+    from kvfleet_runtime.layers.quantization.compressed_tensors import (
+        FP4_FORMATS,
+        unpack_ct,
+        unpack_ct_int8,
+        unpack_fp4,
+    )
     from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
 
     def read_past(name: str, tensor: torch.Tensor) -> None:
@@ -96,6 +101,19 @@ def _ct_reader(scheme) -> ExpertReader:
                             lambda name, got: dequantize_fp8(name, got["weight"],
                                                              got["weight_scale"], scheme.block),
                             extra=static)
+    if scheme.format in FP4_FORMATS:
+        # NVFP4 / MXFP4 experts: held as 8-bit integers (unpack_fp4), kept packed
+        def fp4_acts(name: str, tensor: torch.Tensor) -> None:
+            log_once("compressed-tensors: FP4 activations (W4A4: input_global_scale) are not "
+                     "applied: the activations stay unquantized")
+        kinds = {"weight_packed", "weight_scale"}
+        kinds |= {"weight_global_scale"} if scheme.format.startswith("nvfp4") else set()
+        return ExpertReader("compressed-tensors FP4", frozenset(kinds),
+                            lambda name, got: unpack_fp4(
+                                got["weight_packed"], got["weight_scale"],
+                                got.get("weight_global_scale"), scheme.group_size),
+                            packed=True, extra={"input_global_scale": fp4_acts} if scheme.fp4_activations
+                            else {})
     if scheme.format == "int-quantized":
         kinds = {"weight", "weight_scale"} | (set() if scheme.symmetric else {"weight_zero_point"})
         return ExpertReader("compressed-tensors int8", frozenset(kinds),

@@ -19,10 +19,15 @@ group's own). Formats read:
     w[n, k] = (stored_q[n, k] - stored_zero[n, g]) * scale[n, g], g = g_idx[k]: the GPTQ / AWQ
     integer weight of int_weight.py, so the same W4A16 kernels (or the dequantized fallback).
   int-quantized    (alias naive-quantized) W8A8 int8: `weight` [N, K] int8, `weight_scale` and
-                   (asymmetric) `weight_zero_point` a row ([N, 1]) or a tensor ([1]): the same
-                   integer weight (q + 128), 8 bits, one group; the int8 activations are not
-                   applied (W8A16), logged once; static `input_scale` / `input_zero_point` read
-                   past.
+                   (asymmetric) `weight_zero_point` a row ([N, 1]) or a tensor ([1]). Symmetric
+                   weights and activations on a GPU: W8A8, the weight kept int8 [N, K] and the
+                   activations quantized per token at run time (kvfleet_kernels.int8: the
+                   integer tensor cores through cuBLAS), as vLLM's dynamic W8A8; a static
+                   `input_scale` is read past (per-token scales instead, as for FP8), batch 1
+                   runs the W8A16 GEMV on the unquantized activation (as FP8 weights do).
+                   Otherwise (asymmetric, or no GPU) the same integer weight as GPTQ's (q + 128,
+                   8 bits, one group) on the 8-bit integer kernels or dequantized, the
+                   activations unquantized (W8A16), logged once.
   float-quantized  fp8-e4m3 weights (`strategy` tensor, channel or block): `weight` [N, K] and
                    `weight_scale` ([1], [N, 1], or [N / bn, K / bk] for `block_structure`
                    [bn, bk]); the FP8 method of fp8.py. Activations: dynamic per token (the
@@ -36,7 +41,14 @@ scales (self_attn.k_scale / v_scale, loader.KVScales): an fp8 KV cache (`--kv-ca
 holds K / k_scale and V / v_scale; per-head scales serve as their layer's largest. A checkpoint
 may quantize the KV cache only (no config_groups: every Linear unquantized).
 
-Refused with the field named: other formats (sparsity, nvfp4, mxfp4, marlin-24), integer
+  nvfp4-pack-quantized / mxfp4-pack-quantized   FP4 (e2m1) weights, two a byte, a scale a 16
+                   (NVFP4: e4m3, over a global scale a checkpoint piece) or 32 inputs (MXFP4:
+                   e8m0): each value doubled into an 8-bit integer (-12..12) with half the
+                   group's scale, so the 8-bit integer kernels serve them at a byte a weight
+                   (unpack_fp4; Hopper has no FP4 tensor cores); W4A4's FP4 activations left
+                   unquantized.
+
+Refused with the field named: other formats (sparsity, mxfp6, mxfp8, marlin-24), integer
 activations on packed weights (W4A8), a fused layer (qkv, gate/up) whose shards fall under
 different schemes. Mixtures of experts' experts (models/moe.py) take one scheme for all: integer
 ones stay packed (layers.moe's IntExperts; act-order ones dequantized), FP8 ones are
@@ -50,6 +62,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from kvfleet_kernels.int8 import int8_linear, int8_supported
 from torch import nn
 
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
@@ -60,7 +73,11 @@ from kvfleet_runtime.layers.quantization.base import (
     read_choice,
     shard_prefixes,
 )
-from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod, load_row_scale
+from kvfleet_runtime.layers.quantization.fp8 import (
+    FP8LinearMethod,
+    batch_one_fp8_gemv,
+    load_row_scale,
+)
 from kvfleet_runtime.layers.quantization.gptq import load_g_idx
 from kvfleet_runtime.layers.quantization.int_weight import (
     IntWeight,
@@ -72,7 +89,11 @@ from kvfleet_runtime.layers.quantization.int_weight import (
 from kvfleet_runtime.layers.quantization.packing import unpack_int32
 
 NAME = "compressed-tensors"
-FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+# FP4 (e2m1) weights: NVFP4 (a scale a 16 inputs in e4m3, divided by a global scale a
+# checkpoint piece) and MXFP4 (a power-of-two scale a 32 inputs, e8m0 bytes)
+FP4_FORMATS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized",
+           *FP4_FORMATS)
 
 
 def _where(key: str) -> str:
@@ -90,6 +111,10 @@ class Scheme:
     act_order: bool = False        # actorder "group": weight_g_idx shuffles the groups
     block: tuple[int, int] | None = None      # fp8 block_structure
     static_input_scale: bool = False          # a calibrated input_scale (fp8, int8)
+    # int8 activations (W8A8; int-quantized only) and whether they are symmetric
+    int8_activations: bool = False
+    symmetric_activations: bool = True
+    fp4_activations: bool = False             # W4A4 FP4 schemes: served unquantized
 
 
 def _args(raw: object, key: str) -> dict:
@@ -135,7 +160,7 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
     if fmt not in FORMATS:
         raise ValueError(f"{_where(where + '.format')} (or the top-level format) must be one of "
                          f"{', '.join(FORMATS)} (W4A16 / W8A16 / W8A8 integer weights, FP8 "
-                         "weights); "
+                         "weights, NVFP4 / MXFP4 weights); "
                          f"got {fmt!r}")
     if group.get("output_activations") is not None:
         raise ValueError(f"{_where(where + '.output_activations')} must be null: quantized "
@@ -152,12 +177,11 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
         _pick(w, "num_bits", wkey, (8,))
         strategy = _pick(w, "strategy", wkey, ("channel", "tensor"))
         static = acts is not None and _activations(acts, where, "int")
-        if acts is not None:
-            log_once(f"{NAME}: int8 activations (W8A8) are served unquantized, as W8A16 (the "
-                     "int8 weights on the integer kernels)")
         return Scheme("int-quantized", 8, strategy,
                       symmetric=_pick(w, "symmetric", wkey, (True, False), True),
-                      static_input_scale=static)
+                      static_input_scale=static, int8_activations=acts is not None,
+                      symmetric_activations=acts is None or _pick(
+                          acts, "symmetric", where + ".input_activations", (True, False), True))
     if fmt == "pack-quantized":
         if acts is not None:
             raise ValueError(f"{_where(where + '.input_activations')} must be null for "
@@ -176,6 +200,18 @@ def parse_scheme(group: dict, name: str, default_format: str | None) -> Scheme:
         return Scheme(fmt, bits, strategy, group_size,
                       symmetric=_pick(w, "symmetric", wkey, (True, False), True),
                       act_order=actorder == "group")
+    if fmt in FP4_FORMATS:
+        _pick(w, "type", wkey, ("float",))
+        _pick(w, "num_bits", wkey, (4,))
+        _pick(w, "symmetric", wkey, (True,), True)
+        nvfp4 = fmt.startswith("nvfp4")
+        strategy = _pick(w, "strategy", wkey, ("tensor_group",) if nvfp4 else ("group",))
+        group_size = _pick(w, "group_size", wkey, (FP4_FORMATS[fmt],))
+        if acts is not None:
+            a = _args(acts, where + ".input_activations")
+            _pick(a, "type", where + ".input_activations", ("float",))
+            _pick(a, "num_bits", where + ".input_activations", (4,))
+        return Scheme(fmt, 4, strategy, group_size, fp4_activations=acts is not None)
     _pick(w, "type", wkey, ("float",))
     _pick(w, "num_bits", wkey, (8,))
     _pick(w, "symmetric", wkey, (True,), True)
@@ -277,6 +313,8 @@ class CompressedTensorsConfig(QuantConfig):
             return CTIntLinearMethod(scheme)
         if scheme.format == "int-quantized":
             return CTInt8LinearMethod(scheme)
+        if scheme.format in FP4_FORMATS:
+            return CTFP4LinearMethod(scheme)
         return CTFP8LinearMethod(scheme)
 
 
@@ -369,8 +407,9 @@ def unpack_ct_int8(weight: torch.Tensor, scale: torch.Tensor,
 
 
 class CTInt8LinearMethod(IntWeightMethod):
-    """int-quantized int8 weights (W8A8 checkpoints), unpacked into IntWeight: the 8-bit
-    integer kernels, the activations unquantized."""
+    """int-quantized int8 weights (W8A8 checkpoints): on a GPU, symmetric weights and
+    activations run W8A8 (kvfleet_kernels.int8, the activations quantized per token);
+    otherwise unpacked into IntWeight: the 8-bit integer kernels, the activations unquantized."""
     name = NAME
 
     def __init__(self, scheme: Scheme) -> None:
@@ -395,11 +434,42 @@ class CTInt8LinearMethod(IntWeightMethod):
         return unpack_ct_int8(layer.weight.data, layer.weight_scale.data,
                               getattr(layer, "weight_zero_point", None))
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        s = self.scheme
+        n, k = layer.weight.shape
+        layer.uses_int8 = (s.int8_activations and s.symmetric and s.symmetric_activations
+                           and int8_supported(layer.weight.device) and n % 8 == 0 and k % 8 == 0)
+        if layer.uses_int8:
+            # the checkpoint's int8 [N, K] and fp32 [N] scales are the kernels' operands as stored
+            layer.uses_kernel = False
+            log_once(f"{NAME}: W8A8 int8 layers quantize their activations per token (the "
+                     "integer tensor cores); batch 1 runs the W8A16 GEMV")
+            return
+        if s.int8_activations:
+            why = ("no GPU" if not int8_supported(layer.weight.device) else
+                   "asymmetric weights or activations" if not (s.symmetric and
+                                                               s.symmetric_activations)
+                   else "dimensions not multiples of 8")
+            log_once(f"{NAME}: W8A8 int8 layers are served as W8A16 ({why}): the int8 weights "
+                     "on the integer kernels or dequantized, the activations unquantized")
+        super().process_weights_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not layer.uses_int8:
+            return super().apply(layer, x, bias)
+        if batch_one_fp8_gemv(x):
+            # batch 1: the weight-bound GEMV, x unquantized (as FP8 weights; KVFLEET_TRITON_GEMV=0:
+            # off)
+            from kvfleet_kernels.gemv import gemv
+            return gemv(x, layer.weight, bias, scale=layer.weight_scale)
+        return int8_linear(x, layer.weight, layer.weight_scale, bias)
+
 
 def _read_past(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
     """A static activation scale (or zero point): activations are not rounded by it."""
     log_once(f"{NAME}: the checkpoint's static activation scales (input_scale) are not used: "
-             "FP8 activations are scaled per token at run time, int8 ones stay unquantized")
+             "activations are scaled per token at run time (FP8, W8A8 int8 on a GPU) or stay "
+             "unquantized (W8A16)")
     param.is_loaded = True
 
 
@@ -450,3 +520,80 @@ class CTFP8LinearMethod(FP8LinearMethod):
             layer.register_buffer("weight_scale", layer.ct_channel_scale, persistent=False)
             del layer.ct_channel_scale
         super().process_weights_after_loading(layer)
+
+
+# e2m1's eight magnitudes doubled (integers), by the low three bits of a nibble (bit 3: sign)
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12)
+
+
+def unpack_fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+               group_size: int) -> IntWeight:
+    """FP4 tensors of one projection -> IntWeight: packed uint8 [N, K / 2] (value 2j in the low
+    nibble, 2j + 1 in the high one), scale [N, K / group_size] (NVFP4: e4m3; MXFP4: e8m0
+    bytes, 2 ** (byte - 127)), global_scale [N] or [1] (NVFP4's, each row its piece's; None for
+    MXFP4). w = e2m1 * (scale / global_scale), as the compressed-tensors library dequantizes,
+    held as 8-bit integers: q = 2 * e2m1 + 128 (-12..12 shifted), zero 128, a group's scale
+    (scale / global_scale) / 2, exactly the same products; so the 8-bit integer kernels serve
+    FP4 weights at a byte a weight."""
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(1).long()   # [N, K]
+    doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.int32, device=packed.device)[nibbles & 7]
+    q = (torch.where(nibbles >= 8, -doubled, doubled) + 128).t().contiguous()         # [K, N]
+    if scale.dtype == torch.uint8:
+        scale = torch.exp2(scale.float() - 127.0)
+    scale = scale.float()
+    if global_scale is not None:
+        scale = scale / global_scale.float().reshape(-1, 1)
+    scales = (scale / 2).t().contiguous()                                             # [G, N]
+    if not torch.equal(scales.to(torch.float16).float(), scales):
+        log_once(f"{NAME}: FP4 group scales that fp16 does not hold exactly are rounded to "
+                 "fp16 for the integer kernels (the CPU path keeps them exact)")
+    return IntWeight(q=q, zeros=torch.full_like(scales, 128), scales=scales,
+                     g_idx=default_g_idx(q.shape[0], group_size).to(q.device), bits=8)
+
+
+class CTFP4LinearMethod(IntWeightMethod):
+    """nvfp4- / mxfp4-pack-quantized weights (unpack_fp4): on a GPU the 8-bit integer kernels
+    (no FP4 tensor cores on Hopper; a byte a weight), dequantized on a CPU; FP4 activations
+    (W4A4) are left unquantized."""
+    name = NAME
+
+    def __init__(self, scheme: Scheme) -> None:
+        super().__init__(8, scheme.group_size)
+        self.scheme = scheme
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        s = self.scheme
+        check_divisible(layer, "input size", input_size, s.group_size, NAME)
+        split = split_groups(layer, s.group_size, False, NAME)
+        groups = {**split.attrs, "input_dim": 1} if split.attrs else {}
+        n = sum(output_sizes)
+        nvfp4 = s.format.startswith("nvfp4")
+        params = {
+            "weight_packed": (torch.empty(n, input_size // 2, dtype=torch.uint8),
+                              {"output_dim": 0, "input_dim": 1, "input_pack": 2}),
+            "weight_scale": (torch.empty(n, split.num_groups,
+                                         dtype=torch.float8_e4m3fn if nvfp4 else torch.uint8),
+                             {"output_dim": 0, **groups}),
+        }
+        if nvfp4:
+            # one a checkpoint piece (q, k, v apart): each row gets its piece's
+            params["weight_global_scale"] = (torch.empty(n, dtype=torch.float32),
+                                             {"output_dim": 0,
+                                              "weight_loader": partial(load_row_scale, layer)})
+        if s.fp4_activations:
+            params["input_global_scale"] = (torch.ones(1), {"optional": True,
+                                                             "weight_loader": _read_past_fp4})
+        self.checkpoint_params = tuple(_register(layer, params, s))
+
+    def unpack(self, layer: Linear) -> IntWeight:
+        global_scale = getattr(layer, "weight_global_scale", None)
+        return unpack_fp4(layer.weight_packed.data, layer.weight_scale.data,
+                          None if global_scale is None else global_scale.data,
+                          self.scheme.group_size)
+
+
+def _read_past_fp4(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
+    log_once(f"{NAME}: FP4 activations (W4A4: input_global_scale) are not applied: the "
+             "activations stay unquantized")
+    param.is_loaded = True
