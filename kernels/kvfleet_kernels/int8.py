@@ -1,15 +1,18 @@
 """W8A8 int8 linear: int8 weights with per-channel scales, activations quantized per token.
 
 `int8_linear` quantizes the activation's rows to int8 (one Triton kernel: scale = max|x| of
-the row times fp32(1/127), q = x / scale rounded half to even, saturated to [-128, 127]), runs
-the int8 x int8 -> int32 product on the integer tensor cores through cuBLAS (`torch._int_mm`,
-which takes at least 17 rows: fewer are padded), and scales the int32 sums back in one Triton
-epilogue (acc * x_scale * w_scale in fp32, + bias, rounded once to the output dtype).
-`int8_linear_ref` computes the same in torch (exact integer sums) and is what it is tested
-against: the integer product is exact, so the two agree bit for bit.
+the row times fp32(1/127), q = x / scale rounded half to even, saturated to [-128, 127]), then
+one Triton GEMM runs the int8 x int8 -> int32 product on the integer tensor cores and scales the
+sums in its epilogue (acc * x_scale * w_scale in fp32, + bias, rounded once to the output
+dtype). `int8_linear_ref` computes the same in torch (exact integer sums) and is what it is
+tested against: the integer product is exact, so the two agree bit for bit. (cuBLAS's integer
+GEMM, torch._int_mm, ran at bf16's speed on an H100 where FP8 ran 1.7x faster, and needs an
+epilogue pass over int32 sums: docs/PERFORMANCE.md, forty-second session.)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,12 +23,10 @@ from kvfleet_kernels.fp8 import _MIN_SCALE, MIN_SCALE, one_pass_block
 INT8_MAX = 127
 _INV_INT8_MAX = torch.tensor(1.0 / INT8_MAX, dtype=torch.float32).item()   # fp32-rounded 1/127
 INV_INT8_MAX = tl.constexpr(_INV_INT8_MAX)
-# torch._int_mm on CUDA takes more than 16 rows, K and N multiples of 8
-_INT_MM_MIN_ROWS = 17
 
 
 def int8_supported(device: torch.device) -> bool:
-    """Integer tensor cores through cuBLAS (torch._int_mm): Ampere and later."""
+    """Integer tensor cores (tl.dot of int8): Ampere and later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
@@ -83,22 +84,15 @@ def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
     tl.store(s_ptr + row, scale)
 
 
-def quantize_int8_per_token(x: torch.Tensor, rows: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8_per_token_ref in one Triton kernel ([M, K] with a contiguous last
-    dimension). rows >= M: the outputs get that many rows, those past M zero (padding for
-    torch._int_mm's minimum; their scales 1.0)."""
+    dimension)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"expected a [M, K] tensor with a contiguous last dimension; got "
                          f"shape {tuple(x.shape)}, strides {tuple(x.stride())}")
     m, k = x.shape
-    rows = m if rows is None else rows
-    if rows < m:
-        raise ValueError(f"rows ({rows}) must be at least x's {m}")
-    alloc = torch.zeros if rows > m else torch.empty
-    q = alloc((rows, k), dtype=torch.int8, device=x.device)
-    scale = (torch.ones if rows > m else torch.empty)((rows, 1), dtype=torch.float32,
-                                                      device=x.device)
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         one_pass, block, num_warps = one_pass_block(k)
         _quantize_int8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
@@ -115,56 +109,110 @@ def int8_scale_ref(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tens
     return out.to(dtype)
 
 
-@triton.jit
-def _scale_kernel(acc_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, stride_acc, stride_out,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    acc = tl.load(acc_ptr + rows[:, None].to(tl.int64) * stride_acc + cols[None, :], mask=mask,
-                  other=0)
-    xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
-    ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-    out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def int8_scale(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, dtype: torch.dtype, rows: int | None = None
-               ) -> torch.Tensor:
-    """int8_scale_ref in one Triton kernel, over acc's first `rows` rows (default: all)."""
-    m = acc.shape[0] if rows is None else rows
-    n = acc.shape[1]
-    out = torch.empty((m, n), dtype=dtype, device=acc.device)
-    if m and n:
-        on_gpu = acc.is_cuda
-        block_m, block_n = (32, 128) if on_gpu else (64, 256)
-        _scale_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            acc, x_scale, w_scale, bias if bias is not None else out, out, m, n, acc.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=4)
-    return out
-
-
 def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], weight: int8 [N, K], weight_scale: fp32 [N] -> [M, N] in x's dtype."""
     q, x_scale = quantize_int8_per_token_ref(x)
-    acc = (q.long() @ weight.long().t()).to(torch.int32)      # exact: |sum| < 2**31 for K < 2**17
+    # exact integer sums through fp64 (|sum| < 2**53; CUDA has no integer matmul in torch)
+    acc = (q.double() @ weight.double().t()).to(torch.int32)
     return int8_scale_ref(acc, x_scale, weight_scale, bias, x.dtype)
 
 
+@dataclass(frozen=True)
+class Int8Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def pick_config(m: int, n: int, k: int, on_gpu: bool) -> Int8Config:
+    """Tiles by row count: thin ones for decode batches (weight-bound: more programs over N),
+    square ones for prefill (tensor-core bound, grouped for L2 reuse)."""
+    if not on_gpu:      # the interpreter: few, wide programs
+        return Int8Config(16 if m <= 16 else 32, 64, 64, 4, 1)
+    if m <= 32:
+        return Int8Config(16, 64, 256, 4, 4)
+    if m <= 256:
+        return Int8Config(64, 128, 128, 4, 4)
+    return Int8Config(128, 256, 128, 8, 3)
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, stride_am,
+                      stride_bn, stride_cm, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    # C = (A @ B^T) * a_scale[:, None] * b_scale[None, :] (+ bias): A int8 [M, K] (per-token
+    # quantized activations), B int8 [N, K] (the weight, K contiguous as the tensor cores take
+    # it), int32 accumulation, the scales applied once in fp32 (int8_scale_ref's order).
+    # Programs walk GROUP_M row tiles per column tile so neighbours share B tiles in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok, other=0)
+            b = tl.load(b_ptrs, mask=n_ok, other=0)
+        else:
+            left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < left), other=0)
+            b = tl.load(b_ptrs, mask=n_ok & (rk[:, None] < left), other=0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    a_scale = tl.load(as_ptr + rm, mask=rm < M, other=0.0)
+    b_scale = tl.load(bs_ptr + rn, mask=rn < N, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :],
+             out.to(c_ptr.dtype.element_ty), mask=m_ok & n_ok)
+
+
+def int8_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+              weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+              config: Int8Config | None = None) -> torch.Tensor:
+    """(q [M, K] int8 @ weight [N, K] int8^T) * x_scale [M, 1] * weight_scale [N] (+ bias), in
+    dtype: int8_scale_ref of the exact integer product, in one Triton kernel."""
+    m, k = q.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1 or q.stride(1) != 1:
+        raise ValueError(f"int8_gemm takes q [M, K] and weight [N, K] with contiguous rows; got "
+                         f"{tuple(q.shape)} and {tuple(weight.shape)}")
+    out = torch.empty((m, n), dtype=dtype, device=q.device)
+    if m == 0:
+        return out
+    cfg = config or pick_config(m, n, k, q.is_cuda)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _int8_gemm_kernel[grid](q, weight, out, x_scale, weight_scale,
+                            bias if bias is not None else out, m, n, k, q.stride(0),
+                            weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                            EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """As int8_linear_ref: the activation quantized per token (Triton), the int8 product on
-    the integer tensor cores (torch._int_mm; K and N multiples of 8), the scales applied in a
-    Triton epilogue."""
-    m = x.shape[0]
-    rows = max(m, _INT_MM_MIN_ROWS) if x.is_cuda else m
-    q, x_scale = quantize_int8_per_token(x if x.stride(-1) == 1 else x.contiguous(), rows)
-    # weight.t(): the column-major [K, N] operand cuBLAS takes
-    acc = torch._int_mm(q, weight.t())
-    return int8_scale(acc, x_scale, weight_scale, bias, x.dtype, rows=m)
+                bias: torch.Tensor | None = None, config: Int8Config | None = None
+                ) -> torch.Tensor:
+    """As int8_linear_ref: the activation quantized per token, then the int8 GEMM with the
+    scales and bias applied in its epilogue (two Triton kernels)."""
+    q, x_scale = quantize_int8_per_token(x if x.stride(-1) == 1 else x.contiguous())
+    return int8_gemm(q, x_scale, weight, weight_scale, bias, x.dtype, config)

@@ -1,8 +1,8 @@
-"""W8A8 int8 linear (kvfleet_kernels.int8): the per-token int8 quantization kernel, the scaling
-epilogue and int8_linear against their torch references, bit for bit (the integer product is
-exact, the fp32 arithmetic the same operations in the same order). On a CPU the kernels run in
-Triton's interpreter and torch._int_mm on the CPU; the gpu-marked cases run cuBLAS's integer
-GEMM at Llama shapes, padded rows (fewer than 17) included."""
+"""W8A8 int8 linear (kvfleet_kernels.int8): the per-token int8 quantization kernel, the int8
+GEMM with its scaling epilogue and int8_linear against their torch references, bit for bit (the
+integer product is exact, the fp32 arithmetic the same operations in the same order). On a CPU
+the kernels run in Triton's interpreter; the gpu-marked cases run them compiled at Llama shapes,
+every tile config of pick_config."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 from kvfleet_kernels.fp8 import _ONE_PASS_MAX
 from kvfleet_kernels.int8 import (
+    Int8Config,
+    int8_gemm,
     int8_linear,
     int8_linear_ref,
-    int8_scale,
     int8_scale_ref,
+    pick_config,
     quantize_int8_per_token,
     quantize_int8_per_token_ref,
 )
@@ -71,31 +73,28 @@ def test_int8_quantization_rounds_ties_to_even() -> None:
     assert q[0, 1:9].tolist() == [0, 2, 2, 4, 0, -2, -4, 100]
 
 
-def test_int8_quantization_two_pass_rows_and_padding() -> None:
-    # rows longer than one pass holds (two passes over the row)
-    x = _rows(3, _ONE_PASS_MAX + 100, torch.float32, seed=2)
-    _assert_quantized_like_ref(x)
-    # padded to torch._int_mm's minimum: zero rows past x's, scales 1
-    q, scale = quantize_int8_per_token(x[:, :64].contiguous(), rows=17)
-    q_ref, scale_ref = quantize_int8_per_token_ref(x[:, :64])
-    assert q.shape == (17, 64) and torch.equal(q[:3], q_ref) and (q[3:] == 0).all()
-    assert torch.equal(scale[:3], scale_ref) and (scale[3:] == 1).all()
-    with pytest.raises(ValueError, match="rows \\(2\\) must be at least x's 3"):
-        quantize_int8_per_token(x[:, :64].contiguous(), rows=2)
+def test_int8_quantization_of_rows_longer_than_one_pass() -> None:
+    _assert_quantized_like_ref(_rows(3, _ONE_PASS_MAX + 100, torch.float32, seed=2))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_scale_epilogue_matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
-    g = torch.Generator().manual_seed(3)
-    acc = torch.randint(-2 ** 30, 2 ** 30, (70, 300), generator=g, dtype=torch.int32).to(DEVICE)
-    x_scale = (torch.rand(70, 1, generator=g) * 1e-3).to(DEVICE)
-    w_scale = (torch.rand(300, generator=g) * 1e-3).to(DEVICE)
-    bias = torch.randn(300, generator=g).to(dtype=dtype, device=DEVICE) if with_bias else None
-    out = int8_scale(acc, x_scale, w_scale, bias, dtype)
-    assert torch.equal(out, int8_scale_ref(acc, x_scale, w_scale, bias, dtype))
-    # the first rows only (a padded product)
-    assert torch.equal(int8_scale(acc, x_scale, w_scale, bias, dtype, rows=5), out[:5])
+@pytest.mark.parametrize(("m", "k", "config"), [
+    (70, 256, None),                                  # K a multiple of the tile: no K masks
+    (5, 200, Int8Config(16, 32, 64, 4, 1, 2)),        # K ragged; one row tile
+    (40, 96, Int8Config(16, 32, 32, 4, 1, 2)),        # groups of row tiles over column tiles
+], ids=["even-k", "ragged-k", "grouped"])
+def test_int8_gemm_is_the_exact_product_scaled(dtype: torch.dtype, with_bias: bool, m: int,
+                                               k: int, config: Int8Config | None) -> None:
+    g = torch.Generator().manual_seed(m + k)
+    q = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8).to(DEVICE)
+    x_scale = (torch.rand(m, 1, generator=g) * 1e-2).to(DEVICE)
+    w, w_scale = _weight(150, k, seed=3)
+    bias = torch.randn(150, generator=g).to(dtype=dtype, device=DEVICE) if with_bias else None
+    out = int8_gemm(q, x_scale, w, w_scale, bias, dtype, config)
+    acc = (q.double() @ w.double().t()).to(torch.int32)
+    assert out.dtype == dtype and torch.equal(out, int8_scale_ref(acc, x_scale, w_scale, bias,
+                                                                  dtype))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -117,10 +116,15 @@ def test_int8_linear_matches_reference_and_the_unquantized_product(dtype: torch.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_int8_linear_is_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
-    # Llama-3.1-8B's qkv (4096 -> 6144) and down (14336 -> 4096) shapes; 1, 9 and 16 rows are
-    # padded to 17 for cuBLAS
+    # Llama-3.1-8B's qkv (4096 -> 6144) and down (14336 -> 4096) shapes at each of
+    # pick_config's tile configs (decode batches, mid, prefill), ragged row counts
+    configs = set()
     for k, n in [(4096, 6144), (14336, 4096)]:
         w, w_scale = _weight(n, k, seed=k)
-        for m in (1, 9, 16, 17, 300, 2048):
+        bias = torch.randn(n, device=DEVICE).to(dtype)
+        for m in (1, 9, 33, 300, 2048):
+            configs.add(pick_config(m, n, k, True))
             x = _rows(m, k, dtype, seed=m)
-            assert torch.equal(int8_linear(x, w, w_scale), int8_linear_ref(x, w, w_scale)), (k, m)
+            assert torch.equal(int8_linear(x, w, w_scale, bias),
+                               int8_linear_ref(x, w, w_scale, bias)), (k, m)
+    assert len(configs) == 3
