@@ -22,7 +22,7 @@ group's own). Formats read:
                    (asymmetric) `weight_zero_point` a row ([N, 1]) or a tensor ([1]). Symmetric
                    weights and activations on a GPU: W8A8, the weight kept int8 [N, K] and the
                    activations quantized per token at run time (kvfleet_kernels.int8: the
-                   integer tensor cores through cuBLAS), as vLLM's dynamic W8A8; a static
+                   integer tensor cores, a Triton GEMM), as vLLM's dynamic W8A8; a static
                    `input_scale` is read past (per-token scales instead, as for FP8), batch 1
                    runs the W8A16 GEMV on the unquantized activation (as FP8 weights do).
                    Otherwise (asymmetric, or no GPU) the same integer weight as GPTQ's (q + 128,
