@@ -8,7 +8,8 @@ kernel) and fused_moe through the GEMV kernels and the grouped GEMM at their def
 GB/s = the distinct experts' weight bytes a call reads / its time. --sweep: the tiles of both
 paths at each token count, the best first (a tile that fails to compile or run: inf).
 --int4: also the same experts as int4 IntExperts (groups of 128, random words) through both
-paths at their default tiles (GB/s over their words, scales and zeros).
+paths at their default tiles (GB/s over their words, scales and zeros); with --sweep also the
+GEMV tiles of the int4 experts.
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ def main() -> None:
                 print(f"    gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
                 print(f"    gemv best pair {both:.1f} us ({nbytes / both / 1e3:.0f} GB/s)",
                       flush=True)
+                if args.int4:       # the same for the int4 experts (their own best tiles)
+                    ups = _best(int_run, True, [(t, default_down) for t in GEMV_SWEEP], routings)
+                    downs = _best(int_run, True, [(default_up, t) for t in GEMV_SWEEP], routings)
+                    both = _time(int_run(True, (ups[0][1][0], downs[0][1][1])), routings)
+                    print(f"    int4 gemv up {[(round(u, 1), t[0]) for u, t in ups[:3]]}")
+                    print(f"    int4 gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
+                    print(f"    int4 gemv best pair {both:.1f} us "
+                          f"({int_bytes / both / 1e3:.0f} GB/s)", flush=True)
             grouped = _best(run, False, GROUPED_SWEEP + (PREFILL_SWEEP if tokens >= 1024 else []),
                             routings)
             print(f"    grouped {[(round(u, 1), t) for u, t in grouped[:3]]}", flush=True)
