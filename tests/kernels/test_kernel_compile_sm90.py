@@ -1,7 +1,7 @@
 """Kernels compiled for the H200's sm_90 in a child process without TRITON_INTERPRET (no GPU
 needed): the fused rotary + cache write, the paged-attention kernels over an fp8 cache, the
 split-K GEMVs (bf16, W4A16), the FP8 activation quantization, alone and fused into RMSNorm and
-SiLU-and-mul.
+SiLU-and-mul, the W8A8 int8 quantization and GEMM.
 
 The interpreter runs kernels as Python, so what only the compiler enforces (constexpr
 globals, dtypes passed to nested jit functions, atomics' memory semantics, e4m3 conversions)
@@ -53,7 +53,8 @@ def _gemv_rows(rows: int) -> tuple:
 def _rotary_and_cache(cache: str, pdl: bool = False) -> tuple:
     sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
            "q_out_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
-           "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+           "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32", "k_inv_scale": "fp32",
+           "v_inv_scale": "fp32"}
     constexprs = dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_SIZE=128, ROT_DIM=128, IS_NEOX=True,
                       BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, BLOCK_REST=1,
                       BLOCK_D=128, PDL=pdl)
@@ -86,7 +87,7 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
            "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "q_ptr": "*bf16",
            "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-           "scale_log2": "fp32"}
+           "scale_log2": "fp32", "v_scale": "fp32", "k_inv_scale": "fp32", "v_inv_scale": "fp32"}
     constexprs = {
         "_reshape_and_cache_kernel": dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
                                           BLOCK_SIZE=16),
@@ -110,6 +111,20 @@ def _fp8_quant(one_pass: bool) -> tuple:
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
             dict(BLOCK=4096, ONE_PASS=one_pass))
+
+
+def _int8_quant(one_pass: bool) -> tuple:
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32"}
+    return ("kvfleet_kernels.int8", "_quantize_int8_kernel", sig,
+            dict(BLOCK=4096, ONE_PASS=one_pass))
+
+
+def _int8_gemm(block_m: int, block_n: int, block_k: int, even_k: bool) -> tuple:
+    sig = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*bf16", "as_ptr": "*fp32",
+           "bs_ptr": "*fp32", "bias_ptr": "*bf16"}
+    return ("kvfleet_kernels.int8", "_int8_gemm_kernel", sig,
+            dict(HAS_BIAS=True, EVEN_K=even_k, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k, GROUP_M=8))
 
 
 def _rms_norm(fp8: bool = True, pdl: bool = False) -> tuple:
@@ -198,6 +213,12 @@ CASES = {
     "moe_gemm_fp8_weights": (_moe_gemm("*fp8e4nv", "*fp32", MUL_WEIGHT=True, W_SCALE=True),
                              [BF16_MMA, "cvt.rn.f16x2.e4m3x2"]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    # W8A8: the per-token int8 quantization (IEEE division, floor-based rounding), and the int8
+    # GEMM on the integer tensor cores (s8 x s8 -> s32) at its prefill and decode tiles
+    "int8_quant_one_pass": (_int8_quant(True), ["div.rn.f32", "cvt.rmi"]),
+    "int8_quant_two_pass": (_int8_quant(False), ["div.rn.f32", "cvt.rmi"]),
+    "int8_gemm_prefill": (_int8_gemm(128, 256, 128, True), [".s32.s8.s8", "cvt.rn.bf16"]),
+    "int8_gemm_decode_ragged_k": (_int8_gemm(16, 64, 256, False), [".s32.s8.s8"]),
     "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,
     # of the output rounded to bf16 first (what the unfused kernel writes)
