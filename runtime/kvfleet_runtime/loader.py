@@ -64,12 +64,14 @@ def _drop_zero_biases(tensors: Iterator[tuple[str, torch.Tensor]],
 
 
 # Calibrated KV-cache scales of FP8 checkpoints (compressed-tensors' kv_cache_scheme, vLLM-style
-# fp8 ones; an older compressed-tensors stored them as k_proj / v_proj output scales, and
-# AutoFP8 one `kv_scale` for both), by the suffix that follows a layer's `self_attn`: an fp8 KV
-# cache (--kv-cache-dtype fp8) holds K / k_scale and V / v_scale (the model runner binds them)
+# fp8 ones; an older compressed-tensors stored them as k_proj / v_proj output scales, NVIDIA
+# ModelOpt as k_proj.k_scale / v_proj.v_scale, AutoFP8 one `kv_scale` for both), by the suffix
+# that follows a layer's `self_attn`: an fp8 KV cache (--kv-cache-dtype fp8) holds K / k_scale
+# and V / v_scale (the model runner binds them)
 _KV_SCALES = {"k_scale": "k", "attn.k_scale": "k", "k_proj.output_scale": "k",
-              "v_scale": "v", "attn.v_scale": "v", "v_proj.output_scale": "v",
-              "kv_scale": "kv", "attn.kv_scale": "kv"}
+              "k_proj.k_scale": "k", "v_scale": "v", "attn.v_scale": "v",
+              "v_proj.output_scale": "v", "v_proj.v_scale": "v", "kv_scale": "kv",
+              "attn.kv_scale": "kv"}
 # scales for FP8 attention math (queries, probabilities), which kvfleet's attention does not use
 _ATTENTION_SCALES = ("q_scale", "attn.q_scale", "prob_scale", "attn.prob_scale")
 

@@ -108,18 +108,19 @@ def test_calibrated_scales_give_the_amplified_model_the_original_fp8_runs_output
 
 
 @pytest.mark.parametrize("layout", ["attn.k_scale", "kv_scale", "k_proj.output_scale",
-                                    "per-head", "one-element"])
+                                    "k_proj.k_scale", "per-head", "one-element"])
 def test_each_checkpoint_spelling_of_the_scales_binds_them(original, tmp_path: Path,
                                                            layout: str) -> None:
     # vLLM-style names under self_attn.attn, AutoFP8's one kv_scale for both, an older
-    # compressed-tensors' k_proj / v_proj output scales, per-head scales (the largest serves),
-    # one-element tensors
+    # compressed-tensors' k_proj / v_proj output scales, ModelOpt's k_proj.k_scale /
+    # v_proj.v_scale, per-head scales (the largest serves), one-element tensors
     src, runs = original
     extra = {
         "attn.k_scale": _scales(A, A / 2, names=("attn.k_scale", "attn.v_scale")),
         "kv_scale": _scales(A, A, names=("kv_scale",)),
         "k_proj.output_scale": _scales(A, A / 2, names=("k_proj.output_scale",
                                                         "v_proj.output_scale")),
+        "k_proj.k_scale": _scales(A, A / 2, names=("k_proj.k_scale", "v_proj.v_scale")),
         "per-head": _scales(torch.tensor([A / 8, A]), torch.tensor([A / 2, A / 4])),
         "one-element": _scales(torch.tensor([A]), torch.tensor([A / 2])),
     }[layout]
