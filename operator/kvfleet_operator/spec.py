@@ -21,7 +21,7 @@ KIND = "LLMService"
 PLURAL = "llmservices"
 
 DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
-QUANTIZATIONS = ("none", "gptq", "awq", "fp8", "compressed-tensors")
+QUANTIZATIONS = ("none", "gptq", "awq", "fp8", "compressed-tensors", "modelopt")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")

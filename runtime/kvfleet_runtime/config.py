@@ -16,11 +16,11 @@ log = logging.getLogger(__name__)
 
 # torch is imported where a dtype or device is resolved, not here: the commands that only read
 # the engine's flags (`kvfleet bench serve`, any --help) start without it
-QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt")
 # vLLM's names of the same checkpoints served by another of its kernels (Marlin): kvfleet's
 # own kernels serve them, so a vLLM command line's --quantization works unchanged
 QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors":
-                        "compressed-tensors"}
+                        "compressed-tensors", "modelopt_fp4": "modelopt"}
 # how a thinking model marks its reasoning (server/reasoning.py splits it from the answer; a
 # grammar waits for the reasoning to end: structured_outputs.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

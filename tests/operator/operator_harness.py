@@ -64,8 +64,8 @@ class BadSpec:
 
 BAD_SPECS = [
     BadSpec("quantization-enum", {"quantization": "int3"},
-            "'int3' is not one of ['none', 'gptq', 'awq', 'fp8', 'compressed-tensors']",
-            "spec.quantization must be one of none, gptq, awq, fp8, compressed-tensors; got 'int3'"),
+            "'int3' is not one of ['none', 'gptq', 'awq', 'fp8', 'compressed-tensors', 'modelopt']",
+            "spec.quantization must be one of none, gptq, awq, fp8, compressed-tensors, modelopt; got 'int3'"),
     BadSpec("uri-scheme", {"model": {"uri": "ftp://host/model"}},
             "does not match", "spec.model.uri must start with s3://, hf://, pvc:// or /"),
     BadSpec("model-missing", {"model": None}, "'model' is a required property",

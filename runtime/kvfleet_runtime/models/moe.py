@@ -166,6 +166,9 @@ class _MoeForCausalLM(LlamaForCausalLM):
             return _awq_reader(q)
         if name == "gptq":
             return _gptq_reader(q, q.desc_act)
+        if name == "modelopt":
+            raise ValueError(f"{cfg.architecture}: ModelOpt checkpoints of mixtures of experts "
+                             "are not served")
         # compressed-tensors: the experts' scheme, the same for every expert projection of
         # the first sparse layer (each tensor's own is checked as it arrives)
         layer = min(cfg.moe_layers)

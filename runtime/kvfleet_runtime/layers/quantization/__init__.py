@@ -1,5 +1,5 @@
 """Quantized weights: GPTQ and AWQ (4/8-bit integer, fused W4A16 kernel), FP8 (e4m3), and
-compressed-tensors checkpoints of either kind.
+compressed-tensors and NVIDIA ModelOpt checkpoints.
 
 `get_quant_config` reads the checkpoint's scheme (config.json's quantization_config, else
 quantize_config.json / quant_config.json beside it) and reconciles it with the user's
@@ -16,14 +16,18 @@ from kvfleet_runtime.layers.quantization.base import QuantConfig
 from kvfleet_runtime.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from kvfleet_runtime.layers.quantization.fp8 import FP8Config
 from kvfleet_runtime.layers.quantization.gptq import GPTQConfig
+from kvfleet_runtime.layers.quantization.modelopt import ModelOptConfig
 
 CONFIGS: dict[str, type[QuantConfig]] = {
     "gptq": GPTQConfig, "awq": AWQConfig, "fp8": FP8Config,
-    "compressed-tensors": CompressedTensorsConfig}
-# standalone files written by AutoGPTQ/GPTQModel and AutoAWQ, with the method they imply
-SIDE_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+    "compressed-tensors": CompressedTensorsConfig, "modelopt": ModelOptConfig}
+# standalone files written by AutoGPTQ/GPTQModel, AutoAWQ and NVIDIA ModelOpt, with the method
+# they imply
+SIDE_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"),
+              ("hf_quant_config.json", "modelopt"))
 
-__all__ = ["AWQConfig", "CompressedTensorsConfig", "FP8Config", "GPTQConfig", "QuantConfig", "get_quant_config"]
+__all__ = ["AWQConfig", "CompressedTensorsConfig", "FP8Config", "GPTQConfig", "ModelOptConfig",
+           "QuantConfig", "get_quant_config"]
 
 
 def _checkpoint_scheme(hf_config: dict, model_dir: str | None) -> tuple[dict, str, str] | None:

@@ -368,7 +368,7 @@ class CTIntLinearMethod(IntWeightMethod):
         # as GPTQ's g_idx: the plain grouping unless the checkpoint has one (actorder group)
         params["weight_g_idx"] = (g_idx, {"input_dim": 0, "optional": True,
                                           "weight_loader": partial(load_g_idx, layer, split)})
-        self.checkpoint_params = tuple(_register(layer, params, self.scheme))   # finalize's
+        self.checkpoint_params = tuple(register_params(layer, params, self.scheme))   # finalize's
 
     def unpack(self, layer: Linear) -> IntWeight:
         return unpack_ct(layer.weight_packed, layer.weight_scale,
@@ -428,7 +428,7 @@ class CTInt8LinearMethod(IntWeightMethod):
         if not self.scheme.symmetric:
             params["weight_zero_point"] = (torch.empty(n, dtype=torch.int8),
                                            {"output_dim": 0, "weight_loader": rows})
-        self.checkpoint_params = tuple(_register(layer, params, self.scheme))
+        self.checkpoint_params = tuple(register_params(layer, params, self.scheme))
 
     def unpack(self, layer: Linear) -> IntWeight:
         return unpack_ct_int8(layer.weight.data, layer.weight_scale.data,
@@ -473,11 +473,11 @@ def _read_past(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) 
     param.is_loaded = True
 
 
-def _register(layer: Linear, params: dict[str, tuple[torch.Tensor, dict]],
-              scheme: Scheme) -> dict[str, tuple[torch.Tensor, dict]]:
+def register_params(layer: Linear, params: dict[str, tuple[torch.Tensor, dict]],
+                    scheme: Scheme | None = None) -> dict[str, tuple[torch.Tensor, dict]]:
     """Registers `params` (name -> (tensor, weight attrs)) on the layer, with the optional
     static activation scales a scheme's checkpoint carries (read past); returns them all."""
-    if scheme.static_input_scale:
+    if scheme is not None and scheme.static_input_scale:
         params = {**params, "input_scale": (torch.ones(1), {"optional": True,
                                                             "weight_loader": _read_past})}
         if scheme.format == "int-quantized":
@@ -508,7 +508,7 @@ class CTFP8LinearMethod(FP8LinearMethod):
             del layer.weight_scale
             layer.register_parameter("weight_scale", blocks)
             layer.ct_channel_scale = channel
-        _register(layer, {}, self.scheme)
+        register_params(layer, {}, self.scheme)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if hasattr(layer, "input_scale"):
@@ -527,11 +527,12 @@ E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12)
 
 
 def unpack_fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
-               group_size: int) -> IntWeight:
+               group_size: int, scale_2: torch.Tensor | None = None) -> IntWeight:
     """FP4 tensors of one projection -> IntWeight: packed uint8 [N, K / 2] (value 2j in the low
     nibble, 2j + 1 in the high one), scale [N, K / group_size] (NVFP4: e4m3; MXFP4: e8m0
     bytes, 2 ** (byte - 127)), global_scale [N] or [1] (NVFP4's, each row its piece's; None for
-    MXFP4). w = e2m1 * (scale / global_scale), as the compressed-tensors library dequantizes,
+    MXFP4; ModelOpt's NVFP4 gives scale_2 instead, [N] or [1], the inverse: scale * scale_2).
+    w = e2m1 * (scale / global_scale), as the compressed-tensors library dequantizes,
     held as 8-bit integers: q = 2 * e2m1 + 128 (-12..12 shifted), zero 128, a group's scale
     (scale / global_scale) / 2, exactly the same products; so the 8-bit integer kernels serve
     FP4 weights at a byte a weight."""
@@ -543,6 +544,8 @@ def unpack_fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
     scale = scale.float()
     if global_scale is not None:
         scale = scale / global_scale.float().reshape(-1, 1)
+    if scale_2 is not None:
+        scale = scale * scale_2.float().reshape(-1, 1)
     scales = (scale / 2).t().contiguous()                                             # [G, N]
     if not torch.equal(scales.to(torch.float16).float(), scales):
         log_once(f"{NAME}: FP4 group scales that fp16 does not hold exactly are rounded to "
@@ -584,7 +587,7 @@ class CTFP4LinearMethod(IntWeightMethod):
         if s.fp4_activations:
             params["input_global_scale"] = (torch.ones(1), {"optional": True,
                                                              "weight_loader": _read_past_fp4})
-        self.checkpoint_params = tuple(_register(layer, params, s))
+        self.checkpoint_params = tuple(register_params(layer, params, s))
 
     def unpack(self, layer: Linear) -> IntWeight:
         global_scale = getattr(layer, "weight_global_scale", None)
