@@ -65,7 +65,7 @@ def test_int_request_on_unquantized_checkpoint_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"quant_method": "bitsandbytes"}, "quant_method must be one of gptq, awq, fp8, compressed-tensors; got 'bitsandbytes'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method must be one of gptq, awq, fp8, compressed-tensors, modelopt; got 'bitsandbytes'"),
     ({**GPTQ_RAW, "bits": 3}, "gptq quantization_config.bits must be one of 4, 8; got 3"),
     ({**GPTQ_RAW, "group_size": 0}, "group_size must be -1 or a positive integer"),
     ({**GPTQ_RAW, "desc_act": "yes"}, "desc_act must be true or false; got 'yes'"),
@@ -84,20 +84,21 @@ def test_bad_fields_are_named_with_allowed_values(raw, message):
 
 def test_unknown_request_is_rejected():
     with pytest.raises(ValueError, match="quantization must be one of gptq, awq, fp8, "
-                                         "compressed-tensors; got 'int3'"):
+                                         "compressed-tensors, modelopt; got 'int3'"):
         get_quant_config({}, None, "int3")
 
 
 @pytest.mark.parametrize("given, taken", [("gptq_marlin", "gptq"), ("awq_marlin", "awq"),
                                           ("compressed_tensors", "compressed-tensors"),
-                                          ("none", None), ("fp8", "fp8")])
+                                          ("modelopt_fp4", "modelopt"), ("none", None),
+                                          ("fp8", "fp8")])
 def test_vllm_quantization_names_are_taken_as_kvfleets(given, taken):
     # a vLLM command line's --quantization gptq_marlin / awq_marlin works unchanged: kvfleet's
     # own kernels serve those checkpoints
     from kvfleet_runtime.config import EngineConfig
     assert EngineConfig(model="m", quantization=given).quantization == taken
     with pytest.raises(ValueError, match="quantization must be one of gptq, awq, fp8, "
-                                         "compressed-tensors; got 'marlin'"):
+                                         "compressed-tensors, modelopt; got 'marlin'"):
         EngineConfig(model="m", quantization="marlin")
 
 
