@@ -465,12 +465,18 @@ class CTInt8LinearMethod(IntWeightMethod):
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
 
-def _read_past(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
-    """A static activation scale (or zero point): activations are not rounded by it."""
-    log_once(f"{NAME}: the checkpoint's static activation scales (input_scale) are not used: "
-             "activations are scaled per token at run time (FP8, W8A8 int8 on a GPU) or stay "
-             "unquantized (W8A16)")
-    param.is_loaded = True
+def read_past(message: str):
+    """The weight loader of a checkpoint tensor kvfleet does not apply (a static activation
+    scale or zero point): logs `message` once and counts the tensor as loaded."""
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
+        log_once(message)
+        param.is_loaded = True
+    return load
+
+
+_read_past = read_past(f"{NAME}: the checkpoint's static activation scales (input_scale) are "
+                       "not used: activations are scaled per token at run time (FP8, W8A8 int8 "
+                       "on a GPU) or stay unquantized (W8A16)")
 
 
 def register_params(layer: Linear, params: dict[str, tuple[torch.Tensor, dict]],
@@ -567,23 +573,10 @@ class CTFP4LinearMethod(IntWeightMethod):
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         s = self.scheme
-        check_divisible(layer, "input size", input_size, s.group_size, NAME)
-        split = split_groups(layer, s.group_size, False, NAME)
-        groups = {**split.attrs, "input_dim": 1} if split.attrs else {}
-        n = sum(output_sizes)
         nvfp4 = s.format.startswith("nvfp4")
-        params = {
-            "weight_packed": (torch.empty(n, input_size // 2, dtype=torch.uint8),
-                              {"output_dim": 0, "input_dim": 1, "input_pack": 2}),
-            "weight_scale": (torch.empty(n, split.num_groups,
-                                         dtype=torch.float8_e4m3fn if nvfp4 else torch.uint8),
-                             {"output_dim": 0, **groups}),
-        }
-        if nvfp4:
-            # one a checkpoint piece (q, k, v apart): each row gets its piece's
-            params["weight_global_scale"] = (torch.empty(n, dtype=torch.float32),
-                                             {"output_dim": 0,
-                                              "weight_loader": partial(load_row_scale, layer)})
+        params = fp4_params(layer, input_size, output_sizes, s.group_size, NAME,
+                            "weight_packed", torch.float8_e4m3fn if nvfp4 else torch.uint8,
+                            "weight_global_scale" if nvfp4 else None)
         if s.fp4_activations:
             params["input_global_scale"] = (torch.ones(1), {"optional": True,
                                                              "weight_loader": _read_past_fp4})
@@ -596,7 +589,28 @@ class CTFP4LinearMethod(IntWeightMethod):
                           self.scheme.group_size)
 
 
-def _read_past_fp4(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
-    log_once(f"{NAME}: FP4 activations (W4A4: input_global_scale) are not applied: the "
-             "activations stay unquantized")
-    param.is_loaded = True
+def fp4_params(layer: Linear, input_size: int, output_sizes: list[int], group_size: int,
+               method: str, packed: str, scale_dtype: torch.dtype,
+               global_scale: str | None) -> dict[str, tuple[torch.Tensor, dict]]:
+    """An FP4 projection's checkpoint tensors (for register_params): `packed` [N, K / 2] uint8,
+    `weight_scale` [N, K / group_size] of scale_dtype (this rank's groups), and `global_scale`
+    (None: none), one fp32 a checkpoint piece held a row each."""
+    check_divisible(layer, "input size", input_size, group_size, method)
+    split = split_groups(layer, group_size, False, method)
+    groups = {**split.attrs, "input_dim": 1} if split.attrs else {}
+    n = sum(output_sizes)
+    params = {
+        packed: (torch.empty(n, input_size // 2, dtype=torch.uint8),
+                 {"output_dim": 0, "input_dim": 1, "input_pack": 2}),
+        "weight_scale": (torch.empty(n, split.num_groups, dtype=scale_dtype),
+                         {"output_dim": 0, **groups}),
+    }
+    if global_scale is not None:
+        # one a checkpoint piece (q, k, v apart): each row gets its piece's
+        params[global_scale] = (torch.empty(n, dtype=torch.float32),
+                                {"output_dim": 0, "weight_loader": partial(load_row_scale, layer)})
+    return params
+
+
+_read_past_fp4 = read_past(f"{NAME}: FP4 activations (W4A4: input_global_scale) are not "
+                           "applied: the activations stay unquantized")

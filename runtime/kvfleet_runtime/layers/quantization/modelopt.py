@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from functools import partial
 
 import torch
 
@@ -36,13 +35,16 @@ from kvfleet_runtime.layers.quantization.base import (
     read_choice,
     shard_prefixes,
 )
-from kvfleet_runtime.layers.quantization.compressed_tensors import register_params, unpack_fp4
-from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod, load_row_scale
+from kvfleet_runtime.layers.quantization.compressed_tensors import (
+    fp4_params,
+    read_past,
+    register_params,
+    unpack_fp4,
+)
+from kvfleet_runtime.layers.quantization.fp8 import FP8LinearMethod
 from kvfleet_runtime.layers.quantization.int_weight import (
     IntWeight,
     IntWeightMethod,
-    check_divisible,
-    split_groups,
 )
 
 NAME = "modelopt"
@@ -50,10 +52,9 @@ ALGOS = ("fp8", "fp8_per_channel_per_token", "nvfp4")
 NVFP4_GROUP = 16
 
 
-def _read_past(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
-    log_once(f"{NAME}: the checkpoint's static activation scales (input_scale) are not used: "
-             "activations are scaled per token (FP8) or stay unquantized (NVFP4)")
-    param.is_loaded = True
+_read_past = read_past(f"{NAME}: the checkpoint's static activation scales (input_scale) are "
+                       "not used: activations are scaled per token (FP8) or stay unquantized "
+                       "(NVFP4)")
 
 
 def _input_scale() -> dict:
@@ -85,20 +86,8 @@ class ModelOptFP4Method(IntWeightMethod):
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        check_divisible(layer, "input size", input_size, NVFP4_GROUP, NAME)
-        split = split_groups(layer, NVFP4_GROUP, False, NAME)
-        groups = {**split.attrs, "input_dim": 1} if split.attrs else {}
-        n = sum(output_sizes)
-        params = {
-            "weight": (torch.empty(n, input_size // 2, dtype=torch.uint8),
-                       {"output_dim": 0, "input_dim": 1, "input_pack": 2}),
-            "weight_scale": (torch.empty(n, split.num_groups, dtype=torch.float8_e4m3fn),
-                             {"output_dim": 0, **groups}),
-            # one a checkpoint piece (q, k, v apart): each row gets its piece's
-            "weight_scale_2": (torch.empty(n, dtype=torch.float32),
-                               {"output_dim": 0, "weight_loader": partial(load_row_scale, layer)}),
-            **_input_scale(),
-        }
+        params = {**fp4_params(layer, input_size, output_sizes, NVFP4_GROUP, NAME, "weight",
+                               torch.float8_e4m3fn, "weight_scale_2"), **_input_scale()}
         self.checkpoint_params = tuple(register_params(layer, params))
 
     def unpack(self, layer: Linear) -> IntWeight:
