@@ -210,64 +210,72 @@ def use_gemv(tokens: int, top_k: int, experts: int, device: torch.device) -> boo
 
 
 
-def gemv_tiles(tokens: int, device: torch.device) -> tuple[GemvTiles, GemvTiles]:
-    """The GEMV kernels' (up, down) tiles. On the GPU from `tests/kernels/bench_moe.py --sweep`
-    on an H100 (docs/PERFORMANCE.md, thirty-ninth session): one layer of Qwen3-30B-A3B's experts
-    at batch 1 37.5 us with these, 43.5 with 16 x 256 / 8 x 256 tiles. The interpreter runs each
-    program in Python, so few wide ones there."""
+def gemv_tiles(tokens: int, device: torch.device, bits: int = 0
+               ) -> tuple[GemvTiles, GemvTiles]:
+    """The GEMV kernels' (up, down) tiles; bits: the IntExperts' (0: bf16 / fp16 / FP8
+    experts). On the GPU from `tests/kernels/bench_moe.py --sweep` on an H100
+    (docs/PERFORMANCE.md, thirty-ninth session): one layer of Qwen3-30B-A3B's experts at batch 1
+    37.5 us with these, 43.5 with 16 x 256 / 8 x 256 tiles. Integer experts: tiles of 512
+    words (4 a thread at 4 warps), not yet swept. The interpreter runs each program in Python,
+    so few wide ones there."""
     if device.type != "cuda":
         return GemvTiles(64, 128, 4), GemvTiles(64, 128, 4)
+    if bits:
+        per_word = 32 // bits
+        return GemvTiles(16, 32 * per_word, 4), GemvTiles(8, 64 * per_word, 4)
     return GemvTiles(16, 512, 4), GemvTiles(4, 512, 8) if tokens <= 2 else GemvTiles(16, 128, 8)
 
 
 @triton.jit
-def _split_words_last(words, BITS: tl.constexpr):
-    # [R, C] words -> the [R, C * 32 / BITS] values they pack (column c * 32 / BITS + i of a
-    # row at bits [i * BITS, (i + 1) * BITS) of its word c): w4a16's _split_words along dim 1
-    PER_WORD: tl.constexpr = 32 // BITS
-    shifts = tl.arange(0, PER_WORD) * BITS
-    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1),
-                      (words.shape[0], words.shape[1] * PER_WORD))
-
-
-@triton.jit
-def _int_rows(w_rows, s_rows, z_rows, k0, K, group_size, n_valid, BITS: tl.constexpr,
-              BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
-    # IntExperts rows (pointers [BLOCK_N, 1] to each row's first word, scale and zero) at
-    # k0 .. k0 + BLOCK_K: [BLOCK_N, BLOCK_K] fp32 (q - zero) * scale, 0 past K. GROUP_K (a
-    # power of two dividing BLOCK_K and group_size) consecutive k share a group: BLOCK_K /
-    # GROUP_K scales and zeros a row, one when a group spans the tile.
+def _int_words_dot(w_rows, s_rows, z_rows, v_row, k0, K, group_size, n_valid,
+                   BITS: tl.constexpr, BLOCK_K: tl.constexpr, ONE_GROUP: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    # IntExperts rows (pointers [BLOCK_N, 1] to each row's first word, scale and zero) times
+    # the vector v (v_row: its first element) at k0 .. k0 + BLOCK_K, word by word: the
+    # [BLOCK_N, BLOCK_K / P] fp32 sums scale * sum_i v[k_i] * (q_i - zero) over each word's
+    # P values (w4a16's _word_rows_dot: no reshape of the values, P strided loads of v).
+    # ONE_GROUP: the tile lies in one group (a scale and zero a row), else a word's group is
+    # looked up (a word lies in one group). EVEN_K: K % BLOCK_K == 0, the rows' words masked
+    # by row only (16-byte loads where a thread's words are 4 in a row).
     PER_WORD: tl.constexpr = 32 // BITS
     kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(w_rows + kw[None, :], mask=n_valid[:, None] & (kw < K // PER_WORD)[None, :],
-                    other=0)
-    q = _small_int_to_float(_split_words_last(words, BITS))
-    if GROUP_K == BLOCK_K:                    # the tile in one group
+    if EVEN_K:
+        kw_valid = kw >= 0
+        mask = n_valid[:, None]
+    else:
+        kw_valid = kw < K // PER_WORD
+        mask = n_valid[:, None] & kw_valid[None, :]
+    words = tl.load(w_rows + kw[None, :], mask=mask, other=0)
+    if ONE_GROUP:
         group = k0 // group_size
         s = tl.load(s_rows + group, mask=n_valid[:, None], other=0.0).to(tl.float32)
         z = tl.load(z_rows + group, mask=n_valid[:, None], other=0.0).to(tl.float32)
-        w = (q - z) * s
     else:
-        kg = k0 + tl.arange(0, BLOCK_K // GROUP_K) * GROUP_K       # each run's first k
-        group = (kg // group_size)[None, :]
-        mask = n_valid[:, None] & (kg < K)[None, :]
-        s = tl.load(s_rows + group, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_rows + group, mask=mask, other=0.0).to(tl.float32)
-        q = tl.reshape(q, (q.shape[0], BLOCK_K // GROUP_K, GROUP_K))
-        w = tl.reshape((q - z[:, :, None]) * s[:, :, None], (q.shape[0], BLOCK_K))
-    return w
+        group = (kw * PER_WORD // group_size)[None, :]
+        s = tl.load(s_rows + group, mask=n_valid[:, None] & kw_valid[None, :],
+                    other=0.0).to(tl.float32)
+        z = tl.load(z_rows + group, mask=n_valid[:, None] & kw_valid[None, :],
+                    other=0.0).to(tl.float32)
+    part = tl.zeros(words.shape, tl.float32)
+    for i in tl.static_range(PER_WORD):
+        v = tl.load(v_row + kw * PER_WORD + i, mask=kw_valid, other=0.0).to(tl.float32)
+        q = _small_int_to_float((words >> (i * BITS)) & ((1 << BITS) - 1))
+        part += v[None, :] * (q - z)
+    return part * s
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H, group_size,
                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
                    TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0, GROUP_K: tl.constexpr = 1):
+                   BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0,
+                   ONE_GROUP: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     # Program = ((token, k) pair, BLOCK_N columns of SiLU(gate) * up): the gate and up rows
     # of the pair's expert times its token's x, rounded to act's dtype as the grouped path
     # stores them, then silu_mul as silu_and_mul computes it. BITS (4, 8): w is IntExperts'
     # words (strides in words), scale_ptr / zero_ptr its groups' scales and zeros (strides
-    # stride_se, stride_sn), dequantized in fp32 (_int_rows); 0: w in x's dtype or e4m3.
+    # stride_se, stride_sn), dotted word by word in fp32 (_int_words_dot; ONE_GROUP, EVEN_K:
+    # its flags); 0: w in x's dtype or e4m3.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -276,23 +284,28 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     gate_rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + INTER * stride_wn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_valid = k < H
-        x = tl.load(x_row + k, mask=k_valid, other=0.0).to(tl.float32)[None, :]
-        if BITS == 0:
+    if BITS == 0:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_valid = k < H
+            x = tl.load(x_row + k, mask=k_valid, other=0.0).to(tl.float32)[None, :]
             mask = n_valid[:, None] & k_valid[None, :]
             acc_gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
             acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        else:
-            gate_s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn   # groups' rows
-            up_s = gate_s + INTER * stride_sn
-            acc_gate += x * _int_rows(gate_rows, scale_ptr + gate_s, zero_ptr + gate_s, k0, H,
-                                      group_size, n_valid, BITS, BLOCK_K, GROUP_K)
-            acc_up += x * _int_rows(up_rows, scale_ptr + up_s, zero_ptr + up_s, k0, H,
-                                    group_size, n_valid, BITS, BLOCK_K, GROUP_K)
+    else:
+        BLOCK_KW: tl.constexpr = BLOCK_K * BITS // 32
+        gate_s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn     # groups' rows
+        up_s = gate_s + INTER * stride_sn
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            acc_gate += _int_words_dot(gate_rows, scale_ptr + gate_s, zero_ptr + gate_s, x_row,
+                                       k0, H, group_size, n_valid, BITS, BLOCK_K, ONE_GROUP,
+                                       EVEN_K)
+            acc_up += _int_words_dot(up_rows, scale_ptr + up_s, zero_ptr + up_s, x_row, k0, H,
+                                     group_size, n_valid, BITS, BLOCK_K, ONE_GROUP, EVEN_K)
     gate = tl.sum(acc_gate, 1)
     up = tl.sum(acc_up, 1)
     if W_SCALE:
@@ -309,7 +322,7 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, z
                      INTER, group_size, stride_am, stride_we, stride_wn, stride_se, stride_sn,
                      stride_om, TOP_K: tl.constexpr, W_SCALE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0,
-                     GROUP_K: tl.constexpr = 1):
+                     ONE_GROUP: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     # Program = (token, BLOCK_N outputs): the sum over its TOP_K pairs of the pair's weight
     # times its expert's w2 rows times the pair's activation, in fp32, cast once. BITS: as
     # _moe_up_kernel's.
@@ -323,19 +336,21 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, z
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         rows = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
         act_row = act_ptr + pair.to(tl.int64) * stride_am
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_valid = k < INTER
-            a = tl.load(act_row + k, mask=k_valid, other=0.0).to(tl.float32)
-            if BITS == 0:
+        if BITS == 0:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_valid = k < INTER
+                a = tl.load(act_row + k, mask=k_valid, other=0.0).to(tl.float32)
                 w = tl.load(rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :],
                             other=0.0)
                 acc += w.to(tl.float32) * a[None, :]
-            else:
-                s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn
-                acc += a[None, :] * _int_rows(rows, scale_ptr + s, zero_ptr + s, k0, INTER,
-                                              group_size, n_valid, BITS, BLOCK_K, GROUP_K)
+        else:
+            s = expert * stride_se + n[:, None].to(tl.int64) * stride_sn
+            acc = tl.zeros([BLOCK_N, BLOCK_K * BITS // 32], tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                acc += _int_words_dot(rows, scale_ptr + s, zero_ptr + s, act_row, k0, INTER,
+                                      group_size, n_valid, BITS, BLOCK_K, ONE_GROUP, EVEN_K)
         part = tl.sum(acc, 1)
         if W_SCALE:
             part *= tl.load(scale_ptr + expert * H + n, mask=n_valid, other=0.0)
@@ -371,21 +386,23 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor | IntExperts,
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
-    up, down = tiles or gemv_tiles(num_tokens, x.device)
+    bits = w13.bits if isinstance(w13, IntExperts) else 0
+    up, down = tiles or gemv_tiles(num_tokens, x.device, bits)
     ids = topk_ids.contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w13, w13_scale, up.block_k, act)
     _moe_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up.block_n))](
         x, w, ids, act, s, z, inter, hidden, group, x.stride(0), we, wn, se, sn, act.stride(0),
         TOP_K=top_k, W_SCALE=w13_scale is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        BITS=bits, GROUP_K=group_k, num_warps=up.num_warps)
+        BITS=bits, ONE_GROUP=group_k == up.block_k, EVEN_K=hidden % up.block_k == 0,
+        num_warps=up.num_warps)
     out = torch.empty_like(x)
     w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w2, w2_scale, down.block_k, act)
     _moe_down_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
         act, w, ids, topk_weights.contiguous(), out, s, z, hidden, inter, group, act.stride(0),
         we, wn, se, sn, out.stride(0), TOP_K=top_k, W_SCALE=w2_scale is not None,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, BITS=bits, GROUP_K=group_k,
-        num_warps=down.num_warps)
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, BITS=bits, ONE_GROUP=group_k == down.block_k,
+        EVEN_K=inter % down.block_k == 0, num_warps=down.num_warps)
     return out
 
 
@@ -532,8 +549,10 @@ def use_align_kernel(pairs: int, experts: int) -> bool:
 def _int_tile(w_base, scale_ptr, zero_ptr, expert, n, n_valid, k0, K, group_size, stride_wn,
               stride_se, stride_sn, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
               GROUP_K: tl.constexpr):
-    # The grouped GEMM's [BLOCK_K, BLOCK_N] fp32 tile of IntExperts at k0 (_int_rows
-    # transposed: words [BLOCK_K / P, BLOCK_N] split along K by w4a16's _split_words)
+    # The grouped GEMM's [BLOCK_K, BLOCK_N] fp32 tile of IntExperts at k0, (q - zero) * scale:
+    # words [BLOCK_K / P, BLOCK_N] split along K by w4a16's _split_words. GROUP_K (a power of
+    # two dividing BLOCK_K and group_size) consecutive k share a group: BLOCK_K / GROUP_K
+    # scales and zeros a column, one when a group spans the tile.
     PER_WORD: tl.constexpr = 32 // BITS
     kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
     words = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + kw[:, None],
@@ -569,7 +588,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
     # W_SCALE: w is e4m3, read in a's dtype, each output column times scale[expert, n].
     # BITS (4, 8): w is IntExperts' words; the [BLOCK_K, BLOCK_N] tile comes from
     # [BLOCK_K / P, BLOCK_N] words split along K, (q - zero) * scale in fp32 (GROUP_K: as
-    # _int_rows'), rounded to a's dtype as fused_moe_ref's dequantized weight.
+    # _int_tile's), rounded to a's dtype as fused_moe_ref's dequantized weight.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)

@@ -32,6 +32,9 @@ SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("mixtral-8x7b", 8, 2, 4096, 143
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
 GEMV_SWEEP = [moe.GemvTiles(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)
               for w in (4, 8)]
+# int4 experts: 32 to 128 words of a row a tile
+INT_GEMV_SWEEP = [moe.GemvTiles(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)
+                  for w in (4, 8)]
 GROUPED_SWEEP = [moe.GroupedTiles(bm, bn, bk, w, 3) for bm in (16, 32, 64) for bn in (64, 128)
                  for bk in (64, 128) for w in (4, 8)]
 # prefill-sized steps also try taller blocks and deeper pipelines
@@ -146,9 +149,10 @@ def main() -> None:
                 print(f"    gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
                 print(f"    gemv best pair {both:.1f} us ({nbytes / both / 1e3:.0f} GB/s)",
                       flush=True)
-                if args.int4:       # the same for the int4 experts (their own best tiles)
-                    ups = _best(int_run, True, [(t, default_down) for t in GEMV_SWEEP], routings)
-                    downs = _best(int_run, True, [(default_up, t) for t in GEMV_SWEEP], routings)
+                if args.int4:       # the same for the int4 experts (their own tiles)
+                    int_up, int_down = moe.gemv_tiles(tokens, dev, 4)
+                    ups = _best(int_run, True, [(t, int_down) for t in INT_GEMV_SWEEP], routings)
+                    downs = _best(int_run, True, [(int_up, t) for t in INT_GEMV_SWEEP], routings)
                     both = _time(int_run(True, (ups[0][1][0], downs[0][1][1])), routings)
                     print(f"    int4 gemv up {[(round(u, 1), t[0]) for u, t in ups[:3]]}")
                     print(f"    int4 gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")

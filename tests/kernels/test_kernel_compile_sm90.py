@@ -107,6 +107,15 @@ def _moe_gemm(weight: str, out: str, **flags: bool | int) -> tuple:
                  BLOCK_K=64) | flags)
 
 
+def _moe_gemv(kernel: str, bits: int, one_group: bool, **flags: bool) -> tuple:
+    # the few-token path's kernels over int4 / int8 experts (IntExperts' words)
+    sig = {"x_ptr": "*bf16", "act_ptr": "*bf16", "w_ptr": "*i32", "ids_ptr": "*i64",
+           "weights_ptr": "*fp32", "out_ptr": "*bf16", "scale_ptr": "*fp16", "zero_ptr": "*fp16"}
+    return ("kvfleet_kernels.moe", kernel, sig,
+            dict(TOP_K=8, W_SCALE=False, BLOCK_N=16, BLOCK_K=256, BITS=bits,
+                 ONE_GROUP=one_group) | flags)
+
+
 def _fp8_quant(one_pass: bool) -> tuple:
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
@@ -149,6 +158,7 @@ def _silu_and_mul_fp8(one_pass: bool, fast: bool = False) -> tuple:
 
 BF16_MMA = ".f32.bf16.bf16"     # tensor-core dots on bf16 operands (mma.sync and wgmma)
 F16_MMA = ".f32.f16.f16"
+INT_TO_FLOAT = "1258291200"    # 0x4B000000: 2**23 as fp32 bits
 
 # case -> (kernel spec, PTX fragments that must appear)
 CASES = {
@@ -212,6 +222,11 @@ CASES = {
     "moe_gemm_bf16": (_moe_gemm("*bf16", "*bf16", A_DIV=8), [BF16_MMA]),
     "moe_gemm_fp8_weights": (_moe_gemm("*fp8e4nv", "*fp32", MUL_WEIGHT=True, W_SCALE=True),
                              [BF16_MMA, "cvt.rn.f16x2.e4m3x2"]),
+    # int experts' GEMV, dotted word by word: each value made a float by the exponent trick
+    # (w4a16's _small_int_to_float: or'ed into 2**23's bits), no int-to-float conversion
+    "moe_gemv_up_int4": (_moe_gemv("_moe_up_kernel", 4, True, EVEN_K=True), [INT_TO_FLOAT]),
+    "moe_gemv_up_int4_groups": (_moe_gemv("_moe_up_kernel", 4, False), [INT_TO_FLOAT]),
+    "moe_gemv_down_int8": (_moe_gemv("_moe_down_kernel", 8, True), [INT_TO_FLOAT]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # W8A8: the per-token int8 quantization (IEEE division, floor-based rounding), and the int8
     # GEMM on the integer tensor cores (s8 x s8 -> s32) at its prefill and decode tiles
