@@ -9,7 +9,7 @@ GB/s = the distinct experts' weight bytes a call reads / its time. --sweep: the 
 paths at each token count, the best first (a tile that fails to compile or run: inf).
 --int4: also the same experts as int4 IntExperts (groups of 128, random words) through both
 paths at their default tiles (GB/s over their words, scales and zeros); with --sweep also the
-GEMV tiles of the int4 experts.
+GEMV tiles of the int4 experts (--int4-only: those alone).
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--int4", action="store_true")
+    parser.add_argument("--int4-only", action="store_true",
+                        help="with --sweep: sweep the int4 experts' GEMV tiles only")
     args = parser.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  "
@@ -142,13 +144,14 @@ def main() -> None:
             if tokens <= 32:
                 # the up tiles under the default down tiles, then the down tiles, then the pair
                 default_up, default_down = moe.gemv_tiles(tokens, dev)
-                ups = _best(run, True, [(t, default_down) for t in GEMV_SWEEP], routings)
-                downs = _best(run, True, [(default_up, t) for t in GEMV_SWEEP], routings)
-                both = _time(run(True, (ups[0][1][0], downs[0][1][1])), routings)
-                print(f"    gemv up {[(round(u, 1), t[0]) for u, t in ups[:3]]}")
-                print(f"    gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
-                print(f"    gemv best pair {both:.1f} us ({nbytes / both / 1e3:.0f} GB/s)",
-                      flush=True)
+                if not args.int4_only:
+                    ups = _best(run, True, [(t, default_down) for t in GEMV_SWEEP], routings)
+                    downs = _best(run, True, [(default_up, t) for t in GEMV_SWEEP], routings)
+                    both = _time(run(True, (ups[0][1][0], downs[0][1][1])), routings)
+                    print(f"    gemv up {[(round(u, 1), t[0]) for u, t in ups[:3]]}")
+                    print(f"    gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
+                    print(f"    gemv best pair {both:.1f} us ({nbytes / both / 1e3:.0f} GB/s)",
+                          flush=True)
                 if args.int4:       # the same for the int4 experts (their own tiles)
                     int_up, int_down = moe.gemv_tiles(tokens, dev, 4)
                     ups = _best(int_run, True, [(t, int_down) for t in INT_GEMV_SWEEP], routings)
@@ -158,6 +161,8 @@ def main() -> None:
                     print(f"    int4 gemv down {[(round(u, 1), t[1]) for u, t in downs[:3]]}")
                     print(f"    int4 gemv best pair {both:.1f} us "
                           f"({int_bytes / both / 1e3:.0f} GB/s)", flush=True)
+            if args.int4_only:
+                continue
             grouped = _best(run, False, GROUPED_SWEEP + (PREFILL_SWEEP if tokens >= 1024 else []),
                             routings)
             print(f"    grouped {[(round(u, 1), t) for u, t in grouped[:3]]}", flush=True)
