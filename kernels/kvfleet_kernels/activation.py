@@ -2,7 +2,8 @@
 
 `silu_and_mul_fp8` writes the same output quantized per token to e4m3 (the input of an FP8
 down_proj): silu_and_mul followed by quantize_fp8_rowwise_triton, one kernel (bit for bit in the
-interpreter and, measured, on the H200).
+interpreter and, measured, on the H200). `silu_and_mul_int8` the same to int8 (a W8A8
+down_proj's input): silu_and_mul followed by int8.quantize_int8_per_token.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvfleet_kernels.fp8 import (
     one_pass_block,
     quantize_fp8_per_token_ref,
 )
+from kvfleet_kernels.int8 import int8_round, int8_scale, quantize_int8_per_token_ref
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
@@ -32,6 +34,12 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, 2I] -> (e4m3 [T, I], fp32 scales [T, 1]): silu_and_mul_ref's output quantized per
     token as quantize_fp8_per_token_ref does."""
     return quantize_fp8_per_token_ref(silu_and_mul_ref(x))
+
+
+def silu_and_mul_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, 2I] -> (int8 [T, I], fp32 scales [T, 1]): silu_and_mul_ref's output quantized per
+    token as quantize_int8_per_token_ref does."""
+    return quantize_int8_per_token_ref(silu_and_mul_ref(x))
 
 
 @triton.jit
@@ -67,11 +75,33 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.constexpr,
-                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             PDL: tl.constexpr = False, FAST: tl.constexpr = False):
+def _row_scale(amax, INT8: tl.constexpr):
+    if INT8:
+        return int8_scale(amax)
+    return fp8_scale(amax)
+
+
+@triton.jit
+def _row_quantize(y, scale, INT8: tl.constexpr, FAST: tl.constexpr):
+    # y / scale as the per-token quantization kernels compute it (FAST: y * (1 / scale)),
+    # saturated, in fp32: e4m3 values before the store's rounding, int8 ones rounded already
+    if INT8:
+        q = int8_round(y, scale, FAST)
+    elif FAST:
+        q = tl.clamp(y * (1.0 / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    else:
+        q = fp8_quantize(y, scale)
+    return q
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.constexpr,
+                               BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                               PDL: tl.constexpr = False, FAST: tl.constexpr = False,
+                               INT8: tl.constexpr = False):
     # One program per row, as fp8.py's _quantize_rowwise_kernel: a row longer than its one-pass
-    # limit is computed twice (amax, then the values), instead of written and read back.
+    # limit is computed twice (amax, then the values), instead of written and read back. q is
+    # e4m3 (fp8.py's quantization) or, INT8, int8 (int8.py's).
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -80,11 +110,8 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.
     if ONE_PASS:
         mask = offs < INTER
         y = silu_mul_row(x_row, offs, mask, INTER, FAST).to(tl.float32)
-        scale = fp8_scale(tl.max(tl.abs(y), 0))
-        if FAST:        # one division a row, a multiplication a value
-            q = tl.clamp(y * (1.0 / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        else:
-            q = fp8_quantize(y, scale)
+        scale = _row_scale(tl.max(tl.abs(y), 0), INT8)
+        q = _row_quantize(y, scale, INT8, FAST)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -92,12 +119,12 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.
             mask = start + offs < INTER
             y = silu_mul_row(x_row, start + offs, mask, INTER).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = fp8_scale(tl.max(amax, 0))
+        scale = _row_scale(tl.max(amax, 0), INT8)
         for start in range(0, INTER, BLOCK):
             mask = start + offs < INTER
             y = silu_mul_row(x_row, start + offs, mask, INTER).to(tl.float32)
-            tl.store(q_row + start + offs, fp8_quantize(y, scale).to(q_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(q_row + start + offs,
+                     _row_quantize(y, scale, INT8, False).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -122,19 +149,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, config: tuple[bool, int, int] | None = None,
-                     fast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `silu_and_mul_fp8_ref`, the same as silu_and_mul followed by
-    quantize_fp8_rowwise_triton: (e4m3 [T, I], fp32 scales [T, 1]). config: (one pass, BLOCK,
-    num_warps) instead of one_pass_block's (tests/quantization/bench_fp8_act.py sweeps them).
-
-    fast (default: on a GPU, one-pass rows): SiLU's division approximate (<= 2 ulp) and each
-    value times the row's 1 / scale instead of divided by the scale. The H200 sweep: 473 ->
-    306 us at 16384 x 14336 (the IEEE divisions made the kernel compute-bound), 36 -> 24 us at
-    1024 rows; 454 of 234,881,024 e4m3 values one step from the exact kernel's."""
+def _silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype,
+                        config: tuple[bool, int, int] | None, fast: bool | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     inter = _check(x)
     num_tokens = x.shape[0]
-    q = torch.empty(num_tokens, inter, dtype=FP8, device=x.device)
+    q = torch.empty(num_tokens, inter, dtype=dtype, device=x.device)
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     if num_tokens:
         one_pass, block, num_warps = config or one_pass_block(inter)
@@ -146,8 +166,29 @@ def silu_and_mul_fp8(x: torch.Tensor, config: tuple[bool, int, int] | None = Non
             num_warps = 16
         if one_pass and block < inter:
             raise ValueError(f"a one-pass BLOCK ({block}) must hold the whole row ({inter})")
-        _silu_and_mul_fp8_kernel[(num_tokens,)](x, q, scale, x.stride(0), q.stride(0),
-                                                INTER=inter, BLOCK=block, ONE_PASS=one_pass,
-                                                FAST=bool(fast and one_pass),
-                                                num_warps=num_warps, **pdl_args(x.device))
+        _silu_and_mul_quant_kernel[(num_tokens,)](
+            x, q, scale, x.stride(0), q.stride(0), INTER=inter, BLOCK=block, ONE_PASS=one_pass,
+            FAST=bool(fast and one_pass), INT8=dtype == torch.int8, num_warps=num_warps,
+            **pdl_args(x.device))
     return q, scale
+
+
+def silu_and_mul_fp8(x: torch.Tensor, config: tuple[bool, int, int] | None = None,
+                     fast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `silu_and_mul_fp8_ref`, the same as silu_and_mul followed by
+    quantize_fp8_rowwise_triton: (e4m3 [T, I], fp32 scales [T, 1]). config: (one pass, BLOCK,
+    num_warps) instead of one_pass_block's (tests/quantization/bench_fp8_act.py sweeps them).
+
+    fast (default: on a GPU, one-pass rows): SiLU's division approximate (<= 2 ulp) and each
+    value times the row's 1 / scale instead of divided by the scale. The H200 sweep: 473 ->
+    306 us at 16384 x 14336 (the IEEE divisions made the kernel compute-bound), 36 -> 24 us at
+    1024 rows; 454 of 234,881,024 e4m3 values one step from the exact kernel's."""
+    return _silu_and_mul_quant(x, FP8, config, fast)
+
+
+def silu_and_mul_int8(x: torch.Tensor, config: tuple[bool, int, int] | None = None,
+                      fast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `silu_and_mul_int8_ref`, the same as silu_and_mul followed by
+    quantize_int8_per_token: (int8 [T, I], fp32 scales [T, 1]). config, fast: as
+    silu_and_mul_fp8's (fast: a value near a rounding boundary may land one int8 step off)."""
+    return _silu_and_mul_quant(x, torch.int8, config, fast)

@@ -48,10 +48,27 @@ def _round_half_even(y):
 
 
 @triton.jit
-def int8_quantize(x, scale):
+def int8_scale(amax):
+    # the per-token scale of a row whose largest |value| is amax: max(amax, 1e-12) * fp32(1/127)
+    return tl.maximum(amax, MIN_SCALE) * INV_INT8_MAX
+
+
+@triton.jit
+def int8_round(x, scale, FAST: tl.constexpr = False):
     # x / scale (IEEE round to nearest, as torch's division), rounded half to even, saturated
-    q = _round_half_even(tl.math.div_rn(x, scale))
-    return tl.clamp(q, -128.0, 127.0).to(tl.int8)
+    # to [-128, 127], still in fp32. FAST: x times fp32(1 / scale) instead (one division a
+    # row; a value sitting near a rounding boundary may land one step from the division's)
+    if FAST:
+        y = x * (1.0 / scale)
+    else:
+        y = tl.math.div_rn(x, scale)
+    return tl.clamp(_round_half_even(y), -128.0, 127.0)
+
+
+@triton.jit
+def int8_quantize(x, scale, FAST: tl.constexpr = False):
+    # int8_round's value as int8
+    return int8_round(x, scale, FAST).to(tl.int8)
 
 
 @triton.jit
@@ -73,7 +90,7 @@ def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax = tl.max(amax, 0)
-    scale = tl.maximum(amax, MIN_SCALE) * INV_INT8_MAX
+    scale = int8_scale(amax)
     if ONE_PASS:
         tl.store(q_row + offs, int8_quantize(x, scale), mask=mask)
     else:

@@ -215,14 +215,17 @@ def gemv_tiles(tokens: int, device: torch.device, bits: int = 0
     """The GEMV kernels' (up, down) tiles; bits: the IntExperts' (0: bf16 / fp16 / FP8
     experts). On the GPU from `tests/kernels/bench_moe.py --sweep` on an H100
     (docs/PERFORMANCE.md, thirty-ninth session): one layer of Qwen3-30B-A3B's experts at batch 1
-    37.5 us with these, 43.5 with 16 x 256 / 8 x 256 tiles. Integer experts: tiles of 512
-    words (4 a thread at 4 warps), not yet swept. The interpreter runs each program in Python,
-    so few wide ones there."""
+    37.5 us with these, 43.5 with 16 x 256 / 8 x 256 tiles. Integer experts, tiles in words
+    (64 a row up, 128 or 32 down), from the forty-third session's int4 sweep on an H100:
+    Qwen3-30B-A3B's layer at 1 / 2 / 8 tokens 36.2 / 59.1 / 196.5 us against 39.7 / 65.3 /
+    218.9 with the first guess (16 x 32 / 8 x 64 words), Mixtral's at 1 token 228.5 against
+    260.0. The interpreter runs each program in Python, so few wide ones there."""
     if device.type != "cuda":
         return GemvTiles(64, 128, 4), GemvTiles(64, 128, 4)
     if bits:
         per_word = 32 // bits
-        return GemvTiles(16, 32 * per_word, 4), GemvTiles(8, 64 * per_word, 4)
+        return GemvTiles(8, 64 * per_word, 4), (GemvTiles(8, 128 * per_word, 4) if tokens <= 2
+                                                 else GemvTiles(16, 32 * per_word, 4))
     return GemvTiles(16, 512, 4), GemvTiles(4, 512, 8) if tokens <= 2 else GemvTiles(16, 128, 8)
 
 

@@ -7,7 +7,8 @@ BEFORE it is multiplied by the weight, and that product is rounded to x.dtype on
 `rms_norm_fp8` writes that rounded output quantized per token to e4m3 instead (the input of an
 FP8 GEMM): rms_norm followed by quantize_fp8_rowwise_triton (bit for bit in the interpreter;
 on the GPU a rare value one e4m3 step off, docs/KERNELS.md), one kernel fewer and no
-bf16 activation written and read back.
+bf16 activation written and read back. `rms_norm_int8` the same for an int8 GEMM (W8A8):
+rms_norm followed by int8.quantize_int8_per_token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels.fp8 import FP8, fp8_quantize, fp8_scale, quantize_fp8_per_token_ref
+from kvfleet_kernels.int8 import int8_quantize, int8_scale, quantize_int8_per_token_ref
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
 
 
@@ -42,6 +44,16 @@ def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return *quantize_fp8_per_token_ref(out), summed
 
 
+def rms_norm_int8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(int8 [T, D], fp32 scales [T, 1], x + residual or None): rms_norm_ref's output quantized
+    per token as quantize_int8_per_token_ref does."""
+    out, summed = rms_norm_ref(x, weight, eps, residual) if residual is not None else (
+        rms_norm_ref(x, weight, eps), None)
+    return *quantize_int8_per_token_ref(out), summed
+
+
 @triton.jit
 def residual_rms_norm_row(x, residual_ptr, weight_ptr, sum_ptr, row, stride_r, stride_s, d, mask,
                           eps, D: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
@@ -62,9 +74,11 @@ def residual_rms_norm_row(x, residual_ptr, weight_ptr, sum_ptr, row, stride_r, s
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_ptr, eps,
                      stride_x, stride_r, stride_o, stride_s,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     FP8_OUT: tl.constexpr, PDL: tl.constexpr = False):
+                     FP8_OUT: tl.constexpr, PDL: tl.constexpr = False,
+                     INT8_OUT: tl.constexpr = False):
     # One program per row: the whole row fits one tile (D <= 16k). FP8_OUT: out_ptr takes the
-    # output quantized per token (fp8_scale, fp8_quantize of fp8.py), scale_ptr its scale.
+    # output quantized per token (fp8_scale, fp8_quantize of fp8.py), scale_ptr its scale;
+    # INT8_OUT: the same to int8 (int8_scale, int8_quantize of int8.py).
     pdl_wait(PDL)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
@@ -79,13 +93,20 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_pt
         tl.store(out_ptr + row * stride_o + d, fp8_quantize(y, scale).to(out_ptr.dtype.element_ty),
                  mask=mask)
         tl.store(scale_ptr + row, scale)
+    elif INT8_OUT:
+        y = out.to(tl.float32)
+        scale = int8_scale(tl.max(tl.abs(y), 0))
+        tl.store(out_ptr + row * stride_o + d, int8_quantize(y, scale), mask=mask)
+        tl.store(scale_ptr + row, scale)
     else:
         tl.store(out_ptr + row * stride_o + d, out, mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-            fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(out in x.dtype or e4m3, its per-token scales if fp8_out, x + residual if residual)."""
+            out_dtype: torch.dtype | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(out in x.dtype, or quantized per token to out_dtype (e4m3 or int8) with its scales,
+    x + residual if residual)."""
     num_tokens, dim = x.shape
     if weight.shape != (dim,):
         raise ValueError(f"weight must have shape ({dim},) to match x [T, {dim}]; got {tuple(weight.shape)}")
@@ -94,17 +115,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension; got strides {tuple(t.stride())}")
-    out = torch.empty_like(x, dtype=FP8 if fp8_out else x.dtype)
-    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else None
+    if out_dtype not in (None, FP8, torch.int8):
+        raise ValueError(f"out_dtype must be None, {FP8} or torch.int8; got {out_dtype}")
+    out = torch.empty_like(x, dtype=out_dtype or x.dtype)
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device) if out_dtype else None
     summed = torch.empty_like(x) if residual is not None else None
     if num_tokens:
         residual_arg = residual if residual is not None else x
         summed_arg = summed if summed is not None else out
         _rms_norm_kernel[(num_tokens,)](
-            x, residual_arg, weight, out, summed_arg, scale if fp8_out else out, eps,
+            x, residual_arg, weight, out, summed_arg, scale if out_dtype else out, eps,
             x.stride(0), residual_arg.stride(0), out.stride(0), summed_arg.stride(0),
             D=dim, BLOCK_D=triton.next_power_of_2(dim), HAS_RESIDUAL=residual is not None,
-            FP8_OUT=fp8_out, num_warps=8 if dim >= 4096 else 4, **pdl_args(x.device),
+            FP8_OUT=out_dtype == FP8, INT8_OUT=out_dtype == torch.int8,
+            num_warps=8 if dim >= 4096 else 4, **pdl_args(x.device),
         )
     return out, scale, summed
 
@@ -113,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `rms_norm_ref`."""
-    out, _, summed = _launch(x, weight, eps, residual, fp8_out=False)
+    out, _, summed = _launch(x, weight, eps, residual)
     return out if residual is None else (out, summed)
 
 
@@ -122,4 +146,12 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton twin of `rms_norm_fp8_ref`, the same as rms_norm followed by
     quantize_fp8_rowwise_triton: (e4m3 [T, D], fp32 scales [T, 1], x + residual or None)."""
-    return _launch(x, weight, eps, residual, fp8_out=True)
+    return _launch(x, weight, eps, residual, FP8)
+
+
+def rms_norm_int8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Triton twin of `rms_norm_int8_ref`, the same as rms_norm followed by
+    quantize_int8_per_token: (int8 [T, D], fp32 scales [T, 1], x + residual or None)."""
+    return _launch(x, weight, eps, residual, torch.int8)

@@ -136,12 +136,12 @@ def _int8_gemm(block_m: int, block_n: int, block_k: int, even_k: bool) -> tuple:
                  BLOCK_K=block_k, GROUP_M=8))
 
 
-def _rms_norm(fp8: bool = True, pdl: bool = False) -> tuple:
+def _rms_norm(fp8: bool = True, pdl: bool = False, int8: bool = False) -> tuple:
     sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
-           "out_ptr": "*fp8e4nv" if fp8 else "*bf16", "sum_ptr": "*bf16", "scale_ptr": "*fp32",
-           "eps": "fp32"}
+           "out_ptr": "*fp8e4nv" if fp8 else "*i8" if int8 else "*bf16", "sum_ptr": "*bf16",
+           "scale_ptr": "*fp32", "eps": "fp32"}
     return ("kvfleet_kernels.norm", "_rms_norm_kernel", sig,
-            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=fp8, PDL=pdl))
+            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=fp8, PDL=pdl, INT8_OUT=int8))
 
 
 def _silu_and_mul(pdl: bool) -> tuple:
@@ -149,11 +149,11 @@ def _silu_and_mul(pdl: bool) -> tuple:
             {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(INTER=14336, BLOCK=1024, PDL=pdl))
 
 
-def _silu_and_mul_fp8(one_pass: bool, fast: bool = False) -> tuple:
-    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    return ("kvfleet_kernels.activation", "_silu_and_mul_fp8_kernel", sig,
-            dict(INTER=14336, BLOCK=16384, ONE_PASS=True, FAST=fast) if one_pass else
-            dict(INTER=29568, BLOCK=4096, ONE_PASS=False))
+def _silu_and_mul_fp8(one_pass: bool, fast: bool = False, int8: bool = False) -> tuple:
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i8" if int8 else "*fp8e4nv", "s_ptr": "*fp32"}
+    return ("kvfleet_kernels.activation", "_silu_and_mul_quant_kernel", sig,
+            dict(INTER=14336, BLOCK=16384, ONE_PASS=True, FAST=fast, INT8=int8) if one_pass
+            else dict(INTER=29568, BLOCK=4096, ONE_PASS=False, INT8=int8))
 
 
 BF16_MMA = ".f32.bf16.bf16"     # tensor-core dots on bf16 operands (mma.sync and wgmma)
@@ -246,9 +246,16 @@ CASES = {
     # multiplied by the row's inverse scale (one IEEE division a row, counted below)
     "silu_and_mul_fp8_fast": (_silu_and_mul_fp8(True, fast=True),
                               ["cvt.rn.bf16", "div.full.f32", "cvt.rn.satfinite.e4m3x2"]),
+    # W8A8: the int8 quantization inside the producers' kernels (int8.py's int8_scale,
+    # int8_quantize: floor-based rounding half to even)
+    "rms_norm_int8": (_rms_norm(fp8=False, int8=True), ["cvt.rn.bf16", "div.rn.f32", "cvt.rmi"]),
+    "silu_and_mul_int8_two_pass": (_silu_and_mul_fp8(False, int8=True),
+                                   ["cvt.rn.bf16", "div.rn.f32", "cvt.rmi"]),
+    "silu_and_mul_int8_fast": (_silu_and_mul_fp8(True, fast=True, int8=True),
+                               ["cvt.rn.bf16", "div.full.f32", "cvt.rmi"]),
 }
 # kernels whose IEEE divisions are counted: at most this many div.rn.f32 in their PTX
-MAX_IEEE_DIVISIONS = {"silu_and_mul_fp8_fast": 1}
+MAX_IEEE_DIVISIONS = {"silu_and_mul_fp8_fast": 1, "silu_and_mul_int8_fast": 1}
 
 # programmatic dependent launch (kvfleet_kernels.pdl): each decode-step kernel compiled with
 # PDL waits for the previous kernel and then lets the next launch; the prefetching GEMVs load
