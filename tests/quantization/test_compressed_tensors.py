@@ -109,23 +109,40 @@ def _int8_activations(model) -> None:
             module.register_forward_pre_hook(hook)
 
 
-@pytest.mark.parametrize("weights", ["channel", "tensor"])
+@pytest.mark.parametrize("weights, backend", [("channel", "auto"), ("tensor", "triton")])
 def test_w8a8_int8_quantizes_activations_per_token_on_the_integer_gemm(
-        weights, tiny_llama, fp32_reference, tmp_path, monkeypatch):
-    # the GPU's W8A8 path run on a CPU (int8_supported forced: the Triton kernels interpreted,
-    # torch._int_mm on the CPU): HF on the library's decompressed weights with every
-    # projection's input rounded per token to int8 is the same arithmetic
+        weights, backend, tiny_llama, fp32_reference, tmp_path, monkeypatch):
+    # the GPU's W8A8 path run on a CPU (int8_supported forced: the Triton kernels interpreted):
+    # HF on the library's decompressed weights with every projection's input rounded per token
+    # to int8 is the same arithmetic. backend triton: the whole GPU path, where the norms and
+    # the activation hand qkv, gate_up and down their input quantized (Int8Activation)
     from kvfleet_runtime.layers.quantization import compressed_tensors as ct
+    from kvfleet_runtime.layers.quantization.fp8 import Int8Activation
     monkeypatch.setattr(ct, "int8_supported", lambda device: True)
     quantized, dequantized = tmp_path / "q", tmp_path / "d"
     write_compressed(tiny_llama, quantized, dequantized, {**INT8_WEIGHTS, "strategy": weights},
                      INT8_DYNAMIC_ACTS)
-    llm = LLM(model=str(quantized))
-    layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "uses_int8")]
+    llm = LLM(model=str(quantized), attention_backend=backend)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if hasattr(m, "uses_int8")]
     assert len(layers) == 8 and all(m.uses_int8 for m in layers)     # 4 projections x 2 layers
+    # the producers in front of qkv, gate_up and down quantize (o_proj's input, the attention
+    # output, is quantized by its GEMM)
+    producers = [m for name, m in model.named_modules()
+                 if name.endswith(("input_layernorm", "post_attention_layernorm", "act_fn"))]
+    assert len(producers) == 6 and all(m.int8_out and not m.fp8_out for m in producers)
     del llm
+    fed = []
+    apply = ct.CTInt8LinearMethod.apply
+
+    def counting_apply(self, layer, x, bias):
+        fed.append(isinstance(x, Int8Activation))
+        return apply(self, layer, x, bias)
+    monkeypatch.setattr(ct.CTInt8LinearMethod, "apply", counting_apply)
     prompts = _prompts()
-    tokens, logprobs = kvfleet_run(quantized, prompts)
+    tokens, logprobs = kvfleet_run(quantized, prompts, attention_backend=backend)
+    # triton: 3 of a layer's 4 projections fed quantized (all but batch-1 steps' GEMVs)
+    assert (0.6 < sum(fed) / len(fed) <= 0.75) if backend == "triton" else not any(fed)
     ref_tokens, ref_logprobs = hf_reference(dequantized, prompts, prepare=_int8_activations)
     _, w8a16_logprobs = hf_reference(dequantized, prompts)
     assert tokens == ref_tokens

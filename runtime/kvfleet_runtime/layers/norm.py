@@ -1,5 +1,6 @@
 """RMSNorm, optionally fused with the residual add (pre-norm decoder pattern), and with the
-per-token FP8 quantization of its output when that output feeds an FP8 GEMM (`fp8_out`)."""
+per-token FP8 quantization of its output when that output feeds an FP8 GEMM (`fp8_out`), or
+the int8 one when it feeds a W8A8 int8 GEMM (`int8_out`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from torch import nn
 
 from kvfleet_runtime.distributed.communication import fused_norm_for, was_pushed
 from kvfleet_runtime.layers.backend import use_triton
-from kvfleet_runtime.layers.quantization.fp8 import FP8Activation, takes_fp8_activation
+from kvfleet_runtime.layers.quantization.fp8 import (
+    FP8Activation,
+    Int8Activation,
+    takes_fp8_activation,
+)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -30,12 +35,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.fp8_out = False      # set at load time by an FP8 consumer (quantization.fp8.feeds_fp8)
+        self.int8_out = False     # the same by a W8A8 int8 consumer
         self.reduces_input = False    # set by reduce_in_norm: x may be a rank's partial sum
         self.reduce_site = 0          # its place among the model's fused all-reduces
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [T, D]; with residual returns (normed, x + residual); normed is an FP8Activation
-        # where fp8_out and the consumer takes one
+        # (Int8Activation) where fp8_out (int8_out) and the consumer takes one
         if self.reduces_input:
             fused = fused_norm_for(x, self)
             if fused is not None:     # the row-parallel layer left x unreduced
@@ -45,6 +51,11 @@ class RMSNorm(nn.Module):
             from kvfleet_kernels.norm import rms_norm_fp8
             q, scale, summed = rms_norm_fp8(x, self.weight, self.eps, residual)
             out = FP8Activation(q, scale, x.dtype)
+            return out if residual is None else (out, summed)
+        if self.int8_out and takes_fp8_activation(x):
+            from kvfleet_kernels.norm import rms_norm_int8
+            q, scale, summed = rms_norm_int8(x, self.weight, self.eps, residual)
+            out = Int8Activation(q, scale, x.dtype)
             return out if residual is None else (out, summed)
         if use_triton(x):
             from kvfleet_kernels.norm import rms_norm

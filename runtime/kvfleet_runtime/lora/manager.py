@@ -39,10 +39,10 @@ class LoRAManager:
                 module.lora = LoRASlots(module, max_loras, max_rank, dtype, device, self.masks)
                 self.layers[name] = module.lora
                 modules[name] = module
-                # FP8 weights: the norm or activation before the projection hands it its
-                # input unquantized (the adapter reads it); the FP8 GEMM quantizes it itself
+                # FP8 / W8A8 weights: the norm or activation before the projection hands it
+                # its input unquantized (the adapter reads it); the GEMM quantizes it itself
                 for producer in getattr(module, "fp8_input_producers", ()):
-                    producer.fp8_out = False
+                    producer.fp8_out = producer.int8_out = False
         # the whole model's sizes (an adapter holds them all; each rank keeps its part)
         self.input_sizes = {n: m.full_input_size for n, m in modules.items()}
         self.output_sizes = {n: m.full_output_sizes for n, m in modules.items()}

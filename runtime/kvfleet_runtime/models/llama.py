@@ -145,7 +145,7 @@ class DecoderMLP(nn.Module):
         feeds_fp8(self.act_fn, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.act_fn.fp8_out:
+        if isinstance(x, torch.Tensor):     # not quantized by the norm (FP8 / int8 activation)
             act = self.gate_up_proj.gated_output(x)     # SiLU(gate) * up inside gate_up's GEMV
             if act is not None:
                 return self.down_proj(act)

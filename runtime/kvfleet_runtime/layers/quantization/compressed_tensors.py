@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from kvfleet_kernels.int8 import int8_linear, int8_supported
+from kvfleet_kernels.int8 import int8_gemm, int8_linear, int8_supported
 from torch import nn
 
 from kvfleet_runtime.layers.linear import Linear, LinearMethod, set_weight_attrs
@@ -75,6 +75,7 @@ from kvfleet_runtime.layers.quantization.base import (
 )
 from kvfleet_runtime.layers.quantization.fp8 import (
     FP8LinearMethod,
+    Int8Activation,
     batch_one_fp8_gemv,
     load_row_scale,
 )
@@ -439,6 +440,9 @@ class CTInt8LinearMethod(IntWeightMethod):
         n, k = layer.weight.shape
         layer.uses_int8 = (s.int8_activations and s.symmetric and s.symmetric_activations
                            and int8_supported(layer.weight.device) and n % 8 == 0 and k % 8 == 0)
+        # the norm or activation in front (feeds_fp8) quantizes the input inside its kernel
+        for producer in getattr(layer, "fp8_input_producers", ()):
+            producer.int8_out = layer.uses_int8
         if layer.uses_int8:
             # the checkpoint's int8 [N, K] and fp32 [N] scales are the kernels' operands as stored
             layer.uses_kernel = False
@@ -454,7 +458,10 @@ class CTInt8LinearMethod(IntWeightMethod):
                      "on the integer kernels or dequantized, the activations unquantized")
         super().process_weights_after_loading(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor | Int8Activation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Int8Activation):     # only a producer with int8_out, so uses_int8
+            return int8_gemm(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
         if not layer.uses_int8:
             return super().apply(layer, x, bias)
         if batch_one_fp8_gemv(x):

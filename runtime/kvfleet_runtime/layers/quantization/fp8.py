@@ -20,6 +20,8 @@ in front of it (one kernel writes the e4m3 activation and its scales instead of 
 GEMM quantizes again). The model links producer and consumer (`feeds_fp8`); the consumer's
 process_weights_after_loading turns the producer's `fp8_out` on where the FP8 GEMM runs, and
 the producer quantizes only the inputs that go to it (`takes_fp8_activation`: not batch 1).
+W8A8 int8 layers (compressed_tensors.CTInt8LinearMethod) take the same link: their producers'
+`int8_out` makes them hand over an `Int8Activation`.
 """
 
 from __future__ import annotations
@@ -51,21 +53,29 @@ class FP8Activation(NamedTuple):
     dtype: torch.dtype       # the unquantized activation's: the GEMM's output dtype
 
 
+class Int8Activation(NamedTuple):
+    """A W8A8 GEMM input quantized per token, as int8_linear would quantize it itself."""
+    q: torch.Tensor          # [T, K] int8
+    scale: torch.Tensor      # [T, 1] fp32
+    dtype: torch.dtype       # the unquantized activation's: the GEMM's output dtype
+
+
 def batch_one_fp8_gemv(x: torch.Tensor) -> bool:
     """FP8 weights meet x in the W8A16 GEMV (batch 1), which takes x unquantized."""
     return linear._FP8_GEMV and linear.batch_one_gemv(x)
 
 
 def takes_fp8_activation(x: torch.Tensor) -> bool:
-    """An FP8 GEMM fed rows like x's (same count, device) quantizes them first, so a producer
-    linked by feeds_fp8 may hand them over quantized (in its Triton kernel)."""
+    """An FP8 (or W8A8 int8) GEMM fed rows like x's (same count, device) quantizes them first,
+    so a producer linked by feeds_fp8 may hand them over quantized (in its Triton kernel)."""
     return use_triton(x) and not batch_one_fp8_gemv(x)
 
 
 def feeds_fp8(producer: nn.Module, consumer: Linear) -> None:
     """producer (whose `fp8_out` flag says it returns an FP8Activation where
-    takes_fp8_activation) computes consumer's input: the flag is set once consumer's weights
-    are processed, if they run on the FP8 GEMM (uses_fp8)."""
+    takes_fp8_activation, `int8_out` an Int8Activation) computes consumer's input: the flag is
+    set once consumer's weights are processed, if they run on the FP8 GEMM (uses_fp8) or the
+    W8A8 int8 GEMM (uses_int8)."""
     # a tuple, not an attribute holding the module: that would make it consumer's submodule
     consumer.fp8_input_producers = (*getattr(consumer, "fp8_input_producers", ()), producer)
 
