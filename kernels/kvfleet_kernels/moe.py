@@ -230,16 +230,26 @@ def gemv_tiles(tokens: int, device: torch.device, bits: int = 0
 
 
 @triton.jit
+def _half_to_float(h, BF16: tl.constexpr):
+    # h: int32 holding a 16-bit float's bits in its low half (the high half zero) -> fp32
+    if BF16:
+        return (h << 16).to(tl.float32, bitcast=True)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _int_words_dot(w_rows, s_rows, z_rows, v_row, k0, K, group_size, n_valid,
                    BITS: tl.constexpr, BLOCK_K: tl.constexpr, ONE_GROUP: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   EVEN_K: tl.constexpr, V_QUADS: tl.constexpr = False):
     # IntExperts rows (pointers [BLOCK_N, 1] to each row's first word, scale and zero) times
     # the vector v (v_row: its first element) at k0 .. k0 + BLOCK_K, word by word: the
     # [BLOCK_N, BLOCK_K / P] fp32 sums scale * sum_i v[k_i] * (q_i - zero) over each word's
     # P values (w4a16's _word_rows_dot: no reshape of the values, P strided loads of v).
     # ONE_GROUP: the tile lies in one group (a scale and zero a row), else a word's group is
     # looked up (a word lies in one group). EVEN_K: K % BLOCK_K == 0, the rows' words masked
-    # by row only (16-byte loads where a thread's words are 4 in a row).
+    # by row only (16-byte loads where a thread's words are 4 in a row). V_QUADS: v is fp16 /
+    # bf16 with its row 8-byte aligned, read as int64 quads (a word's values in P / 4 loads
+    # instead of P) and split in registers.
     PER_WORD: tl.constexpr = 32 // BITS
     kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
     if EVEN_K:
@@ -260,10 +270,23 @@ def _int_words_dot(w_rows, s_rows, z_rows, v_row, k0, K, group_size, n_valid,
         z = tl.load(z_rows + group, mask=n_valid[:, None] & kw_valid[None, :],
                     other=0.0).to(tl.float32)
     part = tl.zeros(words.shape, tl.float32)
-    for i in tl.static_range(PER_WORD):
-        v = tl.load(v_row + kw * PER_WORD + i, mask=kw_valid, other=0.0).to(tl.float32)
-        q = _small_int_to_float((words >> (i * BITS)) & ((1 << BITS) - 1))
-        part += v[None, :] * (q - z)
+    if V_QUADS:
+        BF16: tl.constexpr = v_row.dtype.element_ty == tl.bfloat16
+        v64 = v_row.to(tl.pointer_type(tl.int64), bitcast=True)
+        for j in tl.static_range(PER_WORD // 4):
+            quad = tl.load(v64 + kw * (PER_WORD // 4) + j, mask=kw_valid, other=0)
+            for h in tl.static_range(2):
+                pair = (quad >> (32 * h)).to(tl.int32)
+                for t in tl.static_range(2):
+                    v = _half_to_float((pair >> (16 * t)) & 0xFFFF, BF16)
+                    q = _small_int_to_float((words >> ((4 * j + 2 * h + t) * BITS))
+                                            & ((1 << BITS) - 1))
+                    part += v[None, :] * (q - z)
+    else:
+        for i in tl.static_range(PER_WORD):
+            v = tl.load(v_row + kw * PER_WORD + i, mask=kw_valid, other=0.0).to(tl.float32)
+            q = _small_int_to_float((words >> (i * BITS)) & ((1 << BITS) - 1))
+            part += v[None, :] * (q - z)
     return part * s
 
 
@@ -272,13 +295,14 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H
                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
                    TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0,
-                   ONE_GROUP: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                   ONE_GROUP: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                   V_QUADS: tl.constexpr = False):
     # Program = ((token, k) pair, BLOCK_N columns of SiLU(gate) * up): the gate and up rows
     # of the pair's expert times its token's x, rounded to act's dtype as the grouped path
     # stores them, then silu_mul as silu_and_mul computes it. BITS (4, 8): w is IntExperts'
     # words (strides in words), scale_ptr / zero_ptr its groups' scales and zeros (strides
-    # stride_se, stride_sn), dotted word by word in fp32 (_int_words_dot; ONE_GROUP, EVEN_K:
-    # its flags); 0: w in x's dtype or e4m3.
+    # stride_se, stride_sn), dotted word by word in fp32 (_int_words_dot; ONE_GROUP, EVEN_K,
+    # V_QUADS: its flags); 0: w in x's dtype or e4m3.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -306,9 +330,10 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H
         for k0 in range(0, H, BLOCK_K):
             acc_gate += _int_words_dot(gate_rows, scale_ptr + gate_s, zero_ptr + gate_s, x_row,
                                        k0, H, group_size, n_valid, BITS, BLOCK_K, ONE_GROUP,
-                                       EVEN_K)
+                                       EVEN_K, V_QUADS)
             acc_up += _int_words_dot(up_rows, scale_ptr + up_s, zero_ptr + up_s, x_row, k0, H,
-                                     group_size, n_valid, BITS, BLOCK_K, ONE_GROUP, EVEN_K)
+                                     group_size, n_valid, BITS, BLOCK_K, ONE_GROUP, EVEN_K,
+                                     V_QUADS)
     gate = tl.sum(acc_gate, 1)
     up = tl.sum(acc_up, 1)
     if W_SCALE:
@@ -325,7 +350,8 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, z
                      INTER, group_size, stride_am, stride_we, stride_wn, stride_se, stride_sn,
                      stride_om, TOP_K: tl.constexpr, W_SCALE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr = 0,
-                     ONE_GROUP: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                     ONE_GROUP: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                     V_QUADS: tl.constexpr = False):
     # Program = (token, BLOCK_N outputs): the sum over its TOP_K pairs of the pair's weight
     # times its expert's w2 rows times the pair's activation, in fp32, cast once. BITS: as
     # _moe_up_kernel's.
@@ -353,7 +379,8 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, z
             acc = tl.zeros([BLOCK_N, BLOCK_K * BITS // 32], tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 acc += _int_words_dot(rows, scale_ptr + s, zero_ptr + s, act_row, k0, INTER,
-                                      group_size, n_valid, BITS, BLOCK_K, ONE_GROUP, EVEN_K)
+                                      group_size, n_valid, BITS, BLOCK_K, ONE_GROUP, EVEN_K,
+                                      V_QUADS)
         part = tl.sum(acc, 1)
         if W_SCALE:
             part *= tl.load(scale_ptr + expert * H + n, mask=n_valid, other=0.0)
@@ -381,6 +408,17 @@ def _weight_args(w: torch.Tensor | IntExperts, scale: torch.Tensor | None, block
             w.scales.stride(0), w.scales.stride(1), w.bits, math.gcd(w.group_size, block_k))
 
 
+# KVFLEET_MOE_V_QUADS=0: the int experts' GEMV loads its input a value at a time (_quads)
+_V_QUADS = os.environ.get("KVFLEET_MOE_V_QUADS", "1") != "0"
+
+
+def _quads(v: torch.Tensor) -> bool:
+    """Whether the int experts' GEMV reads v's rows (fp16 / bf16) as int64 quads: each row
+    8-byte aligned."""
+    return (_V_QUADS and v.dtype in (torch.float16, torch.bfloat16) and v.data_ptr() % 8 == 0
+            and v.stride(0) % 4 == 0)
+
+
 def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor | IntExperts,
                     w2: torch.Tensor | IntExperts, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, w13_scale: torch.Tensor | None,
@@ -398,14 +436,15 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor | IntExperts,
         x, w, ids, act, s, z, inter, hidden, group, x.stride(0), we, wn, se, sn, act.stride(0),
         TOP_K=top_k, W_SCALE=w13_scale is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
         BITS=bits, ONE_GROUP=group_k == up.block_k, EVEN_K=hidden % up.block_k == 0,
-        num_warps=up.num_warps)
+        V_QUADS=bits != 0 and _quads(x), num_warps=up.num_warps)
     out = torch.empty_like(x)
     w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w2, w2_scale, down.block_k, act)
     _moe_down_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
         act, w, ids, topk_weights.contiguous(), out, s, z, hidden, inter, group, act.stride(0),
         we, wn, se, sn, out.stride(0), TOP_K=top_k, W_SCALE=w2_scale is not None,
         BLOCK_N=down.block_n, BLOCK_K=down.block_k, BITS=bits, ONE_GROUP=group_k == down.block_k,
-        EVEN_K=inter % down.block_k == 0, num_warps=down.num_warps)
+        EVEN_K=inter % down.block_k == 0, V_QUADS=bits != 0 and _quads(act),
+        num_warps=down.num_warps)
     return out
 
 

@@ -224,9 +224,12 @@ CASES = {
                              [BF16_MMA, "cvt.rn.f16x2.e4m3x2"]),
     # int experts' GEMV, dotted word by word: each value made a float by the exponent trick
     # (w4a16's _small_int_to_float: or'ed into 2**23's bits), no int-to-float conversion
-    "moe_gemv_up_int4": (_moe_gemv("_moe_up_kernel", 4, True, EVEN_K=True), [INT_TO_FLOAT]),
+    "moe_gemv_up_int4": (_moe_gemv("_moe_up_kernel", 4, True, EVEN_K=True, V_QUADS=True),
+                         [INT_TO_FLOAT]),
     "moe_gemv_up_int4_groups": (_moe_gemv("_moe_up_kernel", 4, False), [INT_TO_FLOAT]),
-    "moe_gemv_down_int8": (_moe_gemv("_moe_down_kernel", 8, True), [INT_TO_FLOAT]),
+    "moe_gemv_down_int8": (_moe_gemv("_moe_down_kernel", 8, True, V_QUADS=True),
+                           [INT_TO_FLOAT]),
+    "moe_gemv_down_int4_values": (_moe_gemv("_moe_down_kernel", 4, False), [INT_TO_FLOAT]),
     "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # W8A8: the per-token int8 quantization (IEEE division, floor-based rounding), and the int8
     # GEMM on the integer tensor cores (s8 x s8 -> s32) at its prefill and decode tiles
