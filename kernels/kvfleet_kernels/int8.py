@@ -190,7 +190,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, st
             left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=m_ok & (rk[None, :] < left), other=0)
             b = tl.load(b_ptrs, mask=n_ok & (rk[:, None] < left), other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)     # (Triton 3.6 asks for it by name)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     a_scale = tl.load(as_ptr + rm, mask=rm < M, other=0.0)
