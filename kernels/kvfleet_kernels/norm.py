@@ -34,14 +34,20 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
+def _quantized_ref(quantize, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    out, summed = rms_norm_ref(x, weight, eps, residual) if residual is not None else (
+        rms_norm_ref(x, weight, eps), None)
+    return *quantize(out), summed
+
+
 def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(e4m3 [T, D], fp32 scales [T, 1], x + residual or None): rms_norm_ref's output quantized
     per token as quantize_fp8_per_token_ref does."""
-    out, summed = rms_norm_ref(x, weight, eps, residual) if residual is not None else (
-        rms_norm_ref(x, weight, eps), None)
-    return *quantize_fp8_per_token_ref(out), summed
+    return _quantized_ref(quantize_fp8_per_token_ref, x, weight, eps, residual)
 
 
 def rms_norm_int8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -49,9 +55,7 @@ def rms_norm_int8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(int8 [T, D], fp32 scales [T, 1], x + residual or None): rms_norm_ref's output quantized
     per token as quantize_int8_per_token_ref does."""
-    out, summed = rms_norm_ref(x, weight, eps, residual) if residual is not None else (
-        rms_norm_ref(x, weight, eps), None)
-    return *quantize_int8_per_token_ref(out), summed
+    return _quantized_ref(quantize_int8_per_token_ref, x, weight, eps, residual)
 
 
 @triton.jit
