@@ -66,9 +66,9 @@ def int8_round(x, scale, FAST: tl.constexpr = False):
 
 
 @triton.jit
-def int8_quantize(x, scale, FAST: tl.constexpr = False):
-    # int8_round's value as int8
-    return int8_round(x, scale, FAST).to(tl.int8)
+def int8_quantize(x, scale):
+    # int8_round's value (x / scale, IEEE division) as int8
+    return int8_round(x, scale).to(tl.int8)
 
 
 @triton.jit
