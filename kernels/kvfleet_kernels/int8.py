@@ -145,16 +145,26 @@ class Int8Config:
     group_m: int = 8
 
 
+# two waves of programs on an H100's / H200's 132 SMs: past it, 128 x 128 tiles keep every SM
+# busy and reuse each tile better than 64 x 128 ones
+_WAVES_TILES = 2 * 132
+
+
 def pick_config(m: int, n: int, k: int, on_gpu: bool) -> Int8Config:
-    """Tiles by row count: thin ones for decode batches (weight-bound: more programs over N),
-    square ones for prefill (tensor-core bound, grouped for L2 reuse)."""
+    """Tiles by row count (an H100 sweep, docs/PERFORMANCE.md, forty-fourth session): thin ones
+    for decode batches (weight-bound: more programs over N), 128 x 128 ones once they fill two
+    waves of the SMs (tensor-core bound, grouped for L2 reuse)."""
     if not on_gpu:      # the interpreter: few, wide programs
         return Int8Config(16 if m <= 16 else 32, 64, 64, 4, 1)
     if m <= 32:
         return Int8Config(16, 64, 256, 4, 4)
-    if m <= 256:
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) < _WAVES_TILES:
         return Int8Config(64, 128, 128, 4, 4)
-    return Int8Config(128, 256, 128, 8, 3)
+    return Int8Config(128, 128, 128, 8, 3)
+
+
+# the GEMM's epilogue rounds each product as int8_scale_ref does: no fused multiply-adds
+GEMM_LAUNCH = dict(enable_fp_fusion=False)
 
 
 @triton.jit
@@ -164,7 +174,8 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, st
                       GROUP_M: tl.constexpr):
     # C = (A @ B^T) * a_scale[:, None] * b_scale[None, :] (+ bias): A int8 [M, K] (per-token
     # quantized activations), B int8 [N, K] (the weight, K contiguous as the tensor cores take
-    # it), int32 accumulation, the scales applied once in fp32 (int8_scale_ref's order).
+    # it), int32 accumulation, the scales applied once in fp32 (int8_scale_ref's order: the
+    # launch turns off fp fusion, which made the bias add an FMA with the scale's product).
     # Programs walk GROUP_M row tiles per column tile so neighbours share B tiles in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -222,7 +233,8 @@ def int8_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                             weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                             EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m,
                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            **GEMM_LAUNCH)
     return out
 
 
