@@ -21,7 +21,9 @@ steps); `moe_route` the router's softmax, top-k and renormalization in one launc
 
 Weights: bf16 / fp16, e4m3 with a scale a row (FP8), or `IntExperts` (GPTQ / AWQ int4 / int8
 groups), which both paths read as words and dequantize in registers (a quarter / half of the
-bf16 bytes read).
+bf16 bytes read). Act-order IntExperts (GPTQ desc_act: each expert's inputs sorted by group,
+`perm`) take their inputs gathered through the expert's permutation: the GEMV path gathers each
+pair's input row first (a few rows), the grouped GEMM loads its A tiles through it.
 """
 
 from __future__ import annotations
@@ -52,14 +54,18 @@ class IntExperts:
                last dim, as a bf16 row's are contiguous (a GEMV row reads whole words)
       scales:  [E, N, G] fp16 / bf16 / fp32, G = K // group_size; zeros: [E, N, G] the same
                dtype, integer-valued zero points
+      perm:    None, or [E, K] int32 (act-order): the packed k-th input of expert e is input
+               perm[e, k] of x (each row a permutation of 0..K-1)
     w[e, n, k] = (q[e, n, k] - zeros[e, n, k // group_size]) * scales[e, n, k // group_size]
-    in fp32. group_size divides K and is a multiple of P (a word lies in one group); K is then
-    a multiple of P too. `pack_int_experts` builds one from the values, checked."""
+    in fp32 (multiplying x[perm[e, k]] with a perm). group_size divides K and is a multiple of P
+    (a word lies in one group); K is then a multiple of P too. `pack_int_experts` builds one
+    from the values, checked."""
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     bits: int
     group_size: int
+    perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # shapes only (no device sync): what the kernels index by
@@ -84,6 +90,10 @@ class IntExperts:
         if self.zeros.dtype != self.scales.dtype:
             raise ValueError(f"zeros must be in the scales' dtype {self.scales.dtype}; got "
                              f"{self.zeros.dtype}")
+        if self.perm is not None and (self.perm.dtype != torch.int32 or tuple(
+                self.perm.shape) != (experts, k) or self.perm.stride(1) != 1):
+            raise ValueError(f"perm must be [{experts}, {k}] int32 with a contiguous last dim; "
+                             f"got {tuple(self.perm.shape)} {self.perm.dtype}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -92,7 +102,8 @@ class IntExperts:
         return experts, rows, words * (32 // self.bits)
 
     def dequantize(self, dtype: torch.dtype, experts: slice | int = slice(None)) -> torch.Tensor:
-        """The experts' weights [E', N, K] in dtype: computed in fp32, rounded once."""
+        """The experts' weights [E', N, K] in dtype, inputs in x's order (perm undone):
+        computed in fp32, rounded once."""
         if isinstance(experts, int):
             experts = slice(experts, experts + 1)
         words = self.qweight[experts]
@@ -102,7 +113,12 @@ class IntExperts:
         groups = torch.arange(q.shape[2], device=q.device) // self.group_size
         zeros = self.zeros[experts].float()[:, :, groups]
         scales = self.scales[experts].float()[:, :, groups]
-        return ((q - zeros) * scales).to(dtype)
+        w = ((q - zeros) * scales).to(dtype)
+        if self.perm is None:
+            return w
+        # input perm[e, k] of x is packed k: x's order puts packed k at perm[e, k]
+        return torch.empty_like(w).scatter_(2, self.perm[experts].long()[:, None, :]
+                                            .expand_as(w), w)
 
 
 def pack_int_experts(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -302,7 +318,8 @@ def _moe_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, scale_ptr, zero_ptr, INTER, H
     # stores them, then silu_mul as silu_and_mul computes it. BITS (4, 8): w is IntExperts'
     # words (strides in words), scale_ptr / zero_ptr its groups' scales and zeros (strides
     # stride_se, stride_sn), dotted word by word in fp32 (_int_words_dot; ONE_GROUP, EVEN_K,
-    # V_QUADS: its flags); 0: w in x's dtype or e4m3.
+    # V_QUADS: its flags); 0: w in x's dtype or e4m3. TOP_K: the pairs a row of x serves
+    # (1 where each pair has its own row: act-order experts' gathered inputs).
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -389,6 +406,24 @@ def _moe_down_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, z
              total.to(out_ptr.dtype.element_ty), mask=n_valid)
 
 
+def _perm(w: torch.Tensor | IntExperts) -> torch.Tensor | None:
+    """An act-order IntExperts' input permutation, else None."""
+    return w.perm if isinstance(w, IntExperts) else None
+
+
+def _gather_inputs(v: torch.Tensor, w: torch.Tensor | IntExperts, ids: torch.Tensor,
+                   per_pair: int) -> tuple[torch.Tensor, int]:
+    """The GEMV kernels' input rows and how many pairs share a row: v's rows (row = pair //
+    per_pair) as they are, or, for act-order experts, each pair's row gathered through its
+    expert's perm (one row a pair)."""
+    perm = _perm(w)
+    if perm is None:
+        return v, per_pair
+    pairs = ids.numel()
+    rows = torch.arange(pairs, device=v.device) // per_pair
+    return v[rows[:, None], perm[ids.reshape(-1)].long()], 1
+
+
 def _weight_args(w: torch.Tensor | IntExperts, scale: torch.Tensor | None, block_k: int,
                  dummy: torch.Tensor) -> tuple:
     """A kernel's weight arguments: (w, scale_ptr, zero_ptr, group_size, stride_we, stride_wn,
@@ -432,13 +467,15 @@ def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor | IntExperts,
     ids = topk_ids.contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w13, w13_scale, up.block_k, act)
+    x, per_row = _gather_inputs(x, w13, ids, top_k)
     _moe_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up.block_n))](
         x, w, ids, act, s, z, inter, hidden, group, x.stride(0), we, wn, se, sn, act.stride(0),
-        TOP_K=top_k, W_SCALE=w13_scale is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        TOP_K=per_row, W_SCALE=w13_scale is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
         BITS=bits, ONE_GROUP=group_k == up.block_k, EVEN_K=hidden % up.block_k == 0,
         V_QUADS=bits != 0 and _quads(x), num_warps=up.num_warps)
-    out = torch.empty_like(x)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     w, s, z, group, we, wn, se, sn, bits, group_k = _weight_args(w2, w2_scale, down.block_k, act)
+    act, _ = _gather_inputs(act, w2, ids, 1)
     _moe_down_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
         act, w, ids, topk_weights.contiguous(), out, s, z, hidden, inter, group, act.stride(0),
         we, wn, se, sn, out.stride(0), TOP_K=top_k, W_SCALE=w2_scale is not None,
@@ -624,13 +661,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
                      MUL_WEIGHT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_SCALE: tl.constexpr = False, BITS: tl.constexpr = 0,
-                     GROUP_K: tl.constexpr = 1):
+                     GROUP_K: tl.constexpr = 1, perm_ptr=None, A_PERM: tl.constexpr = False):
     # Program = (block of BLOCK_M sorted pairs, all of one expert; BLOCK_N outputs):
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[expert, n, k] (times the pair's weight).
     # W_SCALE: w is e4m3, read in a's dtype, each output column times scale[expert, n].
     # BITS (4, 8): w is IntExperts' words; the [BLOCK_K, BLOCK_N] tile comes from
     # [BLOCK_K / P, BLOCK_N] words split along K, (q - zero) * scale in fp32 (GROUP_K: as
-    # _int_tile's), rounded to a's dtype as fused_moe_ref's dequantized weight.
+    # _int_tile's), rounded to a's dtype as fused_moe_ref's dequantized weight. A_PERM: the
+    # expert's k-th input is a's column perm[expert, k] (act-order IntExperts; [E, K] int32).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -646,7 +684,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < K
-        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
+        if A_PERM:
+            cols = tl.load(perm_ptr + expert.to(tl.int64) * K + k, mask=k_valid, other=0)
+        else:
+            cols = k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :],
                     mask=valid[:, None] & k_valid[None, :], other=0.0)
         if BITS == 0:
             w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
@@ -701,8 +743,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | IntExperts, out: torch.Tensor,
         s, z, num_pairs, n, k, group, a.stride(0), we, wn, se, sn, out.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None, NUM_EXPERTS=w.shape[0],
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        W_SCALE=scale is not None, BITS=bits, GROUP_K=group_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        W_SCALE=scale is not None, BITS=bits, GROUP_K=group_k,
+        perm_ptr=out if _perm(w) is None else _perm(w), A_PERM=_perm(w) is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor | IntExperts, w2: torch.Tensor | IntExperts,

@@ -9,7 +9,8 @@ GB/s = the distinct experts' weight bytes a call reads / its time. --sweep: the 
 paths at each token count, the best first (a tile that fails to compile or run: inf).
 --int4: also the same experts as int4 IntExperts (groups of 128, random words) through both
 paths at their default tiles (GB/s over their words, scales and zeros); with --sweep also the
-GEMV tiles of the int4 experts (--int4-only: those alone).
+GEMV tiles of the int4 experts (--int4-only: those alone); --act-order: the int4 experts
+act-order (each expert's inputs in a random order of its own, gathered through IntExperts.perm).
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def _bytes(ids, hidden, inter, per_weight: float = 2.0) -> float:
         per_weight
 
 
-def _int4_experts(experts, rows, k, dev) -> moe.IntExperts:
+def _int4_experts(experts, rows, k, dev, act_order: bool = False) -> moe.IntExperts:
     # random words (any word is 8 valid 4-bit values), scales about a bf16 expert's 0.02 std
     words = torch.randint(-2 ** 31, 2 ** 31, (experts, rows, k // 8), device=dev,
                           dtype=torch.int32)
     groups = (experts, rows, k // INT_GROUP)
+    perm = torch.stack([torch.randperm(k, device=dev) for _ in range(experts)]).to(torch.int32) \
+        if act_order else None
     return moe.IntExperts(words, torch.full(groups, 0.005, device=dev, dtype=torch.float16),
-                          torch.full(groups, 8.0, device=dev, dtype=torch.float16), 4, INT_GROUP)
+                          torch.full(groups, 8.0, device=dev, dtype=torch.float16), 4, INT_GROUP,
+                          perm)
 
 
 def _time(fn, routings) -> float:
@@ -85,6 +89,8 @@ def main() -> None:
     parser.add_argument("--int4", action="store_true")
     parser.add_argument("--int4-only", action="store_true",
                         help="with --sweep: sweep the int4 experts' GEMV tiles only")
+    parser.add_argument("--act-order", action="store_true",
+                        help="with --int4: the int4 experts act-order (inputs gathered)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  "
@@ -94,8 +100,9 @@ def main() -> None:
             continue
         w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=DTYPE) * 0.02
         w2 = torch.randn(experts, hidden, inter, device=dev, dtype=DTYPE) * 0.02
-        int13 = _int4_experts(experts, 2 * inter, hidden, dev) if args.int4 else None
-        int2 = _int4_experts(experts, hidden, inter, dev) if args.int4 else None
+        int13 = _int4_experts(experts, 2 * inter, hidden, dev, args.act_order) \
+            if args.int4 else None
+        int2 = _int4_experts(experts, hidden, inter, dev, args.act_order) if args.int4 else None
         print(f"== {name}: {experts} experts, top {top_k}, hidden {hidden}, inter {inter}")
         print(f"{'tokens':>7}{'route':>8}{'kernel':>8}{'align':>8}{'kernel':>8}"
               f"{'gemv us':>9}{'GB/s':>7}{'grouped':>9}{'GB/s':>7}"

@@ -308,6 +308,46 @@ def test_int_experts_match_the_reference(poisoned, dtype, tokens, bits, group13,
         assert far(w13, first_group(w2))
 
 
+def _act_order(w: IntExperts, gen: torch.Generator) -> IntExperts:
+    """w's packed values as act-order experts: each expert's inputs in a random order of its own
+    (GPTQ desc_act, sorted by group: input perm[e, k] of x is packed k)."""
+    experts, _, k = w.shape
+    perm = torch.stack([torch.randperm(k, generator=gen, device=gen.device)
+                        for _ in range(experts)])
+    return IntExperts(w.qweight, w.scales, w.zeros, w.bits, w.group_size,
+                      perm.to(torch.int32).to(w.qweight.device))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("tokens", "gemv", "tiles"), [
+    (3, True, None), (23, False, None), (40, False, GroupedTiles(16, 32, 32, 4, 1))],
+    ids=["gemv", "grouped", "grouped-k-tiles"])
+def test_act_order_int_experts_match_the_reference(poisoned, dtype, tokens, gemv,
+                                                   tiles) -> None:
+    experts, top_k, hidden, inter = 6, 2, 64, 48
+    gen = torch.Generator().manual_seed(tokens)
+    plain13 = _int_experts(experts, 2 * inter, hidden, 4, 16, gen)
+    plain2 = _int_experts(experts, hidden, inter, 8, 16, gen)
+    w13, w2 = _act_order(plain13, gen), _act_order(plain2, gen)
+    # the dequantized weight puts packed k at input perm[e, k]
+    for w, plain in ((w13, plain13), (w2, plain2)):
+        dense, packed = w.dequantize(torch.float32), plain.dequantize(torch.float32)
+        for e in range(experts):
+            assert torch.equal(dense[e][:, w.perm[e].long()], packed[e])
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = moe_route_ref(torch.randn(tokens, experts, generator=gen), top_k, True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, gemv=gemv, tiles=tiles)
+    ref = fused_moe_ref(x.float(), w13, w2, weights, ids)
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(out.float() / scale, ref / scale, rtol=0.0,
+                               atol=TOLERANCE[dtype] * 4)
+    # either permutation ignored would be far off
+    for other in (fused_moe_ref(x.float(), plain13, w2, weights, ids),
+                  fused_moe_ref(x.float(), w13, plain2, weights, ids)):
+        assert float((other - ref).abs().max()) / scale > 100 * TOLERANCE[dtype]
+
+
 def test_int_experts_refusals() -> None:
     gen = torch.Generator().manual_seed(0)
     x, w13, w2, weights, ids = _case(3, 4, 2, 32, 48, torch.float32, seed=1, device="cpu")
@@ -353,6 +393,11 @@ def test_int_experts_refusals() -> None:
         IntExperts(i13.qweight[:2, :4, :4].float(), scales, zeros, 4, 16)
     with pytest.raises(ValueError, match="zeros must be in the scales' dtype"):
         IntExperts(i13.qweight[:2, :4, :4], scales, zeros.float(), 4, 16)
+    perm = torch.arange(32, dtype=torch.int32).repeat(2, 1)
+    IntExperts(i13.qweight[:2, :4, :4], scales, zeros, 4, 16, perm)
+    for bad in (perm.long(), perm[:, :16], perm[:1]):
+        with pytest.raises(ValueError, match=r"perm must be \[2, 32\] int32"):
+            IntExperts(i13.qweight[:2, :4, :4], scales, zeros, 4, 16, bad)
 
 
 @pytest.mark.gpu
@@ -381,3 +426,21 @@ def test_gpu_int4_experts_qwen3_moe(tokens: int) -> None:
     no_zeros = IntExperts(w13.qweight, w13.scales, torch.zeros_like(w13.zeros), 4, 128)
     other = fused_moe(x, no_zeros, w2, weights, ids)
     assert float((other.float() - ref).abs().max()) / scale > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_gpu_act_order_int4_experts_qwen3_moe(tokens: int) -> None:
+    # the same shapes as act-order experts (GPTQ desc_act): each path gathers its inputs
+    # through the experts' permutations
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    w13 = _act_order(_int_experts(experts, 2 * inter, hidden, 4, 128, gen, device="cuda"), gen)
+    w2 = _act_order(_int_experts(experts, hidden, inter, 4, 128, gen, device="cuda"), gen)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = moe_route_ref(torch.randn(tokens, experts, generator=gen, device="cuda"),
+                                 top_k, True)
+    ref = fused_moe_ref(x.float(), w13, w2, weights, ids)
+    for gemv in (True, False):
+        out = fused_moe(x, w13, w2, weights, ids, gemv=gemv)
+        assert float((out.float() - ref).norm() / ref.norm()) < 1.5e-2

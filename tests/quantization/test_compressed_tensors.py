@@ -289,8 +289,7 @@ def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch,
                                                                           act_order, tmp_path):
     # every projection quantized, experts too (each expert's its own tensors); the routers
     # left alone as llm-compressor's recipes ignore them. Integer experts stay packed (the
-    # MoE kernels' IntExperts; FP4 ones as 8-bit integers); act-order ones are dequantized as
-    # they load
+    # MoE kernels' IntExperts; FP4 ones as 8-bit integers), act-order ones too
     from kvfleet_runtime.layers.moe import SparseMoeBlock
     from support.hf_reference import hf_greedy
     source = make_tiny_model(arch, tmp_path / "source")
@@ -301,11 +300,11 @@ def test_compressed_tensors_experts_match_hf_on_their_decompressed_weights(arch,
     assert ref != hf_greedy(source, prompts, 10)        # the rounding moves these outputs
     llm = LLM(model=str(tmp_path / "q"), num_gpu_blocks=16)
     block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
-    if act_order:
-        assert block.int_experts is None and block.w13.dtype == torch.float32
-    else:       # (the FP4 presets are QuantizationArgs: their values doubled into 8 bits)
-        bits = weights["num_bits"] if isinstance(weights, dict) else 8
-        assert block.w13 is None and block.int_experts[0].bits == bits
+    # (the FP4 presets are QuantizationArgs: their values doubled into 8 bits)
+    bits = weights["num_bits"] if isinstance(weights, dict) else 8
+    assert block.w13 is None and block.int_experts[0].bits == bits
+    # act-order experts: their inputs sorted by group, each expert's order kept
+    assert (block.int_experts[0].perm is not None) == act_order
     params = SamplingParams(temperature=0.0, max_tokens=10)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
 

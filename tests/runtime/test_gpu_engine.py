@@ -129,17 +129,22 @@ def _equal_but_for_a_tie(ours: list[list[int]], path: str, prompts, max_tokens: 
     assert ties <= 1, ties
 
 
-@pytest.mark.parametrize(("arch", "method"), [("qwen3_moe", "gptq"), ("mixtral", "awq")])
-def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, method):
-    # GPTQ / AWQ experts kept packed (IntExperts) through the GEMV and grouped kernels
+@pytest.mark.parametrize(("arch", "method", "desc_act"), [
+    ("qwen3_moe", "gptq", False), ("mixtral", "awq", False), ("qwen3_moe", "gptq", True)],
+    ids=["gptq-qwen3-moe", "awq-mixtral", "gptq-act-order-qwen3-moe"])
+def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, method, desc_act):
+    # GPTQ / AWQ experts kept packed (IntExperts) through the GEMV and grouped kernels;
+    # act-order ones with their inputs gathered through each expert's permutation
     from quantization.checkpoints import write_quantized
     from support.tiny_models import make_tiny_model
     source = make_tiny_model(arch, tmp_path / arch)
-    write_quantized(source, tmp_path / "q", tmp_path / "d", method=method, group_size=16)
+    write_quantized(source, tmp_path / "q", tmp_path / "d", method=method, group_size=16,
+                    **({"desc_act": True} if desc_act else {}))
     path, prompts = str(tmp_path / "q"), _prompts(8)
     llm = LLM(model=path, dtype="float32", max_num_seqs=8)
     block = llm.engine.runner.model.model.layers[0].mlp
     assert block.int_experts is not None and block.w13_qweight.is_cuda
+    assert (block.int_experts[0].perm is not None) == desc_act
     _equal_but_for_a_tie(_greedy(llm, prompts, 12), str(tmp_path / "d"), prompts, 12)
     eager = _greedy(LLM(model=path, dtype="bfloat16", enforce_eager=True), prompts)
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager

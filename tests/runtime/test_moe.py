@@ -206,8 +206,9 @@ def test_gptq_and_awq_experts_match_hf_on_their_dequantized_weights(arch, method
         set_backend("auto")
 
 
-def test_act_order_experts_are_dequantized(tmp_path, caplog):
-    # GPTQ desc_act: each expert's g_idx a shuffle of its own, its weight dequantized on load
+def test_act_order_experts_stay_packed_and_match_hf(tmp_path, monkeypatch):
+    # GPTQ desc_act: each expert's g_idx a shuffle of its own; the experts stay packed, their
+    # inputs sorted by group, the permutations kept (the kernels gather through them)
     from quantization.checkpoints import write_quantized
     from safetensors.torch import load_file, save_file
     source = make_tiny_model("qwen3_moe", tmp_path / "source")
@@ -224,8 +225,20 @@ def test_act_order_experts_are_dequantized(tmp_path, caplog):
     assert ref != hf_greedy(source, prompts, 12)
     llm = LLM(model=str(tmp_path / "g"), num_gpu_blocks=16)
     block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
-    assert block.int_experts is None and block.w13.dtype == torch.float32
+    w13, w2 = block.int_experts
+    assert block.w13 is None and w13.perm is not None and w2.perm is not None
+    assert not torch.equal(w13.perm[0], torch.arange(w13.shape[2], dtype=torch.int32))
     assert _greedy(llm, prompts) == ref
+    # the kernels (in the interpreter): the grouped GEMM over prefill chunks, the GEMV decode
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model=str(tmp_path / "g"), attention_backend="triton", max_num_seqs=4,
+              max_num_batched_tokens=24, num_gpu_blocks=16)
+    try:
+        assert _greedy(llm, prompts[:2]) == ref[:2]
+    finally:
+        llm.engine.shutdown()
+        from kvfleet_runtime.layers.backend import set_backend
+        set_backend("auto")
     # a shuffled g_idx without desc_act is refused, as on the dense layers
     config = json.loads((tmp_path / "g" / "config.json").read_text())
     config["quantization_config"]["desc_act"] = False

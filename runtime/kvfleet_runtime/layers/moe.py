@@ -11,7 +11,9 @@ the router is whole on every rank (its input is, so every rank routes alike).
 Integer experts (GPTQ / AWQ checkpoints, 4 or 8 bits): each projection's integers packed along
 its input dim an output row at a time, with fp16 scales and zero points a group of inputs
 (kvfleet_kernels.moe.IntExperts), kept packed on every device: the kernels dequantize tiles in
-registers, the torch path an expert at a time.
+registers, the torch path an expert at a time. Act-order ones (GPTQ desc_act, on one rank) have
+each expert's inputs sorted by group as they load, the permutation kept beside them (the
+kernels gather each expert's inputs through it).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from kvfleet_runtime.layers.backend import use_triton
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, weights_in_dtype: bool, dtype: torch.dtype,
-                 fp8: bool = False, int_weights: tuple[int, int] | None = None) -> None:
+                 fp8: bool = False, int_weights: tuple[int, int] | None = None,
+                 act_order: bool = False) -> None:
         # renormalize: the top_k probabilities divided by their sum (Mixtral; Qwen3-MoE's
         # norm_topk_prob); weights_in_dtype: rounded to the model's dtype (Qwen3-MoE) or kept
         # in fp32 (Mixtral), as HF's routers do; fp8: the experts quantized once loaded
         # (`--quantization fp8`: e4m3, a scale a row; process_weights_after_loading);
-        # int_weights: (bits, group_size) of a GPTQ / AWQ checkpoint's experts (load_int_expert)
+        # int_weights: (bits, group_size) of a GPTQ / AWQ checkpoint's experts (load_int_expert);
+        # act_order: theirs are (g_idx shuffled, one rank)
         super().__init__()
         self.fp8 = fp8
         self.w13_scale: torch.Tensor | None = None
@@ -73,6 +77,16 @@ class SparseMoeBlock(nn.Module):
                                          ("zeros", (k // group,), torch.float16)):
                     self.register_parameter(f"{name}_{suffix}", nn.Parameter(
                         torch.zeros(num_experts, n, *shape, dtype=t), requires_grad=False))
+        self.act_order = act_order and int_weights is not None
+        if self.act_order:
+            if self.tp_size > 1:
+                raise ValueError("act-order integer experts are kept packed on one rank only")
+            # each expert projection's input order, sorted by group (load_int_expert): gate's
+            # and up's (one input, so one order: checked once loaded), down's
+            self.register_buffer("w13_perm", torch.zeros(num_experts, 2, hidden_size,
+                                                         dtype=torch.int32), persistent=False)
+            self.register_buffer("w2_perm", torch.zeros(num_experts, intermediate_size,
+                                                        dtype=torch.int32), persistent=False)
         # Qwen2-MoE: a dense MLP every token takes, weighted by sigmoid(shared_expert_gate(x))
         # (set by the model: models/llama.py)
         self.shared_expert: nn.Module | None = None
@@ -119,11 +133,20 @@ class SparseMoeBlock(nn.Module):
         if self.int_weights is not None:
             from kvfleet_kernels.moe import IntExperts
             bits, _ = self.int_weights
+            perms = (None, None)
+            if self.act_order:
+                differ = (self.w13_perm[:, 0] != self.w13_perm[:, 1]).any(dim=1).nonzero()
+                if differ.numel():
+                    raise ValueError(f"expert {int(differ[0])}: its gate and up projections "
+                                     "were quantized in different act-orders (g_idx); they "
+                                     "share one input, so one order is expected")
+                perms = (self.w13_perm[:, 0].contiguous(), self.w2_perm)
             self.int_experts = tuple(
                 IntExperts(getattr(self, f"{name}_qweight").data, getattr(self, f"{name}_scales").data,
                            getattr(self, f"{name}_zeros").data, bits,
-                           self._group(getattr(self, f"{name}_qweight").shape[2] * 32 // bits))
-                for name in ("w13", "w2"))
+                           self._group(getattr(self, f"{name}_qweight").shape[2] * 32 // bits),
+                           perm)
+                for name, perm in zip(("w13", "w2"), perms, strict=True))
             return
         if not self.fp8:
             return
@@ -159,13 +182,24 @@ class SparseMoeBlock(nn.Module):
 
     def load_int_expert(self, expert: int, piece: str, w) -> None:
         """One expert's GPTQ / AWQ projection, unpacked (layers.quantization.int_weight's
-        IntWeight: q [K, N], zeros / scales [G, N], plain grouping), as load_expert places a
-        dense one: this rank's rows of gate and up, its inputs (and their groups) of down."""
+        IntWeight: q [K, N], zeros / scales [G, N], plain grouping or, act-order, g_idx's), as
+        load_expert places a dense one: this rank's rows of gate and up, its inputs (and their
+        groups) of down. Act-order: the inputs sorted by group, their order kept (w13_perm /
+        w2_perm)."""
         from kvfleet_runtime.layers.quantization.packing import pack_int32
         bits, group_size = self.int_weights
         q, zeros, scales = w.q.t(), w.zeros.t(), w.scales.t()       # [N, K], [N, G], [N, G]
         inter = self.intermediate_size
         name = "w2" if piece == "down" else "w13"
+        if self.act_order:
+            g_idx = w.g_idx.long()
+            perm = torch.argsort(g_idx, stable=True)
+            group = self._group(q.shape[1])
+            if not torch.equal(g_idx[perm], torch.arange(q.shape[1], device=perm.device) // group):
+                raise ValueError(f"expert {expert}'s {piece} projection: its g_idx gives groups "
+                                 f"of unequal size (act-order groups of {group} inputs "
+                                 "expected)")
+            q = q[:, perm]
         if self.tp_size > 1:
             full = inter * self.tp_size
             if q.shape[1 if piece == "down" else 0] != full:
@@ -190,3 +224,7 @@ class SparseMoeBlock(nn.Module):
         qweight.copy_(pack_int32(q.contiguous(), bits, dim=1))
         getattr(self, f"{name}_zeros").data[expert, rows] = zeros
         getattr(self, f"{name}_scales").data[expert, rows] = scales
+        if self.act_order:
+            order = self.w2_perm[expert] if piece == "down" else \
+                self.w13_perm[expert, 0 if piece == "gate" else 1]
+            order.copy_(perm)

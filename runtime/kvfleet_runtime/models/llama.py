@@ -33,22 +33,36 @@ def _method(quant_config, prefix: str):
     return quant_config.get_linear_method(prefix) if quant_config is not None else None
 
 
+def act_order_experts(quant_config) -> bool:
+    """Whether a GPTQ / compressed-tensors integer checkpoint's experts are act-order (GPTQ
+    desc_act, compressed-tensors actorder group: each expert's inputs shuffled its own way)."""
+    name = getattr(quant_config, "name", None)
+    if name == "compressed-tensors":
+        s = quant_config.expert_scheme          # (set by models/moe.py)
+        return s is not None and s.act_order
+    return name == "gptq" and getattr(quant_config, "desc_act", False)
+
+
 def _int_experts(quant_config) -> tuple[int, int] | None:
     """(bits, group_size) of a GPTQ / AWQ / compressed-tensors integer checkpoint's experts
-    (layers.moe), else None."""
+    (layers.moe), else None: act-order ones stay packed on one rank (each expert's inputs
+    sorted by group), and are dequantized as they load under tensor parallelism (a rank's
+    slice of the down projection's inputs holds no whole groups: models/moe.py)."""
     name = getattr(quant_config, "name", None)
+    if act_order_experts(quant_config) and get_tp_size() > 1:
+        return None
     if name == "compressed-tensors":
         from kvfleet_runtime.layers.quantization.compressed_tensors import FP4_FORMATS
         s = quant_config.expert_scheme          # (set by models/moe.py)
-        if s is None or s.act_order:
+        if s is None:
             return None
         if s.format in FP4_FORMATS:
             return 8, s.group_size              # (held as 8-bit integers: unpack_fp4)
         if s.format not in ("pack-quantized", "int-quantized"):
             return None
         return s.bits, s.group_size
-    if name not in ("gptq", "awq") or getattr(quant_config, "desc_act", False):
-        return None         # (act-order experts are dequantized as they load: models/moe.py)
+    if name not in ("gptq", "awq"):
+        return None
     return getattr(quant_config, "bits", 4), quant_config.group_size
 
 
@@ -170,7 +184,8 @@ class DecoderLayer(nn.Module):
                                       cfg.moe_renormalize,
                                       cfg.architecture != "MixtralForCausalLM", dtype,
                                       fp8=_fp8_experts(quant_config),
-                                      int_weights=_int_experts(quant_config))
+                                      int_weights=_int_experts(quant_config),
+                                      act_order=act_order_experts(quant_config))
             if cfg.shared_expert_intermediate_size:     # Qwen2-MoE's, a dense MLP
                 self.mlp.shared_expert = DecoderMLP(
                     cfg, dtype, quant_config, f"{prefix}.mlp.shared_expert",
