@@ -22,8 +22,9 @@ steps); `moe_route` the router's softmax, top-k and renormalization in one launc
 Weights: bf16 / fp16, e4m3 with a scale a row (FP8), or `IntExperts` (GPTQ / AWQ int4 / int8
 groups), which both paths read as words and dequantize in registers (a quarter / half of the
 bf16 bytes read). Act-order IntExperts (GPTQ desc_act: each expert's inputs sorted by group,
-`perm`) take their inputs gathered through the expert's permutation: the GEMV path gathers each
-pair's input row first (a few rows), the grouped GEMM loads its A tiles through it.
+`perm`) take their inputs gathered through the expert's permutation first, a row a (token, k)
+pair (`_gather_inputs`, one launch), which both paths then read as the down projection reads its
+per-pair activations.
 """
 
 from __future__ import annotations
@@ -411,17 +412,36 @@ def _perm(w: torch.Tensor | IntExperts) -> torch.Tensor | None:
     return w.perm if isinstance(w, IntExperts) else None
 
 
+@triton.jit
+def _gather_pairs_kernel(v_ptr, perm_ptr, ids_ptr, out_ptr, K, stride_v, stride_o,
+                         PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    # Program = (pair, BLOCK inputs): out[pair, k] = v[pair // PER_ROW, perm[ids[pair], k]]
+    pair = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = k < K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.load(perm_ptr + expert * K + k, mask=valid, other=0)
+    row = v_ptr + (pair // PER_ROW).to(tl.int64) * stride_v
+    tl.store(out_ptr + pair.to(tl.int64) * stride_o + k, tl.load(row + cols, mask=valid),
+             mask=valid)
+
+
 def _gather_inputs(v: torch.Tensor, w: torch.Tensor | IntExperts, ids: torch.Tensor,
                    per_pair: int) -> tuple[torch.Tensor, int]:
-    """The GEMV kernels' input rows and how many pairs share a row: v's rows (row = pair //
-    per_pair) as they are, or, for act-order experts, each pair's row gathered through its
-    expert's perm (one row a pair)."""
+    """A projection's input rows and how many (token, k) pairs share a row: v's rows (pair p
+    reads row p // per_pair) as they are, or, for act-order experts, each pair's row gathered
+    through its expert's perm (one launch; a row a pair: 1)."""
     perm = _perm(w)
     if perm is None:
         return v, per_pair
-    pairs = ids.numel()
-    rows = torch.arange(pairs, device=v.device) // per_pair
-    return v[rows[:, None], perm[ids.reshape(-1)].long()], 1
+    pairs, k = ids.numel(), v.shape[1]
+    out = torch.empty(pairs, k, dtype=v.dtype, device=v.device)
+    if pairs:
+        block = min(1024, triton.next_power_of_2(k))
+        _gather_pairs_kernel[(pairs, triton.cdiv(k, block))](
+            v, perm, ids.reshape(-1), out, k, v.stride(0), out.stride(0), PER_ROW=per_pair,
+            BLOCK=block)
+    return out, 1
 
 
 def _weight_args(w: torch.Tensor | IntExperts, scale: torch.Tensor | None, block_k: int,
@@ -661,14 +681,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
                      MUL_WEIGHT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_SCALE: tl.constexpr = False, BITS: tl.constexpr = 0,
-                     GROUP_K: tl.constexpr = 1, perm_ptr=None, A_PERM: tl.constexpr = False):
+                     GROUP_K: tl.constexpr = 1):
     # Program = (block of BLOCK_M sorted pairs, all of one expert; BLOCK_N outputs):
     # out[pair, n] = sum_k a[pair // A_DIV, k] * w[expert, n, k] (times the pair's weight).
     # W_SCALE: w is e4m3, read in a's dtype, each output column times scale[expert, n].
     # BITS (4, 8): w is IntExperts' words; the [BLOCK_K, BLOCK_N] tile comes from
     # [BLOCK_K / P, BLOCK_N] words split along K, (q - zero) * scale in fp32 (GROUP_K: as
-    # _int_tile's), rounded to a's dtype as fused_moe_ref's dequantized weight. A_PERM: the
-    # expert's k-th input is a's column perm[expert, k] (act-order IntExperts; [E, K] int32).
+    # _int_tile's), rounded to a's dtype as fused_moe_ref's dequantized weight.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -684,11 +703,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_valid = k < K
-        if A_PERM:
-            cols = tl.load(perm_ptr + expert.to(tl.int64) * K + k, mask=k_valid, other=0)
-        else:
-            cols = k
-        a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :],
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
                     mask=valid[:, None] & k_valid[None, :], other=0.0)
         if BITS == 0:
             w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
@@ -743,8 +758,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | IntExperts, out: torch.Tensor,
         s, z, num_pairs, n, k, group, a.stride(0), we, wn, se, sn, out.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None, NUM_EXPERTS=w.shape[0],
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        W_SCALE=scale is not None, BITS=bits, GROUP_K=group_k,
-        perm_ptr=out if _perm(w) is None else _perm(w), A_PERM=_perm(w) is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        W_SCALE=scale is not None, BITS=bits, GROUP_K=group_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor | IntExperts, w2: torch.Tensor | IntExperts,
@@ -779,8 +794,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | IntExperts, w2: torch.Tensor 
     align = moe_align_triton if use_align_kernel(pairs, num_experts) else moe_align
     sorted_pairs, block_experts = align(topk_ids, num_experts, tiles.block_m)
     inter = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, inter, sorted_pairs, block_experts, None, top_k, tiles, w13_scale)
-    act = silu_and_mul(inter)
+    a, per_row = _gather_inputs(x, w13, topk_ids, top_k)
+    _gemm(a, w13, inter, sorted_pairs, block_experts, None, per_row, tiles, w13_scale)
+    act, _ = _gather_inputs(silu_and_mul(inter), w2, topk_ids, 1)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _gemm(act, w2, out, sorted_pairs, block_experts, topk_weights.reshape(-1).contiguous(), 1,
           tiles, w2_scale)

@@ -102,11 +102,9 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
     return "kvfleet_kernels.paged_attention", kernel, sig, constexprs
 
 
-def _moe_gemm(weight: str, out: str, sig_extra: dict | None = None, **flags: bool | int
-              ) -> tuple:
+def _moe_gemm(weight: str, out: str, **flags: bool | int) -> tuple:
     sig = {"a_ptr": "*bf16", "w_ptr": weight, "out_ptr": out, "sorted_pairs_ptr": "*i32",
-           "block_experts_ptr": "*i32", "weights_ptr": "*fp32", "scale_ptr": "*fp32",
-           **(sig_extra or {})}
+           "block_experts_ptr": "*i32", "weights_ptr": "*fp32", "scale_ptr": "*fp32"}
     return ("kvfleet_kernels.moe", "_moe_gemm_kernel", sig,
             dict(A_DIV=1, MUL_WEIGHT=False, NUM_EXPERTS=128, BLOCK_M=64, BLOCK_N=64,
                  BLOCK_K=64) | flags)
@@ -227,11 +225,10 @@ CASES = {
     "moe_gemm_bf16": (_moe_gemm("*bf16", "*bf16", A_DIV=8), [BF16_MMA]),
     "moe_gemm_fp8_weights": (_moe_gemm("*fp8e4nv", "*fp32", MUL_WEIGHT=True, W_SCALE=True),
                              [BF16_MMA, "cvt.rn.f16x2.e4m3x2"]),
-    # act-order int4 experts: the A tiles loaded through the expert's input permutation
-    "moe_gemm_int4_act_order": (_moe_gemm("*i32", "*bf16", {"scale_ptr": "*fp16",
-                                                            "zero_ptr": "*fp16",
-                                                            "perm_ptr": "*i32"},
-                                          BITS=4, GROUP_K=64, A_PERM=True), [BF16_MMA]),
+    # act-order int experts: each pair's input row gathered through its expert's permutation
+    "moe_gather_pairs": (("kvfleet_kernels.moe", "_gather_pairs_kernel",
+                          {"v_ptr": "*bf16", "perm_ptr": "*i32", "ids_ptr": "*i64",
+                           "out_ptr": "*bf16"}, dict(PER_ROW=8, BLOCK=1024)), ["ld.global.b32"]),
     # int experts' GEMV, dotted word by word: each value made a float by the exponent trick
     # (w4a16's _small_int_to_float: or'ed into 2**23's bits), no int-to-float conversion
     "moe_gemv_up_int4": (_moe_gemv("_moe_up_kernel", 4, True, EVEN_K=True, V_QUADS=True),

@@ -12,8 +12,9 @@ Integer experts (GPTQ / AWQ checkpoints, 4 or 8 bits): each projection's integer
 its input dim an output row at a time, with fp16 scales and zero points a group of inputs
 (kvfleet_kernels.moe.IntExperts), kept packed on every device: the kernels dequantize tiles in
 registers, the torch path an expert at a time. Act-order ones (GPTQ desc_act, on one rank) have
-each expert's inputs sorted by group as they load, the permutation kept beside them (the
-kernels gather each expert's inputs through it).
+each expert projection's inputs sorted by group as they load; gate / up keep their permutation
+(the kernels gather each pair's input through it), down's is folded into gate / up's rows (their
+outputs come out in down's sorted order, so its input needs no gather).
 """
 
 from __future__ import annotations
@@ -140,7 +141,14 @@ class SparseMoeBlock(nn.Module):
                     raise ValueError(f"expert {int(differ[0])}: its gate and up projections "
                                      "were quantized in different act-orders (g_idx); they "
                                      "share one input, so one order is expected")
-                perms = (self.w13_perm[:, 0].contiguous(), self.w2_perm)
+                # down's sorted inputs are gate / up's outputs: their rows put in that order
+                inter = self.intermediate_size
+                for e, order in enumerate(self.w2_perm.long()):
+                    rows = torch.cat([order, order + inter])
+                    for suffix in ("qweight", "scales", "zeros"):
+                        t = getattr(self, f"w13_{suffix}").data[e]
+                        t.copy_(t[rows])
+                perms = (self.w13_perm[:, 0].contiguous(), None)
             self.int_experts = tuple(
                 IntExperts(getattr(self, f"{name}_qweight").data, getattr(self, f"{name}_scales").data,
                            getattr(self, f"{name}_zeros").data, bits,
