@@ -117,11 +117,43 @@ def test_unserved_modelopt_schemes_are_refused_by_field(quant, message):
                          None)
 
 
-def test_modelopt_mixture_of_experts_is_refused(tmp_path):
-    source = make_tiny_model("qwen3_moe", tmp_path / "moe")
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
-    (source / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="ModelOpt checkpoints of mixtures of experts are not "
-                                         "served"):
-        LLM(model=str(source), num_gpu_blocks=16)
+@pytest.mark.parametrize(("arch", "algo"), [("qwen3_moe", "FP8"), ("mixtral", "NVFP4"),
+                                          ("qwen3_moe", "FP8-experts-excluded")])
+def test_modelopt_mixtures_of_experts_match_hf(arch, algo, tmp_path):
+    # every projection quantized, the experts too (the routers are no projection): FP8 experts
+    # dequantized as they load and rounded a row at a time (the reference rounds them alike),
+    # NVFP4 ones kept packed as 8-bit integers (the exact products); experts that
+    # exclude_modules names stay in the model's dtype
+    from kvfleet_runtime import SamplingParams
+    from kvfleet_runtime.layers.moe import SparseMoeBlock
+    from runtime.test_moe import _prompts, hf_greedy_experts_rounded
+    from support.hf_reference import hf_greedy
+    source = make_tiny_model(arch, tmp_path / "source")
+    excluded = algo.endswith("-experts-excluded")
+    write_modelopt(source, tmp_path / "q", tmp_path / "d", algo.split("-")[0],
+                   exclude=("lm_head", "*.experts.*") if excluded else ("lm_head",))
+    prompts = _prompts(4, seed=29)
+    rounded = algo == "FP8"
+    ref = (hf_greedy_experts_rounded if rounded else hf_greedy)(tmp_path / "d", prompts, 10)
+    assert ref != hf_greedy(source, prompts, 10)            # the quantization moves them
+    llm = LLM(model=str(tmp_path / "q"), num_gpu_blocks=16)
+    block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.fp8 == rounded and (block.int_experts is not None) == (algo == "NVFP4")
+    if excluded:
+        assert torch.equal(block.w13[0, :block.intermediate_size],
+                           read_tensors(source)["model.layers.0.mlp.experts.0.gate_proj.weight"])
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+
+
+def test_modelopt_experts_excluded_in_part_are_refused(tmp_path):
+    source = make_tiny_model("qwen3_moe", tmp_path / "source")
+    write_modelopt(source, tmp_path / "q", tmp_path / "d", "FP8",
+                   exclude=("lm_head", "*.experts.0.gate_proj"))
+    with pytest.raises(ValueError, match="exclude_modules must name every expert projection "
+                                         "or none"):
+        LLM(model=str(tmp_path / "q"), num_gpu_blocks=16)
+    for part in ("*.experts.5.*", "*.experts.[1-7].*"):     # quantized expert 0, or not
+        write_modelopt(source, tmp_path / "q2", tmp_path / "d2", "FP8", exclude=("lm_head", part))
+        with pytest.raises(ValueError, match="exclude_modules names some experts but not all"):
+            LLM(model=str(tmp_path / "q2"), num_gpu_blocks=16)

@@ -61,6 +61,10 @@ def _int_experts(quant_config) -> tuple[int, int] | None:
         if s.format not in ("pack-quantized", "int-quantized"):
             return None
         return s.bits, s.group_size
+    if name == "modelopt":       # NVFP4 experts as 8-bit integers (unpack_fp4)
+        from kvfleet_runtime.layers.quantization.modelopt import NVFP4_GROUP
+        return (8, NVFP4_GROUP) if quant_config.algo == "nvfp4" and \
+            not quant_config.experts_excluded else None
     if name not in ("gptq", "awq"):
         return None
     return getattr(quant_config, "bits", 4), quant_config.group_size
@@ -73,6 +77,8 @@ def _fp8_experts(quant_config) -> bool:
     if name == "compressed-tensors":
         s = quant_config.expert_scheme
         return s is not None and s.format == "float-quantized"
+    if name == "modelopt":
+        return quant_config.algo != "nvfp4" and not quant_config.experts_excluded
     return name == "fp8"
 
 

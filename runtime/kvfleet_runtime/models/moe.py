@@ -8,13 +8,14 @@ tensor a projection an expert) are stacked into the block's w13 / w2 as they loa
 Tensor parallelism splits each expert's intermediate size over the ranks (layers.moe);
 `--quantization fp8` quantizes the experts as it does the other projections (e4m3, a scale a
 row); FP8 checkpoints' experts (block-scaled: Qwen3-30B-A3B-FP8; per channel or per tensor;
-compressed-tensors FP8) are dequantized as they load, then rounded the same way. GPTQ, AWQ and
-compressed-tensors integer checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4, Mixtral AWQ, W4A16)
-stay packed integers (layers.moe: IntExperts), each projection unpacked and repacked as it
+compressed-tensors and ModelOpt FP8) are dequantized as they load, then rounded the same way.
+GPTQ, AWQ and compressed-tensors integer checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4, Mixtral
+AWQ, W4A16) and FP4 ones (compressed-tensors and ModelOpt NVFP4, as 8-bit integers) stay packed
+integers (layers.moe: IntExperts), each projection unpacked and repacked as it
 loads; act-order experts (GPTQ desc_act, compressed-tensors actorder group) too, each expert's
 inputs sorted by group (the kernels gather the inputs through its permutation), except under
-tensor parallelism, where they are dequantized as they load. `ExpertReader` says which tensors make one expert projection in each format. Not
-yet: LoRA on the experts (attention and dense layers' adapters apply), expert parallelism."""
+tensor parallelism, where they are dequantized as they load. `ExpertReader` says which tensors
+make one expert projection in each format. Not yet: LoRA on the experts (attention and dense layers' adapters apply), expert parallelism."""
 
 from __future__ import annotations
 
@@ -88,6 +89,28 @@ def _fp8_reader(q) -> ExpertReader:
     scale = "weight_scale_inv" if q.block is not None else "weight_scale"
     return ExpertReader("fp8", frozenset({"weight", scale}),
                         lambda name, got: dequantize_fp8(name, got["weight"], got[scale], q.block))
+
+
+def _modelopt_reader(q) -> ExpertReader:
+    from kvfleet_runtime.layers.quantization.compressed_tensors import unpack_fp4
+    from kvfleet_runtime.layers.quantization.modelopt import NVFP4_GROUP
+
+    def read_past(name: str, tensor: torch.Tensor) -> None:
+        log_once("modelopt: the experts' static activation scales (input_scale) are not used: "
+                 "FP8 experts read their activations unquantized (W8A16), NVFP4 ones too")
+    if q.algo == "nvfp4":
+        # NVFP4 experts as 8-bit integers (unpack_fp4: weight_scale * weight_scale_2 a group),
+        # kept packed
+        return ExpertReader("modelopt NVFP4", frozenset({"weight", "weight_scale",
+                                                         "weight_scale_2"}),
+                            lambda name, got: unpack_fp4(got["weight"], got["weight_scale"],
+                                                         None, NVFP4_GROUP,
+                                                         scale_2=got["weight_scale_2"]),
+                            packed=True, extra={"input_scale": read_past})
+    # FP8 / FP8_PER_CHANNEL_PER_TOKEN: a scale a tensor or a row
+    return ExpertReader("modelopt FP8", frozenset({"weight", "weight_scale"}),
+                        lambda name, got: dequantize_fp8(name, got["weight"], got["weight_scale"],
+                                                         None), extra={"input_scale": read_past})
 
 
 def _ct_reader(scheme) -> ExpertReader:
@@ -175,18 +198,32 @@ class _MoeForCausalLM(LlamaForCausalLM):
         if name == "gptq":
             return _gptq_reader(q, q.desc_act)
         if name == "modelopt":
-            raise ValueError(f"{cfg.architecture}: ModelOpt checkpoints of mixtures of experts "
-                             "are not served")
+            # the experts quantized, or all of them left in exclude_modules (each expert
+            # tensor's own is checked as it arrives)
+            excluded = {q.excluded(m) for m in self._first_experts(cfg)}
+            if len(excluded) != 1:
+                raise ValueError(f"{cfg.architecture}: ModelOpt's exclude_modules must name "
+                                 "every expert projection or none")
+            q.experts_excluded = excluded.pop()
+            if q.experts_excluded:
+                log_once("modelopt: the experts stay unquantized (exclude_modules)")
+                return ExpertReader("unquantized", frozenset({"weight"}),
+                                    lambda name, got: got["weight"])
+            return _modelopt_reader(q)
         # compressed-tensors: the experts' scheme, the same for every expert projection of
         # the first sparse layer (each tensor's own is checked as it arrives)
-        layer = min(cfg.moe_layers)
-        schemes = {q.scheme_of_module(f"model.layers.{layer}.{self.block_name}.experts.0.{p}")
-                   for p in self.expert_pieces}
+        schemes = {q.scheme_of_module(m) for m in self._first_experts(cfg)}
         if len(schemes) != 1 or None in schemes:
             raise ValueError(f"{cfg.architecture}: compressed-tensors experts must all fall "
                              f"under one quantization scheme; got {schemes}")
         self.expert_scheme = q.expert_scheme = schemes.pop()
         return _ct_reader(self.expert_scheme)
+
+    def _first_experts(self, cfg: ModelConfig) -> list[str]:
+        """The modules of the first sparse layer's expert 0 (a checkpoint's scheme for all)."""
+        layer = min(cfg.moe_layers)
+        return [f"model.layers.{layer}.{self.block_name}.experts.0.{p}"
+                for p in self.expert_pieces]
 
     def _block(self, layer: int, name: str) -> SparseMoeBlock:
         if layer >= len(self.model.layers) or not isinstance(self.model.layers[layer].mlp,
@@ -209,12 +246,18 @@ class _MoeForCausalLM(LlamaForCausalLM):
                 if expert and expert[2] == self.block_name:
                     layer, index, proj, kind = int(expert[1]), int(expert[3]), expert[4], expert[5]
                     block = self._block(layer, name)
+                    module = name.rpartition(".")[0]
+                    if getattr(self.quant_config, "name", None) == "modelopt" and \
+                            self.quant_config.excluded(module) != \
+                            self.quant_config.experts_excluded:
+                        raise ValueError(f"checkpoint tensor {name!r}: ModelOpt's "
+                                         "exclude_modules names some experts but not all; "
+                                         "experts must all be quantized alike")
                     if proj not in self.expert_pieces or index >= block.num_experts or (
                             kind not in reader.required and kind not in reader.extra):
                         raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                          f"{self.config.architecture} with {reader.name} "
                                          "experts")
-                    module = name.rpartition(".")[0]
                     if self.expert_scheme is not None and \
                             self.quant_config.scheme_of_module(module) != self.expert_scheme:
                         raise ValueError(f"checkpoint tensor {name!r}: its compressed-tensors "

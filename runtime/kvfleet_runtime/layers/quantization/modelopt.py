@@ -16,7 +16,10 @@ an `hf_quant_config.json` beside it: `{"quantization": {"quant_algo": ...}}`), r
 
 `exclude_modules` (names or fnmatch patterns, e.g. `lm_head`, `model.layers.0.*`) stay in the
 model's dtype. `kv_cache_quant_algo: FP8`: calibrated `self_attn.k_proj.k_scale` /
-`v_proj.v_scale` (loader.KVScales) for an fp8 KV cache. Mixtures of experts are refused.
+`v_proj.v_scale` (loader.KVScales) for an fp8 KV cache. Mixtures of experts (models/moe.py):
+FP8 experts are dequantized as they load and rounded a row at a time (as FP8 checkpoints'
+experts are), NVFP4 ones kept packed as 8-bit integers (layers.moe's IntExperts), experts that
+exclude_modules names stay in the model's dtype (all of them or none).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class ModelOptFP4Method(IntWeightMethod):
 class ModelOptConfig(QuantConfig):
     algo: str = "fp8"
     exclude: list[str] = field(default_factory=list)
+    experts_excluded: bool = False      # a mixture of experts' experts (set by models/moe.py)
 
     name = NAME
 
@@ -118,13 +122,13 @@ class ModelOptConfig(QuantConfig):
                      "(Hopper has no FP4 tensor cores); their FP4 activations stay unquantized")
         return cls(algo=algo, exclude=list(exclude))
 
-    def _excluded(self, module: str) -> bool:
+    def excluded(self, module: str) -> bool:
         return any(fnmatchcase(module, e) or matches_module(module, e) for e in self.exclude)
 
     def get_linear_method(self, prefix: str) -> LinearMethod | None:
         if prefix.rpartition(".")[2] in NEVER_QUANTIZED:
             return None
-        excluded = [self._excluded(s) for s in shard_prefixes(prefix)]
+        excluded = [self.excluded(s) for s in shard_prefixes(prefix)]
         if any(excluded):
             if not all(excluded):
                 raise ValueError(f"{NAME}: exclude_modules names some shards of the fused layer "
