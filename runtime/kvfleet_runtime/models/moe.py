@@ -11,11 +11,12 @@ row); FP8 checkpoints' experts (block-scaled: Qwen3-30B-A3B-FP8; per channel or 
 compressed-tensors and ModelOpt FP8) are dequantized as they load, then rounded the same way.
 GPTQ, AWQ and compressed-tensors integer checkpoints' experts (Qwen3-30B-A3B-GPTQ-Int4, Mixtral
 AWQ, W4A16) and FP4 ones (compressed-tensors and ModelOpt NVFP4, as 8-bit integers) stay packed
-integers (layers.moe: IntExperts), each projection unpacked and repacked as it
-loads; act-order experts (GPTQ desc_act, compressed-tensors actorder group) too, each expert's
-inputs sorted by group (the kernels gather the inputs through its permutation), except under
-tensor parallelism, where they are dequantized as they load. `ExpertReader` says which tensors
-make one expert projection in each format. Not yet: LoRA on the experts (attention and dense layers' adapters apply), expert parallelism."""
+integers (layers.moe: IntExperts), each projection unpacked and repacked as it loads; act-order
+experts (GPTQ desc_act, compressed-tensors actorder group) too, each expert's inputs sorted by
+group (the kernels gather the inputs through its permutation), except under tensor
+parallelism, where they are dequantized as they load. `ExpertReader` says which tensors make
+one expert projection in each format. Not yet: LoRA on the experts (attention and dense
+layers' adapters apply), expert parallelism."""
 
 from __future__ import annotations
 
