@@ -302,8 +302,8 @@ def test_two_ranks_greedy_matches_one_rank_on_quantized_llama(case, tp_model_dir
 def test_two_ranks_greedy_matches_one_rank_on_int_experts(base, args, tp_model_dir, tmp_path):
     # GPTQ / AWQ experts kept packed: each rank its rows of gate and up, its inputs of down
     # with their groups (the intermediate size 48 / 128 split into whole groups of 8 / 16);
-    # act-order ones packed on one rank, dequantized on two (a rank's shuffled inputs of down
-    # hold no whole groups)
+    # act-order ones too: gate / up's rows in down's sorted order before the split, so each
+    # rank's inputs of down hold whole groups
     from kvfleet_runtime.layers.moe import SparseMoeBlock
     write_quantized(Path(tp_model_dir(base)), tmp_path / "q", tmp_path / "d", **args)
     prompts = _prompts()
@@ -315,17 +315,14 @@ def test_two_ranks_greedy_matches_one_rank_on_int_experts(base, args, tp_model_d
         whole, part = (next(m for m in e.engine.runner.model.modules()
                             if isinstance(m, SparseMoeBlock)).int_experts for e in (one, llm))
         if args.get("desc_act"):
-            assert whole[0].perm is not None and part is None
-        else:
-            inter = part[1].shape[2]                  # rank 0's: the first half of the inputs
-            per_word, groups = 32 // part[1].bits, inter // part[1].group_size
-            for name in ("qweight", "scales", "zeros"):
-                w13, p13 = getattr(whole[0], name), getattr(part[0], name)
-                assert torch.equal(p13, torch.cat([w13[:, :inter],
-                                                   w13[:, 2 * inter:3 * inter]], 1))
-                w2, p2 = getattr(whole[1], name), getattr(part[1], name)
-                assert torch.equal(p2, w2[:, :, :inter // per_word if name == "qweight"
-                                          else groups])
+            assert whole[0].perm is not None and torch.equal(part[0].perm, whole[0].perm)
+        inter = part[1].shape[2]                  # rank 0's: the first half of the inputs
+        per_word, groups = 32 // part[1].bits, inter // part[1].group_size
+        for name in ("qweight", "scales", "zeros"):
+            w13, p13 = getattr(whole[0], name), getattr(part[0], name)
+            assert torch.equal(p13, torch.cat([w13[:, :inter], w13[:, 2 * inter:3 * inter]], 1))
+            w2, p2 = getattr(whole[1], name), getattr(part[1], name)
+            assert torch.equal(p2, w2[:, :, :inter // per_word if name == "qweight" else groups])
     finally:
         llm.engine.shutdown()
     assert not _live_workers()

@@ -206,12 +206,15 @@ def test_gptq_and_awq_experts_match_hf_on_their_dequantized_weights(arch, method
         set_backend("auto")
 
 
-def test_act_order_experts_stay_packed_and_match_hf(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_act_order_experts_stay_packed_and_match_hf(arch, tmp_path, monkeypatch):
     # GPTQ desc_act: each expert's g_idx a shuffle of its own; the experts stay packed, their
-    # inputs sorted by group, the permutations kept (the kernels gather through them)
+    # inputs sorted by group, the permutations kept (the kernels gather through them).
+    # Qwen3-MoE's down_proj loads before its gate_proj / up_proj, Mixtral's w1 (gate) before
+    # its w2 (down): gate waits for down's order
     from quantization.checkpoints import write_quantized
     from safetensors.torch import load_file, save_file
-    source = make_tiny_model("qwen3_moe", tmp_path / "source")
+    source = make_tiny_model(arch, tmp_path / "source")
     # inputs of growing size: each group's scale its own (a g_idx ignored shows)
     tensors = load_file(source / "model.safetensors")
     for name, w in tensors.items():
@@ -225,7 +228,7 @@ def test_act_order_experts_stay_packed_and_match_hf(tmp_path, monkeypatch):
     assert ref != hf_greedy(source, prompts, 12)
     llm = LLM(model=str(tmp_path / "g"), num_gpu_blocks=16)
     block = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
-    # gate / up gather their input through perm; down's order is folded into their rows
+    # gate / up gather their input through perm; their rows are in down's sorted order
     w13, w2 = block.int_experts
     assert block.w13 is None and w13.perm is not None and w2.perm is None
     assert not torch.equal(w13.perm[0], torch.arange(w13.shape[2], dtype=torch.int32))
@@ -240,6 +243,8 @@ def test_act_order_experts_stay_packed_and_match_hf(tmp_path, monkeypatch):
         llm.engine.shutdown()
         from kvfleet_runtime.layers.backend import set_backend
         set_backend("auto")
+    if arch != "qwen3_moe":
+        return
     # a shuffled g_idx without desc_act is refused, as on the dense layers
     config = json.loads((tmp_path / "g" / "config.json").read_text())
     config["quantization_config"]["desc_act"] = False

@@ -11,10 +11,11 @@ the router is whole on every rank (its input is, so every rank routes alike).
 Integer experts (GPTQ / AWQ checkpoints, 4 or 8 bits): each projection's integers packed along
 its input dim an output row at a time, with fp16 scales and zero points a group of inputs
 (kvfleet_kernels.moe.IntExperts), kept packed on every device: the kernels dequantize tiles in
-registers, the torch path an expert at a time. Act-order ones (GPTQ desc_act, on one rank) have
-each expert projection's inputs sorted by group as they load; gate / up keep their permutation
-(the kernels gather each pair's input through it), down's is folded into gate / up's rows (their
-outputs come out in down's sorted order, so its input needs no gather).
+registers, the torch path an expert at a time. Act-order ones (GPTQ desc_act) have each expert
+projection's inputs sorted by group as they load; gate / up keep their permutation (the kernels
+gather each pair's input through it); their rows are put in down's sorted order before a rank
+takes its slice, so their outputs come out in the order of down's inputs (no gather there) and
+under tensor parallelism each rank's slice of down's inputs holds whole groups.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SparseMoeBlock(nn.Module):
         # in fp32 (Mixtral), as HF's routers do; fp8: the experts quantized once loaded
         # (`--quantization fp8`: e4m3, a scale a row; process_weights_after_loading);
         # int_weights: (bits, group_size) of a GPTQ / AWQ checkpoint's experts (load_int_expert);
-        # act_order: theirs are (g_idx shuffled, one rank)
+        # act_order: theirs are (g_idx shuffled)
         super().__init__()
         self.fp8 = fp8
         self.w13_scale: torch.Tensor | None = None
@@ -80,14 +81,14 @@ class SparseMoeBlock(nn.Module):
                         torch.zeros(num_experts, n, *shape, dtype=t), requires_grad=False))
         self.act_order = act_order and int_weights is not None
         if self.act_order:
-            if self.tp_size > 1:
-                raise ValueError("act-order integer experts are kept packed on one rank only")
-            # each expert projection's input order, sorted by group (load_int_expert): gate's
-            # and up's (one input, so one order: checked once loaded), down's
+            # gate's and up's input order, sorted by group (load_int_expert; one input, so one
+            # order: checked once loaded)
             self.register_buffer("w13_perm", torch.zeros(num_experts, 2, hidden_size,
                                                          dtype=torch.int32), persistent=False)
-            self.register_buffer("w2_perm", torch.zeros(num_experts, intermediate_size,
-                                                        dtype=torch.int32), persistent=False)
+            # while loading: each expert's down order (its inputs sorted by group), and gate /
+            # up projections waiting for it
+            self._down_order: dict[int, torch.Tensor] = {}
+            self._waiting: dict[tuple[int, str], object] = {}
         # Qwen2-MoE: a dense MLP every token takes, weighted by sigmoid(shared_expert_gate(x))
         # (set by the model: models/llama.py)
         self.shared_expert: nn.Module | None = None
@@ -136,18 +137,16 @@ class SparseMoeBlock(nn.Module):
             bits, _ = self.int_weights
             perms = (None, None)
             if self.act_order:
+                if self._waiting:
+                    expert, piece = next(iter(self._waiting))
+                    raise ValueError(f"expert {expert}'s {piece} projection (act-order) waits "
+                                     "for its down projection, which never loaded")
                 differ = (self.w13_perm[:, 0] != self.w13_perm[:, 1]).any(dim=1).nonzero()
                 if differ.numel():
                     raise ValueError(f"expert {int(differ[0])}: its gate and up projections "
                                      "were quantized in different act-orders (g_idx); they "
                                      "share one input, so one order is expected")
-                # down's sorted inputs are gate / up's outputs: their rows put in that order
-                inter = self.intermediate_size
-                for e, order in enumerate(self.w2_perm.long()):
-                    rows = torch.cat([order, order + inter])
-                    for suffix in ("qweight", "scales", "zeros"):
-                        t = getattr(self, f"w13_{suffix}").data[e]
-                        t.copy_(t[rows])
+                self._down_order.clear()
                 perms = (self.w13_perm[:, 0].contiguous(), None)
             self.int_experts = tuple(
                 IntExperts(getattr(self, f"{name}_qweight").data, getattr(self, f"{name}_scales").data,
@@ -192,22 +191,31 @@ class SparseMoeBlock(nn.Module):
         """One expert's GPTQ / AWQ projection, unpacked (layers.quantization.int_weight's
         IntWeight: q [K, N], zeros / scales [G, N], plain grouping or, act-order, g_idx's), as
         load_expert places a dense one: this rank's rows of gate and up, its inputs (and their
-        groups) of down. Act-order: the inputs sorted by group, their order kept (w13_perm /
-        w2_perm)."""
+        groups) of down. Act-order: the inputs sorted by group (gate / up's order kept in
+        w13_perm); gate / up's rows put in down's order, so they wait for down's projection."""
         from kvfleet_runtime.layers.quantization.packing import pack_int32
         bits, group_size = self.int_weights
         q, zeros, scales = w.q.t(), w.zeros.t(), w.scales.t()       # [N, K], [N, G], [N, G]
         inter = self.intermediate_size
         name = "w2" if piece == "down" else "w13"
         if self.act_order:
+            if piece != "down" and expert not in self._down_order:
+                self._waiting[(expert, piece)] = w
+                return
             g_idx = w.g_idx.long()
             perm = torch.argsort(g_idx, stable=True)
-            group = self._group(q.shape[1])
-            if not torch.equal(g_idx[perm], torch.arange(q.shape[1], device=perm.device) // group):
+            if not torch.equal(g_idx[perm], torch.arange(q.shape[1], device=perm.device)
+                               // self._group(q.shape[1])):
                 raise ValueError(f"expert {expert}'s {piece} projection: its g_idx gives groups "
-                                 f"of unequal size (act-order groups of {group} inputs "
+                                 f"of unequal size (act-order groups of {group_size} inputs "
                                  "expected)")
             q = q[:, perm]
+            if piece != "down":     # rows in the order of down's (sorted) inputs
+                order = self._down_order[expert].to(q.device)
+                if q.shape[0] != order.numel():
+                    raise ValueError(f"expert {expert}'s {piece} projection: {q.shape[0]} "
+                                     f"outputs, its down projection {order.numel()} inputs")
+                q, zeros, scales = q[order], zeros[order], scales[order]
         if self.tp_size > 1:
             full = inter * self.tp_size
             if q.shape[1 if piece == "down" else 0] != full:
@@ -233,6 +241,11 @@ class SparseMoeBlock(nn.Module):
         getattr(self, f"{name}_zeros").data[expert, rows] = zeros
         getattr(self, f"{name}_scales").data[expert, rows] = scales
         if self.act_order:
-            order = self.w2_perm[expert] if piece == "down" else \
-                self.w13_perm[expert, 0 if piece == "gate" else 1]
-            order.copy_(perm)
+            if piece == "down":
+                self._down_order[expert] = perm
+                for waiting in ("gate", "up"):
+                    if (expert, waiting) in self._waiting:
+                        self.load_int_expert(expert, waiting,
+                                             self._waiting.pop((expert, waiting)))
+            else:
+                self.w13_perm[expert, 0 if piece == "gate" else 1].copy_(perm)

@@ -45,12 +45,8 @@ def act_order_experts(quant_config) -> bool:
 
 def _int_experts(quant_config) -> tuple[int, int] | None:
     """(bits, group_size) of a GPTQ / AWQ / compressed-tensors integer checkpoint's experts
-    (layers.moe), else None: act-order ones stay packed on one rank (each expert's inputs
-    sorted by group), and are dequantized as they load under tensor parallelism (a rank's
-    slice of the down projection's inputs holds no whole groups: models/moe.py)."""
+    (layers.moe), else None (act-order ones too: each expert's inputs sorted by group)."""
     name = getattr(quant_config, "name", None)
-    if act_order_experts(quant_config) and get_tp_size() > 1:
-        return None
     if name == "compressed-tensors":
         from kvfleet_runtime.layers.quantization.compressed_tensors import FP4_FORMATS
         s = quant_config.expert_scheme          # (set by models/moe.py)

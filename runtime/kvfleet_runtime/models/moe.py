@@ -13,9 +13,9 @@ GPTQ, AWQ and compressed-tensors integer checkpoints' experts (Qwen3-30B-A3B-GPT
 AWQ, W4A16) and FP4 ones (compressed-tensors and ModelOpt NVFP4, as 8-bit integers) stay packed
 integers (layers.moe: IntExperts), each projection unpacked and repacked as it loads; act-order
 experts (GPTQ desc_act, compressed-tensors actorder group) too, each expert's inputs sorted by
-group (the kernels gather the inputs through its permutation), except under tensor
-parallelism, where they are dequantized as they load. `ExpertReader` says which tensors make
-one expert projection in each format. Not yet: LoRA on the experts (attention and dense
+group (the kernels gather gate / up's inputs through their permutation; gate / up's rows are put
+in down's sorted order, so under tensor parallelism each rank's slice of down's inputs holds
+whole groups). `ExpertReader` says which tensors make one expert projection in each format. Not yet: LoRA on the experts (attention and dense
 layers' adapters apply), expert parallelism."""
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfleet_runtime.distributed.parallel_state import get_tp_size
 from kvfleet_runtime.layers.moe import SparseMoeBlock
 from kvfleet_runtime.layers.quantization.base import log_once
 from kvfleet_runtime.layers.quantization.fp8 import dequantize_fp8
@@ -50,23 +49,15 @@ class ExpertReader:
     extra: dict[str, Callable[[str, torch.Tensor], None]] = field(default_factory=dict)
 
 
-def _packed(act_order: bool) -> bool:
-    """Whether integer experts stay packed: act-order ones only on one rank (llama's
-    _int_experts)."""
-    return not act_order or get_tp_size() == 1
-
-
 def _gptq_reader(q, act_order: bool) -> ExpertReader:
     from kvfleet_runtime.layers.quantization.gptq import unpack_gptq
     from kvfleet_runtime.layers.quantization.int_weight import default_g_idx
-    packed = _packed(act_order)
 
     def build(name: str, got: dict[str, torch.Tensor]):
         rows = got["qweight"].shape[0] * 32 // q.bits
         g_idx = got["g_idx"] if act_order else default_g_idx(rows, q.group_size)
-        w = unpack_gptq(got["qweight"], got["qzeros"], got["scales"], g_idx, q.bits,
-                        q.checkpoint_format)
-        return w if packed else w.dequantize()
+        return unpack_gptq(got["qweight"], got["qzeros"], got["scales"], g_idx, q.bits,
+                           q.checkpoint_format)
 
     def plain_g_idx(name: str, g_idx: torch.Tensor) -> None:
         if not torch.equal(g_idx.to(torch.int32).cpu(), default_g_idx(g_idx.numel(),
@@ -74,7 +65,7 @@ def _gptq_reader(q, act_order: bool) -> ExpertReader:
             raise ValueError(f"checkpoint tensor {name!r}: a shuffled g_idx (GPTQ act-order) "
                              "needs desc_act true in the quantization_config")
     kinds = {"qweight", "qzeros", "scales"} | ({"g_idx"} if act_order else set())
-    return ExpertReader("gptq", frozenset(kinds), build, packed=packed,
+    return ExpertReader("gptq", frozenset(kinds), build, packed=True,
                         extra={} if act_order else {"g_idx": plain_g_idx})
 
 
@@ -160,14 +151,12 @@ def _ct_reader(scheme) -> ExpertReader:
             raise ValueError(f"{name}: weight_packed of shape {tuple(got['weight_packed'].shape)} "
                              f"does not hold weight_shape {[n, k]}")
         g_idx = got["weight_g_idx"] if scheme.act_order else default_g_idx(k, scheme.group_size)
-        w = unpack_ct(got["weight_packed"], got["weight_scale"], got.get("weight_zero_point"),
-                      g_idx, scheme.bits)
-        return w if packed else w.dequantize()
-    packed = _packed(scheme.act_order)
+        return unpack_ct(got["weight_packed"], got["weight_scale"],
+                         got.get("weight_zero_point"), g_idx, scheme.bits)
     kinds = {"weight_packed", "weight_scale", "weight_shape"}
     kinds |= set() if scheme.symmetric else {"weight_zero_point"}
     kinds |= {"weight_g_idx"} if scheme.act_order else set()
-    return ExpertReader("compressed-tensors", frozenset(kinds), build, packed=packed)
+    return ExpertReader("compressed-tensors", frozenset(kinds), build, packed=True)
 
 
 class _MoeForCausalLM(LlamaForCausalLM):
@@ -178,11 +167,6 @@ class _MoeForCausalLM(LlamaForCausalLM):
         self.quant_config = quant_config
         self.expert_scheme = None
         self.reader = self._reader(cfg, quant_config)
-        if self.reader.name in ("gptq", "compressed-tensors") and not self.reader.packed:
-            # GPTQ with act-order (desc_act / actorder group) under tensor parallelism: a
-            # rank's slice of a down projection's shuffled inputs holds no whole groups
-            log_once(f"{self.reader.name}: act-order experts are dequantized on load to the "
-                     "model's dtype under tensor parallelism")
         super().__init__(cfg, dtype, quant_config)
 
     def _reader(self, cfg: ModelConfig, q) -> ExpertReader:
