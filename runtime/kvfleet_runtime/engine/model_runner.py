@@ -187,6 +187,11 @@ class ModelRunner:
                 config.max_cpu_loras or config.max_loras,
                 max(config.max_num_batched_tokens, self.max_rows, most_rows), self.dtype,
                 self.device)
+        # eager steps run the last layer past its attention on the rows whose logits they
+        # want only (not with adapters: their per-token slots follow the step's every token);
+        # KVFLEET_LAST_LAYER_ROWS=0: on every row (an A/B switch)
+        self.last_layer_rows = self.lora is None and on_off(
+            "KVFLEET_LAST_LAYER_ROWS", os.environ.get("KVFLEET_LAST_LAYER_ROWS", ""))
         self._check_kv_cache_dtype()
         self._bind_kv_scales()
         # every rank holds the same block ids, so the pool is the smallest rank's
@@ -277,7 +282,12 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = self._warm_up_shapes()
         for rows, context, chunk in shapes:
-            self.model(*self._synthetic_step(rows, context, chunk))
+            # the rows a step whose prompt chunk ends its prompt wants: the decode rows', the last
+            wanted = None
+            if self.last_layer_rows:
+                wanted = torch.arange(rows + 1, device=self.device)
+                wanted[-1] = rows + chunk - 1
+            self.model(*self._synthetic_step(rows, context, chunk), wanted)
         logits = self.model.compute_logits(
             torch.zeros(2, self.model_config.hidden_size, dtype=self.dtype, device=self.device))
         if logits is not None:          # (rank 0 of a tensor-parallel group samples)
@@ -733,12 +743,18 @@ class ModelRunner:
         meta = step.meta
         if self.lora is not None:       # this step's adapters into their slots, on every rank
             self.lora.apply(step.lora_slots, step.lora_loads)
+        rows = step.logits_rows
+        every = len(rows) == step.input_ids.shape[0] and (not rows or rows[-1] == len(rows) - 1)
         if self.graph_runner is not None and self.graph_runner.can_run(meta, meta.seq_lens.shape[0]):
             hidden = self.graph_runner.run(step.input_ids, step.positions, meta)
-        else:
+        elif every or not self.last_layer_rows:
             hidden = self.model(step.input_ids, step.positions, meta)
-        rows = step.logits_rows
-        if len(rows) != hidden.shape[0] or rows[-1] != len(rows) - 1:   # decode: every row
+        else:   # the last layer's attention output, o_proj and MLP on these rows alone
+            # (a step that wants no row still runs one: every layer's K/V go into the cache)
+            wanted = host_to_device(rows or [0], torch.long, self.device)
+            hidden = self.model(step.input_ids, step.positions, meta, wanted)[:len(rows)]
+            every = True
+        if not every:
             hidden = hidden.index_select(0, host_to_device(rows, torch.long, self.device))
         if keep_hidden:
             self._hidden = hidden

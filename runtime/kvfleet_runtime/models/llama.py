@@ -121,15 +121,17 @@ class DecoderAttention(nn.Module):
                               window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # rope: this step's rotary tables (torch path), made once by DecoderModel
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        # rope: this step's rotary tables (torch path), made once by DecoderModel; rows: only
+        # these rows of the output are wanted (every token's K/V still goes into the cache)
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         qk_size = self.q_size + self.kv_size
         if rope is not None and not self.qk_norm:
             # torch path: rotate q and k side by side in one pass, one set of ops for both
             q, k = self.rotary_emb.apply_tables(qkv[:, :qk_size], rope).split(
                 [self.q_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, qkv[:, qk_size:].contiguous(), meta))
+            return self.o_proj(_rows(self.attn(q, k, qkv[:, qk_size:].contiguous(), meta), rows))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
@@ -141,9 +143,13 @@ class DecoderAttention(nn.Module):
             q = rotary_and_cache(positions, q, k, v, self.head_dim, self.rotary_emb.cos_sin_cache,
                                  True, k_cache, v_cache, meta.slot_mapping, self.attn.k_scale,
                                  self.attn.v_scale)
-            return self.o_proj(self.attn(q, None, None, meta))
+            return self.o_proj(_rows(self.attn(q, None, None, meta), rows))
         q, k = self.rotary_emb(positions, q, k, rope)
-        return self.o_proj(self.attn(q, k, v.contiguous(), meta))
+        return self.o_proj(_rows(self.attn(q, k, v.contiguous(), meta), rows))
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
 
 
 class DecoderMLP(nn.Module):
@@ -198,14 +204,15 @@ class DecoderLayer(nn.Module):
             self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
             feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
-    def forward(self, positions, x, residual, meta, rope=None):
+    def forward(self, positions, x, residual, meta, rope=None, rows=None):
+        # rows: the only rows of the output wanted (DecoderModel's last layer)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, rope)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, rope, rows)
+        x, residual = self.post_attention_layernorm(x, _rows(residual, rows))
         return self.mlp(x), residual
 
 
@@ -230,12 +237,17 @@ class DecoderModel(nn.Module):
             if isinstance(layer.mlp, DecoderMLP):
                 reduce_in_norm(layer.mlp.down_proj, next_norm, 2 * i + 1)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, rows=None):
+        # rows (a device tensor of row indices, or None: all): the rows of the hidden states
+        # returned. Only the cache needs the last layer's other rows, and it has them once that
+        # layer's K/V are written: its attention output, o_proj and MLP run on these rows alone
+        # (a prefill step wants one row a prompt: ~3% of a 32-layer model's GEMMs not run)
         x = self.embed_tokens(input_ids)                                   # [T, D]
         rope = self.rotary_emb.prepare(positions, x.dtype)     # cos/sin once, not per layer
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta, rope)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, meta, rope, rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
@@ -277,9 +289,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None    # set by load_weights (CPU bf16)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden states [T, D]
-        return self.model(input_ids, positions, meta)
+                meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, D] (rows: [R] -> those rows, [R, D])
+        return self.model(input_ids, positions, meta, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, D] -> logits [N, V] in the model's dtype, gathered on rank 0 (None on the
