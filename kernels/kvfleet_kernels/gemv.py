@@ -164,39 +164,52 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
 }
 
 
+# (device name, N, K) -> the tiles of the 8-bit (FP8 / int8, `scale=`) weights' GEMV, which
+# has no cuBLAS twin (batch-1 FP8 and W8A8 projections always take it): the `bench_gemv.py
+# --weights fp8 --sweep` winners >= 3% faster than pick_config's tiles. Empty until measured.
+TUNED_8BIT: dict[tuple[str, int, int], GemvConfig] = {}
+
+
 @functools.cache
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 @functools.cache
-def tuned_file(path: str) -> dict[tuple[str, int, int], GemvConfig]:
+def tuned_file(path: str) -> dict[tuple[str, int, int, int], GemvConfig]:
     """The entries of a JSON file that `bench_gemv.py --sweep --write-tuned PATH` wrote
-    (KVFLEET_GEMV_TUNED=PATH): [{"device", "n", "k", "config": {GemvConfig fields}}]."""
+    (KVFLEET_GEMV_TUNED=PATH): [{"device", "n", "k", "config": {GemvConfig fields}}, with
+    "weight_bytes": 1 for 8-bit weights' tiles (2 when absent)], keyed (device, n, k, bytes)."""
     table = {}
     try:
         for e in json.loads(pathlib.Path(path).read_text()):
-            table[(e["device"], int(e["n"]), int(e["k"]))] = GemvConfig(**e["config"])
+            key = (e["device"], int(e["n"]), int(e["k"]), int(e.get("weight_bytes", 2)))
+            table[key] = GemvConfig(**e["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"KVFLEET_GEMV_TUNED={path}: not a list of "
                          f'{{"device", "n", "k", "config"}} entries ({e})') from e
     return table
 
 
-def tuned_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
-    """The measured-faster tiles for an [N, K] weight on this device (KVFLEET_GEMV_TUNED's
-    file first, then TUNED), or None (use cuBLAS)."""
+def tuned_config(n: int, k: int, device: torch.device, weight_bytes: int = 2
+                 ) -> GemvConfig | None:
+    """The measured-faster tiles for an [N, K] weight of weight_bytes-byte elements on this
+    device (KVFLEET_GEMV_TUNED's file first, then TUNED, or TUNED_8BIT for 1-byte weights),
+    or None (2 bytes: use cuBLAS; 1 byte: pick_config's tiles)."""
     key = (_device_name(device), n, k)
     path = os.environ.get("KVFLEET_GEMV_TUNED", "")
-    found = tuned_file(path).get(key) if path else None
-    return found if found is not None else TUNED.get(key)
+    found = tuned_file(path).get((*key, weight_bytes)) if path else None
+    if found is not None:
+        return found
+    return (TUNED_8BIT if weight_bytes == 1 else TUNED).get(key)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
          gated: bool = False, push: PeerSlots | None = None) -> torch.Tensor:
     """Triton twin of gemv_ref: x [M, K] (M small), weight [N, K] -> [M, N] in x's dtype.
-    `scale` [N] (fp32): weight holds fp8 values of per-row scales (W8A16: x stays unquantized).
+    `scale` [N] (fp32): weight holds fp8 (or int8) values of per-row scales (W8A16: x stays
+    unquantized); without `config` those take TUNED_8BIT's tiles where the shape has some.
     `gated`: x is [M, 2K] = [gate | up] and the input is SiLU(gate) * up. `push`: the output
     also goes into this rank's part of every peer's slot (module docstring)."""
     m, k = x.shape
@@ -214,7 +227,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"scale must be a contiguous [{n}] (one per weight row); got "
                          f"{tuple(scale.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = config or pick_config(m, n, k, x.device)
+    cfg = config
+    if cfg is None and scale is not None and weight.element_size() == 1:
+        cfg = tuned_config(n, k, x.device, 1)
+    cfg = cfg or pick_config(m, n, k, x.device)
     if (gated or push is not None) and cfg.split_k != 1:
         raise ValueError(f"gated and push= need one K slice; the tiles have {cfg.split_k}")
     if push is not None:

@@ -166,3 +166,35 @@ def test_tuned_tiles_from_a_sweep_file(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLEET_GEMV_TUNED", str(path2))
     with pytest.raises(ValueError, match="KVFLEET_GEMV_TUNED=.*bad.json"):
         gemv_module.tuned_config(48, 256, cpu)
+
+
+def test_8bit_weights_take_their_own_tuned_tiles(tmp_path, monkeypatch):
+    # FP8 / int8 weights (scale=) without config: TUNED_8BIT's tiles for the shape, where it
+    # has some, else pick_config's; 2-byte weights never take the 8-bit tiles
+    cpu = torch.device("cpu")
+    tiles = GemvConfig(16, 64, 2, 4, 1, prefetch=True)
+    monkeypatch.setitem(gemv_module.TUNED_8BIT, ("cpu", 48, 256), tiles)
+    picked = []
+    pick = gemv_module.pick_config
+    monkeypatch.setattr(gemv_module, "pick_config", lambda *a: picked.append(a[1:3]) or pick(*a))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 256, generator=g).to(torch.float16)
+    w8 = (torch.randn(48, 256, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(48, generator=g) * 0.01 + 1e-3
+    out = gemv(x, w8, None, scale=scale)
+    assert picked == []
+    assert torch.equal(out, gemv(x, w8, None, tiles, scale=scale))
+    torch.testing.assert_close(out.float(), gemv_ref(x, w8, None, scale).float(), rtol=2e-3,
+                               atol=2e-3)
+    gemv(x, w8[:40], None, scale=scale[:40])          # a shape with no tuned tiles
+    gemv(x, w8.to(torch.float16), None)               # 2-byte weights
+    assert picked == [(40, 256), (48, 256)]
+    # a sweep file's 8-bit entries (weight_bytes 1) come first, and only for 8-bit weights
+    path = tmp_path / "tuned8.json"
+    path.write_text(json.dumps([{"device": "cpu", "n": 48, "k": 256, "weight_bytes": 1,
+                                 "config": {"block_n": 8, "block_k": 128, "split_k": 1,
+                                            "num_warps": 4, "num_stages": 2,
+                                            "prefetch": False}}]))
+    monkeypatch.setenv("KVFLEET_GEMV_TUNED", str(path))
+    assert gemv_module.tuned_config(48, 256, cpu, 1) == GemvConfig(8, 128, 1, 4, 2)
+    assert gemv_module.tuned_config(48, 256, cpu) is None
