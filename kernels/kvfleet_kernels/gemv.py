@@ -166,8 +166,20 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
 
 # (device name, N, K) -> the tiles of the 8-bit (FP8 / int8, `scale=`) weights' GEMV, which
 # has no cuBLAS twin (batch-1 FP8 and W8A8 projections always take it): the `bench_gemv.py
-# --weights fp8 --sweep` winners >= 3% faster than pick_config's tiles. Empty until measured.
-TUNED_8BIT: dict[tuple[str, int, int], GemvConfig] = {}
+# --weights fp8 --sweep` winners >= 3% faster than pick_config's tiles. An H100 (tree
+# 8102b6a, us per call against pick_config's 16 x 512 tiles split 1-3 ways): qkv 12.2 vs 14.6,
+# o_proj 9.4 vs 11.6, gate_up 44.1 vs 45.5, down 25.3 vs 29.7 (a layer 91.0 vs 101.4), a TP=2
+# rank's qkv 7.9 vs 9.9 and o_proj 5.6 vs 6.9: one K slice on 8-column tiles, K tiles as long
+# as 1-2 KB a row. Not yet swept on an H200.
+_H100 = "NVIDIA H100 80GB HBM3"
+TUNED_8BIT: dict[tuple[str, int, int], GemvConfig] = {
+    (_H100, 6144, 4096): GemvConfig(8, 512, 1, 4, 2),
+    (_H100, 4096, 4096): GemvConfig(8, 1024, 1, 4, 2),
+    (_H100, 28672, 4096): GemvConfig(8, 512, 1, 4, 2),
+    (_H100, 4096, 14336): GemvConfig(8, 2048, 1, 8, 2),
+    (_H100, 3072, 4096): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H100, 4096, 2048): GemvConfig(8, 512, 1, 4, 1, prefetch=True),
+}
 
 
 @functools.cache
