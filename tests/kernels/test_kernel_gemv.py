@@ -134,6 +134,30 @@ def test_gpu_gemv_at_its_tuned_tiles(key):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["fp8", "int8"])
+@pytest.mark.parametrize("key", sorted(gemv_module.TUNED_8BIT),
+                         ids=lambda key: f"{key[0]}-{key[1]}x{key[2]}")
+def test_gpu_8bit_gemv_takes_its_tuned_tiles(key, weights):
+    # batch-1 FP8 / W8A8 projections run these tiles (gemv with scale= and no config): each
+    # against the reference, and the call without tiles is the call with them, bit for bit
+    name, n, k = key
+    if torch.cuda.get_device_name() != name:
+        pytest.skip(f"tuned for {name}")
+    g = torch.Generator().manual_seed(n ^ k)
+    x = torch.randn(1, k, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    if weights == "int8":
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).cuda()
+    else:
+        w = (torch.randn(n, k, generator=g) * 40).to(device="cuda", dtype=torch.float8_e4m3fn)
+    scale = (torch.rand(n, generator=g) * 1e-3 + 1e-4).cuda()
+    ref = gemv_ref(x, w, None, scale)
+    out = gemv(x, w, None, scale=scale)
+    assert torch.equal(out, gemv(x, w, None, gemv_module.TUNED_8BIT[key], scale=scale))
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2,
+                               atol=1e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [14336, 7168])         # down_proj at TP=1 and on a TP=2 rank
 def test_gpu_gated_down_projection_is_the_unfused_pair_bit_for_bit(k):
     from kvfleet_kernels.activation import silu_and_mul
