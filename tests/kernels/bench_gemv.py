@@ -55,6 +55,29 @@ def eight_bit_weights(n: int, k: int, dtype: str, dev: torch.device) -> torch.Te
     return (torch.randn(n, k, device=dev) * 40).to(torch.float8_e4m3fn)
 
 
+def sweep_best(x, ws, ref, candidates, per_sm_counts, sms, scale=None):
+    """(us, GemvConfig) of the fastest candidate tile (x its split for each programs-a-SM
+    count) whose output on ws[0] is within 2% of ref's largest value."""
+    n, k = ws[0].shape
+    best = None
+    for (bn, bk, warps, stages, prefetch), per_sm in itertools.product(candidates, per_sm_counts):
+        tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
+        split = max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
+        cfg = gv.GemvConfig(bn, bk, split, warps, stages, prefetch)
+        try:
+            err = (gv.gemv(x, ws[0], None, cfg, scale=scale).float() - ref).abs().max().item()
+            if not err <= 2e-2 * ref.abs().max().item():    # a fast wrong config must not win
+                print(f"  WRONG {cfg}: off by {err:.3g}")
+                continue
+            t = graph_us([partial(gv.gemv, x, w, None, cfg, scale=scale) for w in ws], rep=20)
+        except Exception as e:  # noqa: BLE001 - out of resources: skip the config
+            print(f"  skip {cfg}: {type(e).__name__}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
@@ -82,22 +105,7 @@ def main() -> None:
               f"{nbytes / t_c / 1e6:>7.2f}  {gv.pick_config(1, n, k, dev)}", flush=True)
         if not args.sweep:
             continue
-        best = None
-        for (bn, bk, warps, stages, prefetch), per_sm in itertools.product(SWEEP, SWEEP_PER_SM):
-            tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
-            split = max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
-            cfg = gv.GemvConfig(bn, bk, split, warps, stages, prefetch)
-            try:
-                err = (gv.gemv(x, ws[0], None, cfg).float() - ref).abs().max().item()
-                if not err <= 2e-2 * ref.abs().max().item():    # a fast wrong config must not win
-                    print(f"  WRONG {cfg}: off by {err:.3g}")
-                    continue
-                t = graph_us([partial(gv.gemv, x, w, None, cfg) for w in ws], rep=20)
-            except Exception as e:  # noqa: BLE001 - out of resources: skip the config
-                print(f"  skip {cfg}: {type(e).__name__}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        best = sweep_best(x, ws, ref, SWEEP, SWEEP_PER_SM, sms)
         print(f"{'  best':<15}{best[0]:>10.1f}{nbytes / best[0] / 1e6:>7.2f}"
               f"{t_c / best[0]:>17.2f}x  {best[1]}", flush=True)
         if best[0] <= t_c / 1.03:
@@ -134,23 +142,7 @@ def main_8bit(args) -> None:
               flush=True)
         if not args.sweep:
             continue
-        best = None
-        for (bn, bk, warps, stages, prefetch), per_sm in itertools.product(SWEEP_8BIT,
-                                                                           SWEEP_8BIT_PER_SM):
-            tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(k, bk)
-            split = max(1, min(k_tiles, triton.cdiv(per_sm * sms, tiles)))
-            cfg = gv.GemvConfig(bn, bk, split, warps, stages, prefetch)
-            try:
-                err = (gv.gemv(x, ws[0], None, cfg, scale=scale).float() - ref).abs().max().item()
-                if not err <= 2e-2 * ref.abs().max().item():    # a fast wrong config must not win
-                    print(f"  WRONG {cfg}: off by {err:.3g}")
-                    continue
-                t = graph_us([partial(gv.gemv, x, w, None, cfg, scale=scale) for w in ws], rep=20)
-            except Exception as e:  # noqa: BLE001 - out of resources: skip the config
-                print(f"  skip {cfg}: {type(e).__name__}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        best = sweep_best(x, ws, ref, SWEEP_8BIT, SWEEP_8BIT_PER_SM, sms, scale)
         print(f"{'  best':<15}{best[0]:>11.1f}{nbytes / best[0] / 1e6:>7.2f}"
               f"{t_d / best[0]:>9.2f}x  {best[1]}", flush=True)
         if best[0] <= t_d / 1.03:

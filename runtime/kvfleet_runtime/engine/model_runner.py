@@ -744,7 +744,7 @@ class ModelRunner:
         if self.lora is not None:       # this step's adapters into their slots, on every rank
             self.lora.apply(step.lora_slots, step.lora_loads)
         rows = step.logits_rows
-        every = len(rows) == step.input_ids.shape[0] and (not rows or rows[-1] == len(rows) - 1)
+        every = len(rows) == step.input_ids.shape[0] and rows[-1] == len(rows) - 1   # decode
         if self.graph_runner is not None and self.graph_runner.can_run(meta, meta.seq_lens.shape[0]):
             hidden = self.graph_runner.run(step.input_ids, step.positions, meta)
         elif every or not self.last_layer_rows:
