@@ -1,13 +1,14 @@
 """An eager step runs its last layer past attention on the rows whose logits it wants only
 (ModelRunner._forward, DecoderModel's `rows`): a prefill step's other tokens need only their
 K/V, which that layer writes before its attention. The hidden states and tokens must be those
-of the full forward, and the skipped rows must really be skipped."""
+of the full forward (adapters included), and the skipped rows must really be skipped."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime import LLM, LoRARequest, SamplingParams
+from support.lora import make_lora_adapter
 
 
 def _rows_into(module: torch.nn.Module, seen: list[int]):
@@ -82,10 +83,33 @@ def test_engine_tokens_and_prompt_logprobs_as_on_every_row(tiny_model_dir, monke
     assert any(rows == 0 for _, rows in wanted)      # a chunk that ends no prompt, alone
 
 
-def test_not_with_adapters(tiny_model_dir):
-    llm = LLM(model=tiny_model_dir("llama3"), dtype="float32", enable_lora=True, max_loras=1,
-              max_lora_rank=8)
-    assert not llm.engine.runner.last_layer_rows
+def test_adapters_keep_their_rows_slots(tiny_model_dir, tmp_path, monkeypatch):
+    # each kept row's adapter is its own (StepMasks.select): a batch mixing two adapters and
+    # the base model gives the tokens it gives on every row, in one prefill step
+    path = tiny_model_dir("llama3")
+    a = str(make_lora_adapter(path, tmp_path / "a", rank=8, seed=1))
+    b = str(make_lora_adapter(path, tmp_path / "b", rank=4, seed=2, targets=("o_proj", "down_proj")))
+    prompts = [[(11 * i + 3 * j) % 80 + 5 for j in range(9 + i)] for i in range(6)]
+    order = [LoRARequest("a", 1, a), None, LoRARequest("b", 2, b)] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(switch: str):
+        monkeypatch.setenv("KVFLEET_LAST_LAYER_ROWS", switch)
+        llm = LLM(model=path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+        assert llm.engine.runner.last_layer_rows == (switch != "0")
+        seen = []
+        hook = _rows_into(llm.engine.runner.model.model.layers[-1].mlp.down_proj, seen)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                               lora_request=order)]
+        hook.remove()
+        return tokens, seen[0]
+
+    (tokens, first), (every, first_every) = run(""), run("0")
+    assert tokens == every
+    assert first == 6 and first_every == sum(map(len, prompts))     # the prefill step
+    # the adapters move the outputs (a wrong slot for a kept row would show)
+    base = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32").generate(prompts, params)]
+    assert tokens[0] != base[0] and tokens[2] != base[2] and tokens[1] == base[1]
 
 
 def test_the_switch_is_checked(tiny_model_dir, monkeypatch):

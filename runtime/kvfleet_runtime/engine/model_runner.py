@@ -188,9 +188,9 @@ class ModelRunner:
                 max(config.max_num_batched_tokens, self.max_rows, most_rows), self.dtype,
                 self.device)
         # eager steps run the last layer past its attention on the rows whose logits they
-        # want only (not with adapters: their per-token slots follow the step's every token);
+        # want only (adapters: those rows keep their slots, StepMasks.select);
         # KVFLEET_LAST_LAYER_ROWS=0: on every row (an A/B switch)
-        self.last_layer_rows = self.lora is None and on_off(
+        self.last_layer_rows = on_off(
             "KVFLEET_LAST_LAYER_ROWS", os.environ.get("KVFLEET_LAST_LAYER_ROWS", ""))
         self._check_kv_cache_dtype()
         self._bind_kv_scales()
@@ -752,7 +752,13 @@ class ModelRunner:
         else:   # the last layer's attention output, o_proj and MLP on these rows alone
             # (a step that wants no row still runs one: every layer's K/V go into the cache)
             wanted = host_to_device(rows or [0], torch.long, self.device)
-            hidden = self.model(step.input_ids, step.positions, meta, wanted)[:len(rows)]
+            if self.lora is not None:
+                self.lora.masks.select(wanted)
+            try:
+                hidden = self.model(step.input_ids, step.positions, meta, wanted)[:len(rows)]
+            finally:
+                if self.lora is not None:
+                    self.lora.masks.select(None)
             every = True
         if not every:
             hidden = hidden.index_select(0, host_to_device(rows, torch.long, self.device))

@@ -36,7 +36,9 @@ def slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 class StepMasks:
     """This forward's [T, width] masks by width, made at their first use in the forward (inside
     the CUDA graph being captured, when it is one) from the engine's token_slots; clear() at
-    the start of every forward."""
+    the start of every forward. A forward whose last layer runs past its attention on some of
+    the step's rows only (ModelRunner) select()s them: a projection of that many rows takes
+    their slots."""
 
     def __init__(self, token_slots: torch.Tensor, max_loras: int, max_rank: int,
                  dtype: torch.dtype) -> None:
@@ -44,9 +46,22 @@ class StepMasks:
         self.dtype = dtype
         self._masks: dict[int, torch.Tensor] = {}
         self._column_slots: dict[int, torch.Tensor] = {}
+        self._selected: torch.Tensor | None = None
 
     def clear(self) -> None:
         self._masks.clear()
+
+    def select(self, rows: torch.Tensor | None) -> None:
+        """The rows of the step the last layer keeps (fewer than the step's tokens), or None."""
+        self._selected = None if rows is None else self.token_slots.index_select(0, rows)
+
+    def slots(self, num_tokens: int) -> torch.Tensor:
+        """The slots of a projection's num_tokens rows (the first num_tokens entries): the
+        step's tokens', or the selected rows' when there are that many of them."""
+        selected = self._selected
+        if selected is not None and selected.shape[0] == num_tokens:
+            return selected
+        return self.token_slots
 
     def __call__(self, num_tokens: int, width: int) -> torch.Tensor:
         mask = self._masks.get(width)
@@ -55,7 +70,7 @@ class StepMasks:
             if columns is None:     # column c belongs to slot c // (width / L)
                 columns = self._column_slots[width] = torch.arange(
                     width, device=self.token_slots.device) // (width // self.max_loras)
-            mine = self.token_slots[:num_tokens, None] == columns
+            mine = self.slots(num_tokens)[:num_tokens, None] == columns
             mask = self._masks[width] = mine.to(self.dtype)
         return mask
 
@@ -109,6 +124,6 @@ class LoRASlots:
         shrunk = x @ self.a.t()                                           # [T, L * P * R]
         if _KERNEL and use_triton(x):
             from kvfleet_kernels.lora import lora_expand
-            return lora_expand(out, shrunk, self.b, self.masks.token_slots, self.max_loras)
+            return lora_expand(out, shrunk, self.b, self.masks.slots(x.shape[0]), self.max_loras)
         shrunk.mul_(self.masks(x.shape[0], shrunk.shape[1]))
         return out.addmm_(shrunk, self.b.t())
