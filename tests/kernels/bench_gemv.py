@@ -1,6 +1,7 @@
 """Time the batch-1 Triton GEMV against torch (cuBLAS) on Llama-3.1-8B's projection shapes.
 
 Run on a GPU: python tests/kernels/bench_gemv.py [--weights bf16|fp8|int8] [--sweep] [--write-tuned PATH]
+                [--shapes NAME,...] [--prefetch-only]
 Both are replayed from CUDA graphs (as the engine's decode runs them) over weight copies 3x the
 L2 cache in turn (each call's weight comes from HBM, as in the engine); TB/s = weight bytes /
 time. The shapes are one layer's at TP=1 and at TP=2 (each rank's half). --write-tuned writes
@@ -9,6 +10,9 @@ KVFLEET_TRITON_GEMV=tuned the engine then runs those shapes at those tiles).
 --weights fp8 / int8: 8-bit weights with per-row scales (the W8A16 GEMV that batch-1 FP8 and
 W8A8 projections take; it has no cuBLAS twin): timed against pick_config's tiles, the winners
 that beat those by 3% written with "weight_bytes": 1 (gemv.TUNED_8BIT's entries).
+--shapes: only these SHAPES (by name, e.g. qkv_proj,lm_head); --prefetch-only: sweep only the
+one-K-slice tiles that prefetch their next K tile (every H200 bf16 winner was one: a third of
+the candidates, for a sweep that fits one device call with the runs that use its file).
 """
 
 from __future__ import annotations
@@ -78,13 +82,31 @@ def sweep_best(x, ws, ref, candidates, per_sm_counts, sms, scale=None):
     return best
 
 
+def write_tuned(path: str | None, tuned: list[dict], what: str) -> None:
+    """The winners so far, rewritten after each shape: a sweep its time limit cuts still
+    leaves the shapes it finished."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(tuned, f, indent=1)
+        print(f"{len(tuned)} shape(s) {what} so far -> {path}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--write-tuned", metavar="PATH",
                         help="with --sweep: the winners (>= 3%% faster than cuBLAS) as JSON")
     parser.add_argument("--weights", choices=("bf16", "fp8", "int8"), default="bf16")
+    parser.add_argument("--shapes", help="comma-separated SHAPES names (default: all)")
+    parser.add_argument("--prefetch-only", action="store_true",
+                        help="with --sweep: only the tiles that prefetch their next K tile")
     args = parser.parse_args()
+    known = [name for name, _, _ in SHAPES]
+    wanted = args.shapes.split(",") if args.shapes else known
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; known: {','.join(known)}")
+    args.shape_list = [s for s in SHAPES if s[0] in wanted]
     if args.weights != "bf16":
         return main_8bit(args)
     dev = torch.device("cuda")
@@ -93,7 +115,8 @@ def main() -> None:
     print(f"{device_name}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"{'shape':<15}{'triton us':>10}{'TB/s':>7}{'cuBLAS us':>11}{'TB/s':>7}  config")
     tuned = []
-    for name, n, k in SHAPES:
+    candidates = [c for c in SWEEP if c[4] or not args.prefetch_only]
+    for name, n, k in args.shape_list:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         nbytes = n * k * 2
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -105,16 +128,13 @@ def main() -> None:
               f"{nbytes / t_c / 1e6:>7.2f}  {gv.pick_config(1, n, k, dev)}", flush=True)
         if not args.sweep:
             continue
-        best = sweep_best(x, ws, ref, SWEEP, SWEEP_PER_SM, sms)
+        best = sweep_best(x, ws, ref, candidates, SWEEP_PER_SM, sms)
         print(f"{'  best':<15}{best[0]:>10.1f}{nbytes / best[0] / 1e6:>7.2f}"
               f"{t_c / best[0]:>17.2f}x  {best[1]}", flush=True)
         if best[0] <= t_c / 1.03:
             tuned.append({"device": device_name, "n": n, "k": k, "triton_us": round(best[0], 2),
                           "cublas_us": round(t_c, 2), "config": best[1].__dict__})
-    if args.write_tuned:
-        with open(args.write_tuned, "w") as f:
-            json.dump(tuned, f, indent=1)
-        print(f"{len(tuned)} shape(s) faster than cuBLAS -> {args.write_tuned}")
+        write_tuned(args.write_tuned, tuned, "faster than cuBLAS")
 
 
 def main_8bit(args) -> None:
@@ -127,7 +147,8 @@ def main_8bit(args) -> None:
           f"{args.weights} weights")
     print(f"{'shape':<15}{'default us':>11}{'TB/s':>7}{'tuned us':>10}  default tiles")
     tuned = []
-    for name, n, k in SHAPES:
+    candidates = [c for c in SWEEP_8BIT if c[4] or not args.prefetch_only]
+    for name, n, k in args.shape_list:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         nbytes = n * k
         ws = [eight_bit_weights(n, k, args.weights, dev) for _ in range(copies_for(nbytes, dev))]
@@ -142,17 +163,14 @@ def main_8bit(args) -> None:
               flush=True)
         if not args.sweep:
             continue
-        best = sweep_best(x, ws, ref, SWEEP_8BIT, SWEEP_8BIT_PER_SM, sms, scale)
+        best = sweep_best(x, ws, ref, candidates, SWEEP_8BIT_PER_SM, sms, scale)
         print(f"{'  best':<15}{best[0]:>11.1f}{nbytes / best[0] / 1e6:>7.2f}"
               f"{t_d / best[0]:>9.2f}x  {best[1]}", flush=True)
         if best[0] <= t_d / 1.03:
             tuned.append({"device": device_name, "n": n, "k": k, "weight_bytes": 1,
                           "triton_us": round(best[0], 2), "default_us": round(t_d, 2),
                           "config": best[1].__dict__})
-    if args.write_tuned:
-        with open(args.write_tuned, "w") as f:
-            json.dump(tuned, f, indent=1)
-        print(f"{len(tuned)} shape(s) faster than pick_config's tiles -> {args.write_tuned}")
+        write_tuned(args.write_tuned, tuned, "faster than pick_config's tiles")
 
 
 if __name__ == "__main__":
