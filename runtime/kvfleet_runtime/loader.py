@@ -203,7 +203,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     with torch.device(config.torch_device):
         model = cls(cfg, dtype, quant_config)
     if config.load_format == "dummy":
-        _init_dummy(model)
+        _init_dummy(model, act_order=getattr(quant_config, "desc_act", False))
     else:
         head = getattr(model, "lm_head", None)
         if not cfg.tie_word_embeddings and isinstance(getattr(head, "weight", None), torch.Tensor):
@@ -235,10 +235,19 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, dtype=dtype, name=name)
 
 
-def _init_dummy(model: torch.nn.Module) -> None:
-    """Random weights of the right shapes (benchmarks of real-sized models without a checkpoint)."""
+def _init_dummy(model: torch.nn.Module, act_order: bool = False) -> None:
+    """Random weights of the right shapes (benchmarks of real-sized models without a checkpoint).
+    Integer tensors keep what their layer made them (packed weights: uninitialized memory; g_idx:
+    the plain grouping), except that with `act_order` (GPTQ desc_act) each g_idx row is shuffled,
+    as an act-order checkpoint's is, so that the layers take their act-order paths."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     for name, p in model.named_parameters():
+        if act_order and name.endswith("g_idx"):
+            k = p.shape[-1]
+            rows = p.data.reshape(-1, k)
+            for r in range(rows.shape[0]):
+                rows[r] = rows[r][torch.randperm(k, generator=gen).to(rows.device)]
+            continue
         if not p.is_floating_point():
             continue
         if "norm" in name:
