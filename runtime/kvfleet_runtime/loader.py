@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
             module.linear_method.process_weights_after_loading(module)
         elif hasattr(module, "process_weights_after_loading"):    # layers.moe's experts
             module.process_weights_after_loading()
+    # act-order layers take their input already in their order from the module before them
+    # (models/llama.py); not with LoRA adapters, which read those inputs in the model's order
+    if not config.enable_lora and os.environ.get("KVFLEET_ORDER_INPUTS", "1") != "0":
+        for module in model.modules():
+            if hasattr(module, "order_inputs"):
+                module.order_inputs()
     cfg.eos_token_ids = _eos_ids(folder, cfg, tokenizer)
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, dtype=dtype, name=name)

@@ -303,7 +303,7 @@ def fused_norm_for_output(like: torch.Tensor, rows: int, cols: int,
                           norm) -> FusedAllReduceNorm | None:
     """fused_norm_for of a contiguous [rows, cols] output of `like`'s dtype and device."""
     fused = get_state().fused_norm
-    if (fused is None or norm.fp8_out or norm.int8_out
+    if (fused is None or norm.fp8_out or norm.int8_out or norm.out_perm is not None
             or not fused.fits_output(rows, cols, like.dtype, like.device)
             or not use_triton(like)):
         return None

@@ -135,6 +135,17 @@ class LinearMethod:
         if packed is not None:
             layer.weight = nn.Parameter(packed, requires_grad=False)
 
+    def permute_outputs(self, layer: Linear, index: torch.Tensor) -> bool:
+        """Make output column j what column index[j] was (weight rows, bias); False where this
+        method cannot (a subclass's quantized weights, unless it does its own; a CPU-packed
+        weight)."""
+        if type(self) is not LinearMethod or layer.weight.is_mkldnn:
+            return False
+        layer.weight = nn.Parameter(layer.weight.data[index].contiguous(), requires_grad=False)
+        if layer.bias is not None:
+            layer.bias = nn.Parameter(layer.bias.data[index].contiguous(), requires_grad=False)
+        return True
+
 
 def cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a bf16 [out, in] weight on a CPU; None where it does not apply

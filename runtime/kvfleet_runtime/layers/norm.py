@@ -1,6 +1,7 @@
 """RMSNorm, optionally fused with the residual add (pre-norm decoder pattern), and with the
 per-token FP8 quantization of its output when that output feeds an FP8 GEMM (`fp8_out`), or
-the int8 one when it feeds a W8A8 int8 GEMM (`int8_out`)."""
+the int8 one when it feeds a W8A8 int8 GEMM (`int8_out`), and with its output's columns in an
+act-order GPTQ consumer's input order (`set_output_order`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ class RMSNorm(nn.Module):
         self.int8_out = False     # the same by a W8A8 int8 consumer
         self.reduces_input = False    # set by reduce_in_norm: x may be a rank's partial sum
         self.reduce_site = 0          # its place among the model's fused all-reduces
+        self.out_perm = None          # set_output_order's: the output is normed[:, out_perm]
+        self.out_index = None         # where each column goes: argsort(out_perm), int32
+
+    def set_output_order(self, perm: torch.Tensor) -> None:
+        """Hand the output over as normed[:, perm] (the act-order input order of the one layer
+        that reads it, which then gathers nothing): the Triton kernel stores each column at its
+        place in that order, the same values."""
+        self.out_perm = perm
+        self.out_index = torch.argsort(perm).to(torch.int32)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [T, D]; with residual returns (normed, x + residual); normed is an FP8Activation
@@ -59,8 +69,11 @@ class RMSNorm(nn.Module):
             return out if residual is None else (out, summed)
         if use_triton(x):
             from kvfleet_kernels.norm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
-        return rms_norm_torch(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, self.out_index)
+        out = rms_norm_torch(x, self.weight, self.eps, residual)
+        if self.out_perm is None:
+            return out
+        return out[:, self.out_perm] if residual is None else (out[0][:, self.out_perm], out[1])
 
 
 def reduce_in_norm(layer: nn.Module, norm: RMSNorm, site: int) -> None:

@@ -7,6 +7,10 @@ Under tensor parallelism each rank builds its shard: its share of the query head
 row-parallel o and down, a vocab-parallel embedding and lm_head.
 With FP8 weights the norms and the activation hand qkv, gate_up and down their input quantized
 (feeds_fp8); o_proj's input, the attention output, is quantized by the GEMM itself.
+With act-order GPTQ weights (each projection's input rows sorted by group: a gather of its
+input a step) qkv and gate_up get theirs from the norms in that order, and down from gate_up,
+whose output columns are put in down's order at load time (`order_inputs`); only o_proj
+gathers.
 """
 
 from __future__ import annotations
@@ -166,6 +170,19 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
         feeds_fp8(self.act_fn, self.down_proj)
 
+    def order_inputs(self) -> None:
+        """An act-order down_proj: gate_up's gate and up columns are both put in its input
+        order (an MLP's intermediate units, relabelled the same way on both sides, compute the
+        same function), so SiLU(gate) * up comes out in that order on every path and down
+        gathers nothing."""
+        down, gate_up = self.down_proj, self.gate_up_proj
+        perm = getattr(down, "perm", None)
+        if perm is None or down.input_permuted:
+            return
+        inter = gate_up.output_size // 2
+        if gate_up.linear_method.permute_outputs(gate_up, torch.cat([perm, perm + inter])):
+            down.input_permuted = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):     # not quantized by the norm (FP8 / int8 activation)
             act = self.gate_up_proj.gated_output(x)     # SiLU(gate) * up inside gate_up's GEMV
@@ -203,6 +220,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DecoderMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
             feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
+
+    def order_inputs(self) -> None:
+        """Each norm whose one reader is an act-order projection (qkv; gate_up of a dense MLP)
+        writes its output in that projection's input order, which then gathers nothing."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, DecoderMLP):
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        for norm, layer in pairs:
+            perm = getattr(layer, "perm", None)
+            if perm is not None and not layer.input_permuted and not (norm.fp8_out or norm.int8_out):
+                norm.set_output_order(perm)
+                layer.input_permuted = True
 
     def forward(self, positions, x, residual, meta, rope=None, rows=None):
         # rows: the only rows of the output wanted (DecoderModel's last layer)

@@ -13,6 +13,11 @@ rows sorted by group, fp16 scales and zero points per group; column-blocked wher
 runs the whole-K GEMV) or, where the kernel cannot
 serve the layer (CPU, an odd shape, unequal act-order groups), stores the dequantized weight
 in the model's dtype and logs why, once per reason.
+
+An act-order layer gathers its input into the sorted order (`x[:, perm]`, a launch a projection)
+unless whatever computes that input hands it over in that order already (`input_permuted`,
+set at load time by the model: models/llama.py `order_inputs`); `permute_outputs` reorders a
+layer's output columns for that.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvfleet_kernels.w4a16 import (
     gated_output_serves,
     gemv_max_m,
     kernel_supports,
+    unblock_columns,
     w4a16_gemm,
 )
 from torch import nn
@@ -165,15 +171,30 @@ class IntWeightMethod(LinearMethod):
         for name, t in tensors.items():
             _replace(layer, name, t)
         layer.register_buffer("perm", perm, persistent=False)
+        layer.input_permuted = False        # x arrives as x[:, perm] (order_inputs)
         layer.kernel_group_size = group_size
         return None
+
+    def permute_outputs(self, layer: Linear, index: torch.Tensor) -> bool:
+        """Make output column j what column index[j] was (the packed words, scales and zero
+        points of each column move with it, in the blocked layout too)."""
+        if layer.bias is not None:
+            _replace(layer, "bias", layer.bias.data[index].contiguous())
+        if not layer.uses_kernel:
+            _replace(layer, "weight", layer.weight.data[index].contiguous())
+            return True
+        blocked = layer.whole_k_config
+        for name in ("qweight", "scales", "zeros"):
+            t = getattr(layer, name).data
+            t = (unblock_columns(t) if blocked else t)[:, index]
+            _replace(layer, name, block_columns(t, blocked.block_n) if blocked else t.contiguous())
+        return True
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not layer.uses_kernel:
             return F.linear(x, layer.weight, bias)
         # x: [T, in] -> [T, out]
-        if layer.perm is not None:
-            x = x[:, layer.perm]
+        x = _in_order(layer, x)
         out = w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
                          layer.kernel_group_size,
                          layer.whole_k_config if x.shape[0] <= gemv_max_m(self.bits) else None)
@@ -187,7 +208,10 @@ class IntWeightMethod(LinearMethod):
                 x.shape[0], layer.output_size, x.shape[1], layer.kernel_group_size,
                 x.device, self.bits):
             return None
-        if layer.perm is not None:
-            x = x[:, layer.perm]
-        return w4a16_gemm(x.contiguous(), layer.qweight, layer.scales, layer.zeros, self.bits,
-                          layer.kernel_group_size, silu_out=True)
+        return w4a16_gemm(_in_order(layer, x).contiguous(), layer.qweight, layer.scales,
+                          layer.zeros, self.bits, layer.kernel_group_size, silu_out=True)
+
+
+def _in_order(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x in the kernel layout's input order (act-order: rows sorted by group)."""
+    return x if layer.perm is None or layer.input_permuted else x[:, layer.perm]

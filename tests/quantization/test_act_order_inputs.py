@@ -1,0 +1,61 @@
+"""Act-order GPTQ layers on the W4A16 kernel path (Triton's interpreter; the kernel layout
+forced on the CPU): the norms hand qkv and gate_up their input already in act-order, and
+gate_up's output columns are put in down's order at load (models/llama.py `order_inputs`), so
+only o_proj gathers its input. The engine's tokens and prompt log-probs must be those of every
+projection gathering its own (KVFLEET_ORDER_INPUTS=0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime.layers.quantization.int_weight import IntWeightMethod
+
+from quantization.checkpoints import write_quantized
+from quantization.test_tiny_llama import _prompts
+
+
+@pytest.fixture
+def kernel_layout(monkeypatch):
+    """Int layers repacked for the W4A16 kernel as on a GPU (here run by the interpreter)."""
+    def process(self, layer):
+        self.finalize(layer, self.unpack(layer), use_kernel=True)
+    monkeypatch.setattr(IntWeightMethod, "process_weights_after_loading", process)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _run(model_dir, monkeypatch, switch: str):
+    monkeypatch.setenv("KVFLEET_ORDER_INPUTS", switch)
+    # 16-token chunks: prompts cut over steps and mixed with decode rows
+    llm = LLM(model=str(model_dir), dtype="float16", attention_backend="triton",
+              max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+    layers = llm.engine.runner.model.model.layers
+    flags = [(layer.input_layernorm.out_perm is not None,
+              layer.post_attention_layernorm.out_perm is not None,
+              layer.self_attn.qkv_proj.input_permuted, layer.self_attn.o_proj.input_permuted,
+              layer.mlp.gate_up_proj.input_permuted, layer.mlp.down_proj.input_permuted)
+             for layer in layers]
+    assert all(layer.self_attn.o_proj.perm is not None for layer in layers)    # act-order
+    prompts = _prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                prompt_logprobs=0))
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [torch.tensor([pos[t].logprob for pos, t in zip(o.prompt_logprobs[1:], p[1:],
+                                                               strict=True)])
+                for o, p in zip(outs, prompts, strict=True)]
+    return tokens, logprobs, flags
+
+
+def test_act_order_inputs_come_in_order_with_the_same_outputs(tiny_llama, tmp_path,
+                                                              kernel_layout, monkeypatch):
+    quantized = tmp_path / "quantized"
+    write_quantized(tiny_llama, quantized, tmp_path / "dequantized", method="gptq",
+                    group_size=32, desc_act=True)
+    tokens, logprobs, flags = _run(quantized, monkeypatch, "1")
+    # both norms hand their projection its order; qkv, gate_up and down gather nothing
+    assert flags == [(True, True, True, False, True, True)] * len(flags)
+    gathered_tokens, gathered_logprobs, gathered_flags = _run(quantized, monkeypatch, "0")
+    assert gathered_flags == [(False, False, False, False, False, False)] * len(flags)
+    assert tokens == gathered_tokens
+    for ours, theirs in zip(logprobs, gathered_logprobs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
