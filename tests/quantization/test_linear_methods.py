@@ -123,6 +123,28 @@ def test_kernel_path_over_column_blocked_weights(method, desc_act, monkeypatch):
         torch.testing.assert_close(layer(x).float(), x.float() @ w.t(), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+def test_permute_outputs_moves_each_column_with_its_words_scales_and_zeros(blocked, monkeypatch):
+    # what order_inputs does to gate_up for an act-order down_proj: output column j becomes
+    # the old column index[j], in the plain and the column-blocked layouts
+    from kvfleet_kernels.w4a16 import GemmConfig
+    from kvfleet_runtime.layers.quantization import int_weight
+    if blocked:
+        monkeypatch.setattr(int_weight, "blocked_whole_k",
+                            lambda *args: GemmConfig(1, 16, 64, 1, 4, 1, whole_k=True))
+    tensors, w = int_checkpoint("gptq", 4, 32, False, desc_act=True)
+    layer = build(int_config("gptq", 4, 32, False, True))
+    load(layer, tensors)
+    layer.linear_method.finalize(layer, layer.linear_method.unpack(layer), use_kernel=True)
+    assert (layer.whole_k_config is not None) == blocked
+    index = torch.randperm(sum(SHARDS), generator=torch.Generator().manual_seed(5))
+    assert layer.linear_method.permute_outputs(layer, index)
+    for rows in (1, 3):
+        x = torch.randn(rows, K, dtype=torch.float16)
+        torch.testing.assert_close(layer(x).float(), x.float() @ w[index].t(), rtol=2e-3,
+                                   atol=2e-3)
+
+
 def test_fused_shards_must_share_act_order():
     tensors, _ = int_checkpoint("gptq", 4, 32, False, desc_act=True)
     tensors[1]["g_idx"] = torch.flip(tensors[1]["g_idx"], [0])

@@ -150,6 +150,33 @@ def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, metho
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
 
 
+@pytest.mark.parametrize("desc_act", [False, True], ids=["gptq-llama", "gptq-act-order-llama"])
+def test_int4_dense_layers_match_hf_fp32_and_graphs_match_eager(tmp_path, desc_act, monkeypatch):
+    # dense GPTQ layers on the W4A16 kernels; act-order ones with qkv's and gate_up's inputs
+    # in act-order from the norms and down's from gate_up (models/llama.py order_inputs):
+    # the same tokens as with every projection gathering its own (KVFLEET_ORDER_INPUTS=0)
+    from quantization.checkpoints import write_quantized
+    from support.tiny_models import make_tiny_model
+    source = make_tiny_model("llama3", tmp_path / "llama3")
+    write_quantized(source, tmp_path / "q", tmp_path / "d", method="gptq", group_size=16,
+                    desc_act=desc_act)
+    path, prompts = str(tmp_path / "q"), _prompts(8)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=8)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.uses_kernel
+    assert (layer.self_attn.qkv_proj.perm is not None) == desc_act
+    if desc_act:
+        assert layer.input_layernorm.out_perm is not None
+        assert layer.post_attention_layernorm.out_perm is not None
+        assert layer.mlp.down_proj.input_permuted and not layer.self_attn.o_proj.input_permuted
+    _equal_but_for_a_tie(_greedy(llm, prompts, 12), str(tmp_path / "d"), prompts, 12)
+    eager = _greedy(LLM(model=path, dtype="bfloat16", enforce_eager=True), prompts)
+    assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
+    if desc_act:
+        monkeypatch.setenv("KVFLEET_ORDER_INPUTS", "0")
+        assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager
+
+
 @pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8-int8", "fp8-dynamic", "nvfp4"])
 def test_compressed_tensors_checkpoints_run_their_kernels_and_graphs_match_eager(tmp_path,
                                                                                  scheme):
