@@ -5,7 +5,7 @@ Each program streams a [BLOCK_N, BLOCK_K] tile of w per step over its K slice, m
 in fp32 and keeps a [BLOCK_N, BLOCK_K] accumulator it reduces once at the end; the K slices
 meet through split_k.store_or_reduce. The engine's linear layers use it at batch 1 for FP8
 weights (W8A16, `scale=`) and for the bf16/fp16 (device, shape) pairs in TUNED, where an H200
-sweep measured it faster than cuBLAS (docs/PERFORMANCE.md); `KVFLEET_TRITON_GEMV=1` sends every
+or H100 sweep measured it faster than cuBLAS (docs/PERFORMANCE.md); `KVFLEET_TRITON_GEMV=1` sends every
 batch-1 shape here, `=0` none.
 
 Two fusions spare a decode step a launch each (one K slice only):
@@ -151,6 +151,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
 # lm_head (1-2%) joined them so that every projection of a batch-1 step is a Triton kernel,
 # which programmatic dependent launch can overlap with the kernel before it (pdl.py).
 _H200 = "NVIDIA H200"
+_H100 = "NVIDIA H100 80GB HBM3"
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     (_H200, 6144, 4096): GemvConfig(16, 512, 1, 4, 1, prefetch=True),
     (_H200, 4096, 4096): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
@@ -161,6 +162,13 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
     (_H200, 4096, 2048): GemvConfig(8, 512, 1, 4, 1, prefetch=True),
     (_H200, 4096, 7168): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
     (_H200, 14336, 4096): GemvConfig(8, 256, 1, 4, 1, prefetch=True),
+    # An H100 (forty-sixth session, tree 4c03ad2, `--sweep --prefetch-only`), us per call against
+    # cuBLAS: qkv 18.1 vs 21.0, o_proj 13.2 vs 17.3, gate_up 76.1 vs 79.4, down 40.1 vs 44.0
+    # (a layer 147.5 vs 161.8)
+    (_H100, 6144, 4096): GemvConfig(16, 512, 1, 4, 1, prefetch=True),
+    (_H100, 4096, 4096): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H100, 28672, 4096): GemvConfig(8, 1024, 1, 4, 1, prefetch=True),
+    (_H100, 4096, 14336): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
 }
 
 
@@ -171,7 +179,6 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
 # o_proj 9.4 vs 11.6, gate_up 44.1 vs 45.5, down 25.3 vs 29.7 (a layer 91.0 vs 101.4), a TP=2
 # rank's qkv 7.9 vs 9.9 and o_proj 5.6 vs 6.9: one K slice on 8-column tiles, K tiles as long
 # as 1-2 KB a row. Not yet swept on an H200.
-_H100 = "NVIDIA H100 80GB HBM3"
 TUNED_8BIT: dict[tuple[str, int, int], GemvConfig] = {
     (_H100, 6144, 4096): GemvConfig(8, 512, 1, 4, 2),
     (_H100, 4096, 4096): GemvConfig(8, 1024, 1, 4, 2),
