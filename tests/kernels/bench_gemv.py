@@ -36,8 +36,8 @@ from kvfleet_kernels import gemv as gv  # noqa: E402
 # (name, N, K): one Llama-3.1-8B layer and lm_head, then a TP=2 rank's share of the layer
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
           ("down_proj", 4096, 14336), ("lm_head", 128256, 4096),
-          ("tp2 qkv_proj", 3072, 4096), ("tp2 o_proj", 4096, 2048),
-          ("tp2 gate_up", 14336, 4096), ("tp2 down_proj", 4096, 7168)]
+          ("tp2_qkv_proj", 3072, 4096), ("tp2_o_proj", 4096, 2048),
+          ("tp2_gate_up", 14336, 4096), ("tp2_down_proj", 4096, 7168)]
 # --sweep: (block_n, block_k, num_warps, num_stages, prefetch) x programs per SM
 SWEEP = ([(bn, bk, w, st, False) for bn in (8, 16, 32) for bk in (256, 512, 1024)
           for w in (4, 8) for st in (2, 4)]
