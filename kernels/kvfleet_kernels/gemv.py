@@ -162,13 +162,20 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
     (_H200, 4096, 2048): GemvConfig(8, 512, 1, 4, 1, prefetch=True),
     (_H200, 4096, 7168): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
     (_H200, 14336, 4096): GemvConfig(8, 256, 1, 4, 1, prefetch=True),
-    # An H100 (forty-sixth session, tree 4c03ad2, `--sweep --prefetch-only`), us per call against
-    # cuBLAS: qkv 18.1 vs 21.0, o_proj 13.2 vs 17.3, gate_up 76.1 vs 79.4, down 40.1 vs 44.0
-    # (a layer 147.5 vs 161.8)
+    # An H100 (forty-sixth session, trees 4c03ad2 / 30fa7b7, `--sweep --prefetch-only`), us per
+    # call against cuBLAS: qkv 18.1 vs 21.0, o_proj 13.2 vs 17.3, gate_up 76.1 vs 79.4, down
+    # 40.1 vs 44.0 (a layer 147.5 vs 161.8), lm_head 327.7 vs 358.2; a TP=2 rank's qkv 9.6 vs
+    # 14.8, o_proj 7.6 vs 9.8, gate_up 39.8 vs 41.5, down 21.2 vs 25.2. Batch 1 170.8 -> 187.2
+    # tok/s with the layer's four, 188.3 with lm_head too (one machine).
     (_H100, 6144, 4096): GemvConfig(16, 512, 1, 4, 1, prefetch=True),
     (_H100, 4096, 4096): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
     (_H100, 28672, 4096): GemvConfig(8, 1024, 1, 4, 1, prefetch=True),
     (_H100, 4096, 14336): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H100, 128256, 4096): GemvConfig(8, 1024, 1, 4, 1, prefetch=True),
+    (_H100, 3072, 4096): GemvConfig(8, 1024, 1, 4, 1, prefetch=True),
+    (_H100, 4096, 2048): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
+    (_H100, 14336, 4096): GemvConfig(8, 512, 1, 4, 1, prefetch=True),
+    (_H100, 4096, 7168): GemvConfig(8, 512, 1, 8, 1, prefetch=True),
 }
 
 
