@@ -123,24 +123,28 @@ def test_kernel_path_over_column_blocked_weights(method, desc_act, monkeypatch):
         torch.testing.assert_close(layer(x).float(), x.float() @ w.t(), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("blocked", [False, True])
-def test_permute_outputs_moves_each_column_with_its_words_scales_and_zeros(blocked, monkeypatch):
+@pytest.mark.parametrize("layout", ["plain", "blocked", "dequantized"])
+def test_permute_outputs_moves_each_column_with_its_words_scales_and_zeros(layout, monkeypatch):
     # what order_inputs does to gate_up for an act-order down_proj: output column j becomes
-    # the old column index[j], in the plain and the column-blocked layouts
+    # the old column index[j], in the kernel's plain and column-blocked layouts and in a
+    # weight dequantized on load
     from kvfleet_kernels.w4a16 import GemmConfig
     from kvfleet_runtime.layers.quantization import int_weight
-    if blocked:
+    if layout == "blocked":
         monkeypatch.setattr(int_weight, "blocked_whole_k",
                             lambda *args: GemmConfig(1, 16, 64, 1, 4, 1, whole_k=True))
     tensors, w = int_checkpoint("gptq", 4, 32, False, desc_act=True)
     layer = build(int_config("gptq", 4, 32, False, True))
     load(layer, tensors)
-    layer.linear_method.finalize(layer, layer.linear_method.unpack(layer), use_kernel=True)
-    assert (layer.whole_k_config is not None) == blocked
+    layer.linear_method.finalize(layer, layer.linear_method.unpack(layer),
+                                 use_kernel=layout != "dequantized")
+    assert layer.uses_kernel == (layout != "dequantized")
+    assert (getattr(layer, "whole_k_config", None) is not None) == (layout == "blocked")
     index = torch.randperm(sum(SHARDS), generator=torch.Generator().manual_seed(5))
     assert layer.linear_method.permute_outputs(layer, index)
     for rows in (1, 3):
-        x = torch.randn(rows, K, dtype=torch.float16)
+        x = torch.randn(rows, K, dtype=layer.params_dtype if layout == "dequantized"
+                        else torch.float16)
         torch.testing.assert_close(layer(x).float(), x.float() @ w[index].t(), rtol=2e-3,
                                    atol=2e-3)
 

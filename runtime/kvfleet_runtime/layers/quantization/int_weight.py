@@ -177,7 +177,10 @@ class IntWeightMethod(LinearMethod):
 
     def permute_outputs(self, layer: Linear, index: torch.Tensor) -> bool:
         """Make output column j what column index[j] was (the packed words, scales and zero
-        points of each column move with it, in the blocked layout too)."""
+        points of each column move with it, in the blocked layout too); False where the layer
+        holds neither that layout nor a dequantized weight (W8A8's int8 rows and their scales)."""
+        if not layer.uses_kernel and layer.weight.dtype != layer.params_dtype:
+            return False
         if layer.bias is not None:
             _replace(layer, "bias", layer.bias.data[index].contiguous())
         if not layer.uses_kernel:
