@@ -250,10 +250,8 @@ def _init_dummy(model: torch.nn.Module, act_order: bool = False) -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     for name, p in model.named_parameters():
         if act_order and name.endswith("g_idx"):
-            k = p.shape[-1]
-            rows = p.data.reshape(-1, k)
-            for r in range(rows.shape[0]):
-                rows[r] = rows[r][torch.randperm(k, generator=gen).to(rows.device)]
+            order = torch.rand(p.shape, generator=gen).argsort(dim=-1).to(p.device)
+            p.data.copy_(p.data.gather(-1, order))
             continue
         if not p.is_floating_point():
             continue

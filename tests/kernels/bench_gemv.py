@@ -82,6 +82,11 @@ def sweep_best(x, ws, ref, candidates, per_sm_counts, sms, scale=None):
     return best
 
 
+def _candidates(sweep: list[tuple], args) -> list[tuple]:
+    """The sweep's tiles, only the prefetching ones with --prefetch-only."""
+    return [c for c in sweep if c[4] or not args.prefetch_only]
+
+
 def write_tuned(path: str | None, tuned: list[dict], what: str) -> None:
     """The winners so far, rewritten after each shape: a sweep its time limit cuts still
     leaves the shapes it finished."""
@@ -115,7 +120,7 @@ def main() -> None:
     print(f"{device_name}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"{'shape':<15}{'triton us':>10}{'TB/s':>7}{'cuBLAS us':>11}{'TB/s':>7}  config")
     tuned = []
-    candidates = [c for c in SWEEP if c[4] or not args.prefetch_only]
+    candidates = _candidates(SWEEP, args)
     for name, n, k in args.shape_list:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         nbytes = n * k * 2
@@ -147,7 +152,7 @@ def main_8bit(args) -> None:
           f"{args.weights} weights")
     print(f"{'shape':<15}{'default us':>11}{'TB/s':>7}{'tuned us':>10}  default tiles")
     tuned = []
-    candidates = [c for c in SWEEP_8BIT if c[4] or not args.prefetch_only]
+    candidates = _candidates(SWEEP_8BIT, args)
     for name, n, k in args.shape_list:
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         nbytes = n * k

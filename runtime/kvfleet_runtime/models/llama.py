@@ -229,7 +229,7 @@ class DecoderLayer(nn.Module):
             pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
         for norm, layer in pairs:
             perm = getattr(layer, "perm", None)
-            if perm is not None and not layer.input_permuted and not (norm.fp8_out or norm.int8_out):
+            if perm is not None and not layer.input_permuted:
                 norm.set_output_order(perm)
                 layer.input_permuted = True
 
