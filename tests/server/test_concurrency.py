@@ -101,11 +101,14 @@ async def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server: Ser
 async def test_full_queue_answers_503_with_retry_after_and_disturbs_nothing(
         server: ServerProcess) -> None:
     capacity = MAX_NUM_SEQS + MAX_QUEUED
+    # long enough that no stream ends before the last of them is queued (at 48 tokens the
+    # first 32 could finish first on a busy machine, and the queue never filled)
+    tokens = 256
     limits = httpx.Limits(max_connections=capacity + 8)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as http:
         async def run(i: int, opened: asyncio.Event) -> tuple[int, str | None]:
             async with http.stream("POST", "/v1/completions",
-                                   json={**_request(i, max_tokens=48), "stream": True,
+                                   json={**_request(i, max_tokens=tokens), "stream": True,
                                          "stream_options": {"include_usage": True}}) as r:
                 assert r.status_code == 200
                 opened.set()
@@ -128,7 +131,7 @@ async def test_full_queue_answers_503_with_retry_after_and_disturbs_nothing(
         assert "32 running + 32 queued" in refused.json()["error"]["message"]
 
         results = await asyncio.gather(*tasks)
-    assert [tokens for tokens, _ in results] == [48] * capacity
+    assert [n for n, _ in results] == [tokens] * capacity
     assert _seconds_until_idle(server) < 1.0
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         assert http.post("/v1/completions", json=_request(3)).status_code == 200
