@@ -295,6 +295,20 @@ def _and_dims(mask, dims, D_REAL: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _out_cols(out_index_ptr, head, d, mask, stride_oh, D_REAL: tl.constexpr,
+              HEAD_DIM: tl.constexpr, OUT_INDEX: tl.constexpr):
+    # the columns within a token's output row that (head, dim d) are stored at: head *
+    # stride_oh + d, or with OUT_INDEX where out_index_ptr puts column head * D + d of the
+    # row viewed as [num_heads * D] (D: the head's D_REAL dims; read where mask, the store's)
+    if OUT_INDEX:
+        D: tl.constexpr = D_REAL if D_REAL > 0 else HEAD_DIM
+        cols = tl.load(out_index_ptr + head * D + d, mask=mask, other=0)
+    else:
+        cols = head * stride_oh + d
+    return cols
+
+
+@triton.jit
 def _load_kv(k_cache_ptr, v_cache_ptr, row_k, row_v, mask, HEAD_DIM: tl.constexpr,
              MASKED: tl.constexpr, K_BY_ROWS: tl.constexpr, LOAD_V: tl.constexpr = True,
              D_REAL: tl.constexpr = 0):
@@ -449,21 +463,23 @@ def _attend_tile(q, m_i, l_i, acc, start, kv_end, q_pos, table, kv_head, scale_l
 # compile a kernel again (1.5-2.7 s on the H200) whenever one turned divisible by 16 or 1, inside
 # a running batch (a block table's width; whether decode splits contexts).
 @triton.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, scale_log2, v_scale,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_index_ptr, block_tables_ptr,
+                    seq_lens_ptr, query_start_loc_ptr, scale_log2, v_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     window,
                     GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     DOT_FP16: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr = False,
-                    SLIDING: tl.constexpr = False, D_REAL: tl.constexpr = 0):
+                    SLIDING: tl.constexpr = False, D_REAL: tl.constexpr = 0,
+                    OUT_INDEX: tl.constexpr = False):
     # Program = (query tile, kv head, sequence). HEAD_DIM: a power of two, the head's D_REAL
     # dims padded up to it (0: HEAD_DIM itself). The tile's BLOCK_M rows are
     # TOKENS_PER_TILE query tokens x the GROUP query heads sharing this kv head, so each K/V
     # tile loaded through the block table serves the whole GQA group in one tl.dot.
     # Tiles run last-first: late tiles see the most keys, and starting them first evens out
-    # the tail of the grid.
+    # the tail of the grid. OUT_INDEX: each token's output columns stored where out_index_ptr
+    # puts them (_out_cols; paged_attention's out_index).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -515,9 +531,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                                      V_TOKEN_MAJOR, q_lo, SLIDING, D_REAL)
 
     out = acc / l_i[:, None] * v_scale      # an fp8 cache's V scale (attention is linear in V)
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty),
-             mask=_and_dims(row_valid[:, None], d[None, :], D_REAL, HEAD_DIM))
+    store = _and_dims(row_valid[:, None], d[None, :], D_REAL, HEAD_DIM)
+    cols = _out_cols(out_index_ptr, head[:, None], d[None, :], store, stride_oh, D_REAL,
+                     HEAD_DIM, OUT_INDEX)
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + cols,
+             out.to(out_ptr.dtype.element_ty), mask=store)
 
 
 @triton.jit
@@ -527,8 +545,9 @@ def _window_base(lo, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2, v_scale,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_index_ptr, part_out_ptr,
+                   part_lse_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
+                   v_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    partition_size, num_splits, window,
@@ -536,7 +555,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    K_BY_ROWS: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr = False,
                    PRELOAD: tl.constexpr = False, V_TOKEN_MAJOR: tl.constexpr = False,
-                   SLIDING: tl.constexpr = False, D_REAL: tl.constexpr = 0):
+                   SLIDING: tl.constexpr = False, D_REAL: tl.constexpr = 0,
+                   OUT_INDEX: tl.constexpr = False):
     # Program = (sequence, kv head, context partition). All GROUP query heads of the kv head
     # ride in one [GROUP_PAD, D] tile (padded to the 16 rows tl.dot needs), so K/V is read once
     # per group. With num_splits > 1 each program writes its partition's normalised output and
@@ -550,6 +570,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     # nothing to do too, before it returns.
     # SLIDING: the query sees the last `window` keys only; the partitions start at the tile
     # holding the first of them (_window_base), keys below it in that tile masked.
+    # OUT_INDEX: the output's columns stored where out_index_ptr puts them (_out_cols), by this
+    # kernel when num_splits == 1, else by _decode_reduce_kernel (the partials as they are).
     if not PRELOAD:
         pdl_wait(PDL)
     seq = tl.program_id(0)
@@ -636,9 +658,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
     out = acc / l_i[:, None] * v_scale      # an fp8 cache's V scale (attention is linear in V)
     if num_splits == 1:
-        tl.store(out_ptr + q_start * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty),
-                 mask=_and_dims(g_valid[:, None], d[None, :], D_REAL, HEAD_DIM))
+        store = _and_dims(g_valid[:, None], d[None, :], D_REAL, HEAD_DIM)
+        cols = _out_cols(out_index_ptr, head[:, None], d[None, :], store, stride_oh, D_REAL,
+                         HEAD_DIM, OUT_INDEX)
+        tl.store(out_ptr + q_start * stride_ot + cols, out.to(out_ptr.dtype.element_ty),
+                 mask=store)
     else:
         part = (seq * NUM_HEADS + head) * num_splits + split                             # [G]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=g_valid[:, None])
@@ -646,13 +670,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
 
 @triton.jit
-def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
-                          stride_ot, stride_oh,
+def _decode_reduce_kernel(out_ptr, out_index_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
+                          query_start_loc_ptr, stride_ot, stride_oh,
                           partition_size, num_splits, window, NUM_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
                           PDL: tl.constexpr = False, SLIDING: tl.constexpr = False,
-                          BLOCK_N: tl.constexpr = 1, D_REAL: tl.constexpr = 0):
+                          BLOCK_N: tl.constexpr = 1, D_REAL: tl.constexpr = 0,
+                          OUT_INDEX: tl.constexpr = False):
     # Program = (sequence, query head): weight each partition by exp2(lse - max lse).
+    # OUT_INDEX: the output's columns stored where out_index_ptr puts them (_out_cols).
     # Partitions past the sequence's end were never written, so they are masked, not read.
     # The batch's metadata (host copies) is read before the PDL wait.
     seq = tl.program_id(0)
@@ -675,8 +701,9 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, que
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None],
                     other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=_and_dims(d >= 0, d, D_REAL, HEAD_DIM))
+    store = _and_dims(d >= 0, d, D_REAL, HEAD_DIM)
+    cols = _out_cols(out_index_ptr, head, d, store, stride_oh, D_REAL, HEAD_DIM, OUT_INDEX)
+    tl.store(out_ptr + q_start * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=store)
 
 
 @dataclass(frozen=True)
@@ -866,6 +893,15 @@ def _check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_v_cache_strides(v_cache)
 
 
+def _check_out_index(out_index: torch.Tensor, size: int, device: torch.device) -> None:
+    if (out_index.dim() != 1 or out_index.dtype != torch.int32 or out_index.numel() != size
+            or out_index.device != device):
+        raise ValueError(f"out_index must be a 1-D int32 tensor of num_heads * head_dim = {size} "
+                         f"entries on {device} (a permutation of the output's columns); got "
+                         f"{out_index.dtype} of shape {tuple(out_index.shape)} on "
+                         f"{out_index.device}")
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float,
@@ -873,7 +909,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     *, out: torch.Tensor | None = None,
                     plan_num_seqs: int | None = None,
                     min_query_len: int | None = None, window: int = 0,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    out_index: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same layout and result; v_cache may be
     token_major_v's view).
 
@@ -888,11 +925,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp32 sums), so two calls planned alike give the same bits whatever their batch sizes.
     window > 0: sliding-window attention (the reference's); decode then reads and plans for the
     last `window` keys of each context only.
+    out_index (int32 [num_heads * head_dim] on query's device, a permutation: argsort(perm)):
+    each token's output column h * head_dim + d is stored at column out_index[h * head_dim + d]
+    of `out` viewed as [num_tokens, num_heads * head_dim] (out's heads and dims then packed:
+    strides (., head_dim, 1)), so that view comes out as the plain result's [:, perm] (an
+    act-order GPTQ o_proj's input order: it gathers nothing); the values are unchanged.
     """
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: full attention); got {window}")
     _check_attention_args(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
+    if out_index is not None:
+        _check_out_index(out_index, num_heads * head_dim, query.device)
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -900,8 +944,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     dims = triton.next_power_of_2(head_dim)
     if out is None:
         out = torch.empty_like(query)
+    if out_index is not None and (out.stride(1) != head_dim or out.stride(2) != 1):
+        raise ValueError(f"with out_index, out's heads and dims must be packed (strides "
+                         f"(., {head_dim}, 1)); got strides {tuple(out.stride())}")
     if num_tokens == 0 or num_seqs == 0:
         return out
+    # without an index `out` stands in for its pointer (never read)
+    index_arg = out if out_index is None else out_index
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -925,12 +974,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         tokens_per_tile = cfg.block_m // group
         grid = (triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads, num_seqs)
         _prefill_kernel[grid](
-            query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
-            v_scale, *strides, window, GROUP=group, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size,
+            query, k_cache, v_cache, out, index_arg, block_tables, seq_lens, query_start_loc,
+            scale_log2, v_scale, *strides, window, GROUP=group, TOKENS_PER_TILE=tokens_per_tile,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size,
             DOT_FP16=cfg.dot_fp16 and bf16_over_fp8, V_TOKEN_MAJOR=v_token_major,
-            SLIDING=window > 0, D_REAL=head_dim, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            SLIDING=window > 0, D_REAL=head_dim, OUT_INDEX=out_index is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if min_query_len is not None and min_query_len > 1:
             return out
@@ -946,22 +995,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:   # the kernel writes `out` directly; these pointers are never touched
         part_out = part_lse = out
     _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
-        query, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
+        query, k_cache, v_cache, out, index_arg, part_out, part_lse, block_tables, seq_lens,
         query_start_loc, scale_log2, v_scale, *strides, split.partition_size, split.num_splits, window,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(cfg.block_m, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, HEAD_DIM=dims, BLOCK_SIZE=block_size, D_REAL=head_dim,
         K_BY_ROWS=cfg.k_by_rows, DOT_FP16=cfg.dot_fp16 and bf16_over_fp8,
-        V_TOKEN_MAJOR=v_token_major, SLIDING=window > 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        V_TOKEN_MAJOR=v_token_major, SLIDING=window > 0, OUT_INDEX=out_index is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         PRELOAD=decode_preload((plan_num_seqs or num_seqs) * num_kv_heads, cfg.block_n, dims,
                                k_cache.element_size()),
         **pdl_args(query.device),
     )
     if split.num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-            split.partition_size, split.num_splits, window, NUM_HEADS=num_heads, HEAD_DIM=dims,
-            D_REAL=head_dim,
+            out, index_arg, part_out, part_lse, seq_lens, query_start_loc, out.stride(0),
+            out.stride(1), split.partition_size, split.num_splits, window, NUM_HEADS=num_heads,
+            HEAD_DIM=dims, D_REAL=head_dim, OUT_INDEX=out_index is not None,
             SPLITS_PAD=triton.next_power_of_2(split.num_splits), SLIDING=window > 0,
             BLOCK_N=cfg.block_n, **pdl_args(query.device),
         )

@@ -88,7 +88,8 @@ def _paged_attention(kernel: str, **flags: bool) -> tuple:
     # bf16 queries and K/V, an e4m3 cache (the H200's sm_90 converts e4m3 only from sm_89 on)
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
            "v_cache_ptr": "*fp8e4nv", "slot_mapping_ptr": "*i64", "q_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "out_ptr": "*bf16", "out_index_ptr": "*i32", "part_out_ptr": "*fp32",
+           "part_lse_ptr": "*fp32",
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
            "scale_log2": "fp32", "v_scale": "fp32", "k_inv_scale": "fp32", "v_inv_scale": "fp32"}
     constexprs = {
@@ -221,6 +222,14 @@ CASES = {
     "decode_fp8_96_dims": (_paged_attention("_decode_kernel", DOT_FP16=True, D_REAL=96,
                                             V_TOKEN_MAJOR=True, PRELOAD=True),
                            ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    # the output's columns stored through out_index (an act-order o_proj's input order), by
+    # the single-partition decode, the reduce of split ones, and prefill
+    "decode_fp8_out_index": (_paged_attention("_decode_kernel", DOT_FP16=True, OUT_INDEX=True),
+                             ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
+    "decode_reduce_out_index": (_paged_attention("_decode_reduce_kernel", OUT_INDEX=True),
+                                ["ex2.approx"]),
+    "prefill_fp8_out_index": (_paged_attention("_prefill_kernel", DOT_FP16=True, OUT_INDEX=True),
+                              ["cvt.rn.f16x2.e4m3x2", F16_MMA]),
     # the mixture of experts' grouped GEMM: bf16 experts, and e4m3 ones read as bf16 (W8A16)
     "moe_gemm_bf16": (_moe_gemm("*bf16", "*bf16", A_DIV=8), [BF16_MMA]),
     "moe_gemm_fp8_weights": (_moe_gemm("*fp8e4nv", "*fp32", MUL_WEIGHT=True, W_SCALE=True),

@@ -3,6 +3,8 @@
 CPU cases run in Triton's interpreter with small shapes (fp32, fp16); the gpu-marked cases use
 Llama-3.1-8B attention shapes (32 query heads, 8 kv heads, head_dim 128) in bf16 and fp16.
 Every output buffer is poisoned with NaN before the launch, every case draws fresh inputs.
+With `out_index` each token's output columns come in a permuted order: the plain output's
+columns [:, perm], bit for bit (an act-order o_proj's input order).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 from kvfleet_kernels.paged_attention import (
     decode_config,
+    decode_launch,
     decode_split,
     paged_attention,
     paged_attention_ref,
@@ -194,6 +197,77 @@ def test_head_dims_padded_to_a_power_of_two(dtype: torch.dtype, head_dim: int, m
                                rtol=0.0, atol=TOLERANCE[dtype])
 
 
+def _check_out_index(batch: PagedBatch, seed: int, **kwargs) -> None:
+    # out_index = argsort(perm): each token's output row comes out as the plain call's [:, perm]
+    # (the input order of an act-order o_proj), bit for bit, every column written
+    num_tokens, num_heads, head_dim = batch.query.shape
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_heads * head_dim, generator=gen).to(batch.query.device)
+    out_index = torch.argsort(perm).to(torch.int32)
+    plain = paged_attention(*batch.args(), batch.max_seq_len,
+                            out=torch.full_like(batch.query, float("nan")), **kwargs)
+    out = torch.full_like(batch.query, float("nan"))
+    result = paged_attention(*batch.args(), batch.max_seq_len, out=out, out_index=out_index,
+                             **kwargs)
+    assert result is out
+    rows = out.view(num_tokens, num_heads * head_dim)
+    assert torch.equal(rows, plain.view(num_tokens, num_heads * head_dim)[:, perm])
+    # and without `out`: the buffer it allocates
+    allocated = paged_attention(*batch.args(), batch.max_seq_len, out_index=out_index, **kwargs)
+    assert torch.equal(allocated, out)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_out_index_mixed_batch(dtype: torch.dtype) -> None:
+    # prefill rows after cached prefixes and decode rows (those split: both decode kernels)
+    batch = _batch([1, 12, 1, 6], [40, 12, 70, 33], dtype, seed=21)
+    assert decode_split(4, 2, 70, decode_config(on_gpu=False).block_n,
+                        torch.device("cpu")).num_splits > 1
+    _check_out_index(batch, seed=1)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_out_index_split_decode(dtype: torch.dtype) -> None:
+    seq_lens = [600, 37, 290]
+    split = decode_split(len(seq_lens), 2, max(seq_lens), decode_config(on_gpu=False).block_n,
+                         torch.device("cpu"))
+    assert split.num_splits > 2          # the reduce kernel stores the output
+    _check_out_index(_batch([1, 1, 1], seq_lens, dtype, seed=22), seed=2)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_out_index_single_partition_decode(dtype: torch.dtype) -> None:
+    seq_lens = [17, 30]
+    block_n = decode_config(on_gpu=False).block_n
+    assert decode_split(2, 2, 30, block_n, torch.device("cpu")).num_splits == 1   # stored by decode
+    _check_out_index(_batch([1, 1], seq_lens, dtype, num_heads=8, seed=23), seed=3)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_out_index_head_dims_padded(dtype: torch.dtype) -> None:
+    # 24 dims in tiles of 32: the index read for the real dims only, the pad never stored;
+    # a mixed batch, split decode, and a sliding window
+    _check_out_index(_batch([9, 1, 23, 1], [47, 40, 23, 70], dtype, head_dim=24, seed=24), seed=4)
+    _check_out_index(_batch([1, 1, 1], [600, 37, 290], dtype, head_dim=24, seed=25), seed=5)
+    _check_out_index(_batch([30, 1], [30, 90], dtype, head_dim=24, seed=26), seed=6, window=11)
+
+
+def test_out_index_rejects_wrong_indices_and_layouts() -> None:
+    batch = _batch([1, 3], [5, 9], torch.float32, seed=27)
+    size = 4 * 32
+    good = torch.arange(size, dtype=torch.int32)
+    for bad in (torch.arange(size - 1, dtype=torch.int32), good.long(), good.view(4, 32),
+                good.to("meta")):
+        with pytest.raises(ValueError, match="out_index must be a 1-D int32 tensor of "
+                                             r"num_heads \* head_dim = 128 entries"):
+            paged_attention(*batch.args(), out_index=bad)
+    # out's heads and dims must be packed: [T, D, H] storage seen as [T, H, D] is not
+    transposed = torch.empty(4, 32, 4).transpose(1, 2)
+    with pytest.raises(ValueError, match="with out_index, out's heads and dims must be packed"):
+        paged_attention(*batch.args(), out=transposed, out_index=good)
+    paged_attention(*batch.args(), out=transposed)          # fine without an index
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_reshape_and_cache_writes_slots_and_skips_minus_one(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(6)
@@ -239,6 +313,23 @@ def test_gpu_prefill_with_cached_prefix_and_decode_rows(dtype: torch.dtype, bloc
     q_lens = [2048, 1000, 1, 1, 333]
     seq_lens = [2048, 8000, 4097, 17, 333]
     _check(_batch(q_lens, seq_lens, dtype, block_size=block_size, seed=block_size, **LLAMA8B))
+
+
+@pytest.mark.gpu
+def test_gpu_out_index_llama8b_shapes() -> None:
+    # the 8B's heads in bf16: long decode contexts split (the reduce kernel stores), many short
+    # ones not (the decode kernel does), and a prefill batch with decode rows
+    cuda = torch.device("cuda")
+    for seed, (q_lens, seq_lens) in enumerate([([1] * 4, [8192, 5000, 3001, 77]),
+                                                ([1] * 256, [300 - i for i in range(256)]),
+                                                ([2048, 1000, 1, 1, 333],
+                                                 [2048, 8000, 4097, 17, 333])]):
+        batch = _batch(q_lens, seq_lens, torch.bfloat16, seed=30 + seed, **LLAMA8B)
+        if max(q_lens) == 1:
+            splits = decode_launch(len(q_lens), 8, max(seq_lens), 0, True, False,
+                                   cuda)[1].num_splits
+            assert (splits > 1) == (seed == 0), splits
+        _check_out_index(batch, seed=seed)
 
 
 @pytest.mark.gpu
