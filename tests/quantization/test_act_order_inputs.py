@@ -1,14 +1,16 @@
 """Act-order GPTQ layers on the W4A16 kernel path (Triton's interpreter; the kernel layout
-forced on the CPU): the norms hand qkv and gate_up their input already in act-order, and
-gate_up's output columns are put in down's order at load (models/llama.py `order_inputs`), so
-only o_proj gathers its input. The engine's tokens and prompt log-probs must be those of every
-projection gathering its own (KVFLEET_ORDER_INPUTS=0)."""
+forced on the CPU): the norms hand qkv and gate_up their input already in act-order, attention
+hands o_proj its own, and gate_up's output columns are put in down's order at load
+(models/llama.py `order_inputs`), so no projection gathers its input. The engine's tokens and
+prompt log-probs must be those of every projection gathering its own (KVFLEET_ORDER_INPUTS=0)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kvfleet_runtime import LLM, SamplingParams
+from kvfleet_runtime.layers import backend
+from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
 from kvfleet_runtime.layers.quantization.int_weight import IntWeightMethod
 
 from quantization.checkpoints import write_quantized
@@ -32,6 +34,7 @@ def _run(model_dir, monkeypatch, switch: str):
     layers = llm.engine.runner.model.model.layers
     flags = [(layer.input_layernorm.out_perm is not None,
               layer.post_attention_layernorm.out_perm is not None,
+              layer.self_attn.attn.out_perm is not None,
               layer.self_attn.qkv_proj.input_permuted, layer.self_attn.o_proj.input_permuted,
               layer.mlp.gate_up_proj.input_permuted, layer.mlp.down_proj.input_permuted)
              for layer in layers]
@@ -52,10 +55,52 @@ def test_act_order_inputs_come_in_order_with_the_same_outputs(tiny_llama, tmp_pa
     write_quantized(tiny_llama, quantized, tmp_path / "dequantized", method="gptq",
                     group_size=32, desc_act=True)
     tokens, logprobs, flags = _run(quantized, monkeypatch, "1")
-    # both norms hand their projection its order; qkv, gate_up and down gather nothing
-    assert flags == [(True, True, True, False, True, True)] * len(flags)
+    # both norms and attention hand their projection its order; no projection gathers
+    assert flags == [(True,) * 7] * len(flags)
     gathered_tokens, gathered_logprobs, gathered_flags = _run(quantized, monkeypatch, "0")
-    assert gathered_flags == [(False, False, False, False, False, False)] * len(flags)
+    assert gathered_flags == [(False,) * 7] * len(flags)
     assert tokens == gathered_tokens
     for ours, theirs in zip(logprobs, gathered_logprobs, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_attention_hands_its_output_over_in_o_projs_order(path, monkeypatch):
+    # a chunk after a cached prefix, decode rows, a fresh prompt: with set_output_order(perm)
+    # the layer's [T, H*D] output is the plain layer's [:, perm], bit for bit, on either path
+    monkeypatch.setattr(backend, "_forced", path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
+    q_lens, seq_lens = [5, 1, 12, 1], [40, 70, 12, 33]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, used = [], [], 0
+    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
+        n = -(-seq_len // block_size)
+        table = order[used:used + n]
+        used += n
+        tables.append(table + [0] * (5 - n))
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(seq_len - q_len, seq_len)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                     dtype=torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, num_heads * head_dim, generator=gen)
+    k, v = (torch.randn(num_tokens, num_kv_heads * head_dim, generator=gen) for _ in range(2))
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_heads * head_dim, generator=gen)
+    outs = []
+    for out_perm in (None, perm):
+        layer = Attention(num_heads, head_dim, num_kv_heads, head_dim ** -0.5)
+        layer.kv_cache = (cache[0].clone(), cache[1].clone())
+        if out_perm is not None:
+            layer.set_output_order(out_perm)
+            assert layer.out_index.dtype == torch.int32
+            assert torch.equal(layer.out_index[perm], torch.arange(len(perm), dtype=torch.int32))
+        outs.append(layer(q, k, v, meta))
+    assert torch.equal(outs[1], outs[0][:, perm])

@@ -153,8 +153,9 @@ def test_int4_experts_match_hf_fp32_and_graphs_match_eager(tmp_path, arch, metho
 @pytest.mark.parametrize("desc_act", [False, True], ids=["gptq-llama", "gptq-act-order-llama"])
 def test_int4_dense_layers_match_hf_fp32_and_graphs_match_eager(tmp_path, desc_act, monkeypatch):
     # dense GPTQ layers on the W4A16 kernels; act-order ones with qkv's and gate_up's inputs
-    # in act-order from the norms and down's from gate_up (models/llama.py order_inputs):
-    # the same tokens as with every projection gathering its own (KVFLEET_ORDER_INPUTS=0)
+    # in act-order from the norms, o_proj's from attention and down's from gate_up
+    # (models/llama.py order_inputs): the same tokens as with every projection gathering its
+    # own (KVFLEET_ORDER_INPUTS=0)
     from quantization.checkpoints import write_quantized
     from support.tiny_models import make_tiny_model
     source = make_tiny_model("llama3", tmp_path / "llama3")
@@ -168,7 +169,8 @@ def test_int4_dense_layers_match_hf_fp32_and_graphs_match_eager(tmp_path, desc_a
     if desc_act:
         assert layer.input_layernorm.out_perm is not None
         assert layer.post_attention_layernorm.out_perm is not None
-        assert layer.mlp.down_proj.input_permuted and not layer.self_attn.o_proj.input_permuted
+        assert layer.self_attn.attn.out_perm is not None
+        assert layer.mlp.down_proj.input_permuted and layer.self_attn.o_proj.input_permuted
     _equal_but_for_a_tie(_greedy(llm, prompts, 12), str(tmp_path / "d"), prompts, 12)
     eager = _greedy(LLM(model=path, dtype="bfloat16", enforce_eager=True), prompts)
     assert _greedy(LLM(model=path, dtype="bfloat16"), prompts) == eager

@@ -60,6 +60,15 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         # the checkpoint's calibrated (k_scale, v_scale), set by the loader; None: it has none
         self.checkpoint_kv_scales: tuple[float, float] | None = None
+        self.out_perm = None          # set_output_order's: the output is out[:, out_perm]
+        self.out_index = None         # where each column goes: argsort(out_perm), int32
+
+    def set_output_order(self, perm: torch.Tensor) -> None:
+        """Hand the [T, H*D] output over as out[:, perm] (the act-order input order of o_proj,
+        which then gathers nothing): the Triton kernels store each column at its place in that
+        order (paged_attention's out_index), the same values."""
+        self.out_perm = perm
+        self.out_index = torch.argsort(perm).to(torch.int32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -84,7 +93,8 @@ class Attention(nn.Module):
                                      meta.query_start_loc, self.scale, meta.max_query_len,
                                      meta.max_seq_len, plan_num_seqs=meta.plan_num_seqs,
                                      min_query_len=meta.min_query_len, window=self.window,
-                                     k_scale=self.k_scale, v_scale=self.v_scale)
+                                     k_scale=self.k_scale, v_scale=self.v_scale,
+                                     out_index=self.out_index)
         else:
             k, v = write_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale,
                                   self.v_scale)
@@ -92,6 +102,8 @@ class Attention(nn.Module):
                                         self.scale * self.k_scale, self.window)
             if self.v_scale != 1.0:
                 out = out * self.v_scale
+            if self.out_perm is not None:
+                return out.reshape(num_tokens, self.num_heads * self.head_dim)[:, self.out_perm]
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 

@@ -8,9 +8,9 @@ row-parallel o and down, a vocab-parallel embedding and lm_head.
 With FP8 weights the norms and the activation hand qkv, gate_up and down their input quantized
 (feeds_fp8); o_proj's input, the attention output, is quantized by the GEMM itself.
 With act-order GPTQ weights (each projection's input rows sorted by group: a gather of its
-input a step) qkv and gate_up get theirs from the norms in that order, and down from gate_up,
-whose output columns are put in down's order at load time (`order_inputs`); only o_proj
-gathers.
+input a step) qkv and gate_up get theirs from the norms in that order, o_proj from attention
+(its kernels store each output column at its place), and down from gate_up, whose output
+columns are put in down's order at load time (`order_inputs`); none gathers.
 """
 
 from __future__ import annotations
@@ -124,6 +124,15 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5,
                               window=window)
 
+    def order_inputs(self) -> None:
+        """An act-order o_proj: attention writes its output in o_proj's input order, and o_proj
+        gathers nothing (o_proj reads nothing else; under tensor parallelism its perm orders
+        this rank's rows, the output of this rank's heads)."""
+        perm = getattr(self.o_proj, "perm", None)
+        if perm is not None and not self.o_proj.input_permuted:
+            self.attn.set_output_order(perm)
+            self.o_proj.input_permuted = True
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,7 +232,8 @@ class DecoderLayer(nn.Module):
 
     def order_inputs(self) -> None:
         """Each norm whose one reader is an act-order projection (qkv; gate_up of a dense MLP)
-        writes its output in that projection's input order, which then gathers nothing."""
+        writes its output in that projection's input order, which then gathers nothing
+        (o_proj's input: DecoderAttention.order_inputs; down's: DecoderMLP.order_inputs)."""
         pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, DecoderMLP):
             pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
