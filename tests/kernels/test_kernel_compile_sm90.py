@@ -140,12 +140,13 @@ def _int8_gemm(block_m: int, block_n: int, block_k: int, even_k: bool) -> tuple:
                  BLOCK_K=block_k, GROUP_M=8), "GEMM_LAUNCH")
 
 
-def _rms_norm(fp8: bool = True, pdl: bool = False, int8: bool = False) -> tuple:
+def _rms_norm(fp8: bool = True, pdl: bool = False, int8: bool = False, **flags: bool) -> tuple:
     sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
            "out_ptr": "*fp8e4nv" if fp8 else "*i8" if int8 else "*bf16", "sum_ptr": "*bf16",
-           "scale_ptr": "*fp32", "eps": "fp32"}
+           "scale_ptr": "*fp32", "eps": "fp32", "perm_ptr": "*i32"}
     return ("kvfleet_kernels.norm", "_rms_norm_kernel", sig,
-            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=fp8, PDL=pdl, INT8_OUT=int8))
+            dict(D=4096, BLOCK_D=4096, HAS_RESIDUAL=True, FP8_OUT=fp8, PDL=pdl, INT8_OUT=int8)
+            | flags)
 
 
 def _silu_and_mul(pdl: bool) -> tuple:
@@ -257,6 +258,9 @@ CASES = {
     # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,
     # of the output rounded to bf16 first (what the unfused kernel writes)
     "rms_norm_fp8": (_rms_norm(), ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    # an act-order consumer's column order: the row's columns gathered through shared memory,
+    # then stored in order
+    "rms_norm_out_perm": (_rms_norm(fp8=False, OUT_PERM=True), ["st.shared", "ld.shared"]),
     "silu_and_mul_fp8_one_pass": (_silu_and_mul_fp8(True),
                                   ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     "silu_and_mul_fp8_two_pass": (_silu_and_mul_fp8(False),

@@ -54,13 +54,12 @@ def _check_rms_norm(num_tokens: int, dim: int, dtype: torch.dtype, seed: int) ->
     out_ref, summed_ref = rms_norm_ref(x, weight, 1e-5, residual)
     _close(out, out_ref)
     torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)   # one rounding, exactly torch's
-    # out_index: the same values, each column d stored at out_index[d] (an act-order layer's
-    # input order), the residual sum as before
+    # out_perm: the same values in the order out_perm gives them (an act-order layer's input
+    # order), the residual sum as before
     perm = torch.randperm(dim, generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
-    index = torch.argsort(perm).to(torch.int32)
-    out_p, summed_p = rms_norm(x, weight, 1e-5, residual, out_index=index)
+    out_p, summed_p = rms_norm(x, weight, 1e-5, residual, out_perm=perm.to(torch.int32))
     assert torch.equal(out_p, out[:, perm]) and torch.equal(summed_p, summed)
-    assert torch.equal(rms_norm(x, weight, 1e-6, out_index=index),
+    assert torch.equal(rms_norm(x, weight, 1e-6, out_perm=perm.to(torch.int32)),
                        rms_norm(x, weight, 1e-6)[:, perm])
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
@@ -71,11 +70,11 @@ def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, dim: int) -> None:
     _check_rms_norm(5, dim, dtype, seed=dim)
 
 
-def test_rms_norm_out_index_must_be_an_int32_permutation_of_the_columns() -> None:
+def test_rms_norm_out_perm_must_be_an_int32_permutation_of_the_columns() -> None:
     x, weight = torch.ones(2, 8, device=DEVICE), torch.ones(8, device=DEVICE)
     for bad in (torch.arange(8, device=DEVICE), torch.arange(4, dtype=torch.int32, device=DEVICE)):
-        with pytest.raises(ValueError, match="out_index must be an int32 \\[8\\]"):
-            rms_norm(x, weight, 1e-6, out_index=bad)
+        with pytest.raises(ValueError, match="out_perm must be an int32 \\[8\\]"):
+            rms_norm(x, weight, 1e-6, out_perm=bad)
 
 
 def test_rms_norm_reference_matches_hf_llama_rmsnorm() -> None:

@@ -40,14 +40,14 @@ class RMSNorm(nn.Module):
         self.reduces_input = False    # set by reduce_in_norm: x may be a rank's partial sum
         self.reduce_site = 0          # its place among the model's fused all-reduces
         self.out_perm = None          # set_output_order's: the output is normed[:, out_perm]
-        self.out_index = None         # where each column goes: argsort(out_perm), int32
+        self.out_perm_i32 = None      # the same in int32, the kernel's
 
     def set_output_order(self, perm: torch.Tensor) -> None:
         """Hand the output over as normed[:, perm] (the act-order input order of the one layer
-        that reads it, which then gathers nothing): the Triton kernel stores each column at its
-        place in that order, the same values."""
+        that reads it, which then gathers nothing): the Triton kernel puts its row's columns in
+        that order before it stores them, the same values."""
         self.out_perm = perm
-        self.out_index = torch.argsort(perm).to(torch.int32)
+        self.out_perm_i32 = perm.to(torch.int32)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [T, D]; with residual returns (normed, x + residual); normed is an FP8Activation
@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
             return out if residual is None else (out, summed)
         if use_triton(x):
             from kvfleet_kernels.norm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual, self.out_index)
+            return rms_norm(x, self.weight, self.eps, residual, self.out_perm_i32)
         out = rms_norm_torch(x, self.weight, self.eps, residual)
         if self.out_perm is None:
             return out
