@@ -10,8 +10,9 @@ import pytest
 import torch
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.layers import backend
-from kvfleet_runtime.layers.attention import Attention, AttentionMetadata
+from kvfleet_runtime.layers.attention import Attention
 from kvfleet_runtime.layers.quantization.int_weight import IntWeightMethod
+from support.attention import paged_meta
 
 from quantization.checkpoints import write_quantized
 from quantization.test_tiny_llama import _prompts
@@ -74,21 +75,7 @@ def test_attention_hands_its_output_over_in_o_projs_order(path, monkeypatch):
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
     q_lens, seq_lens = [5, 1, 12, 1], [40, 70, 12, 33]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots, used = [], [], 0
-    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
-        n = -(-seq_len // block_size)
-        table = order[used:used + n]
-        used += n
-        tables.append(table + [0] * (5 - n))
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(seq_len - q_len, seq_len)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                     dtype=torch.int32),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    meta, _ = paged_meta(q_lens, seq_lens, block_size, num_blocks, gen)
     num_tokens = sum(q_lens)
     q = torch.randn(num_tokens, num_heads * head_dim, generator=gen)
     k, v = (torch.randn(num_tokens, num_kv_heads * head_dim, generator=gen) for _ in range(2))

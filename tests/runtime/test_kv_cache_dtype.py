@@ -27,10 +27,10 @@ from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.cli import main
 from kvfleet_runtime.config import EngineConfig
 from kvfleet_runtime.layers.attention import (
-    AttentionMetadata,
     paged_attention_torch,
     write_kv_torch,
 )
+from support.attention import paged_meta
 from support.tiny_models import ARCHS
 
 LOGPROB_TOLERANCE = 0.05
@@ -120,29 +120,6 @@ def test_k_head_major_switch_lays_an_fp8_caches_k_head_major_and_changes_no_outp
 
 
 # ------------------------------------------------------------------------------- the torch path
-def _meta(q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
-          gen: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata of a batch laid into random blocks, and the new tokens' slots."""
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots, used = [], [], 0
-    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
-        n = -(-seq_len // block_size)
-        table = order[used:used + n]
-        used += n
-        tables.append(table + [0] * (8 - n))
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(seq_len - q_len, seq_len)]
-    starts = [0]
-    for q_len in q_lens:
-        starts.append(starts[-1] + q_len)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-    return meta, meta.slot_mapping
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [
     ([9, 9, 30], [9, 9, 30]),           # fresh prompts: attention over this step's own K/V
@@ -154,7 +131,7 @@ def test_torch_path_over_fp8_cache_matches_reference(dtype: torch.dtype, q_lens:
                                                       seq_lens: list[int], v_layout: str) -> None:
     gen = torch.Generator().manual_seed(len(q_lens) + sum(seq_lens))
     num_blocks, block_size, num_heads, num_kv_heads, head_dim = 24, 16, 4, 2, 32
-    meta, slots = _meta(q_lens, seq_lens, block_size, num_blocks, gen)
+    meta, slots = paged_meta(q_lens, seq_lens, block_size, num_blocks, gen)
     num_tokens = sum(q_lens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
     k = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 4).to(dtype)
