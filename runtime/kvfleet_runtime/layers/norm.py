@@ -39,15 +39,14 @@ class RMSNorm(nn.Module):
         self.int8_out = False     # the same by a W8A8 int8 consumer
         self.reduces_input = False    # set by reduce_in_norm: x may be a rank's partial sum
         self.reduce_site = 0          # its place among the model's fused all-reduces
-        self.out_perm = None          # set_output_order's: the output is normed[:, out_perm]
-        self.out_perm_i32 = None      # the same in int32, the kernel's
+        # set_output_order's: the output is normed[:, out_perm] (int32, as the kernel takes it)
+        self.out_perm = None
 
     def set_output_order(self, perm: torch.Tensor) -> None:
         """Hand the output over as normed[:, perm] (the act-order input order of the one layer
         that reads it, which then gathers nothing): the Triton kernel puts its row's columns in
         that order before it stores them, the same values."""
-        self.out_perm = perm
-        self.out_perm_i32 = perm.to(torch.int32)
+        self.out_perm = perm.to(torch.int32)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [T, D]; with residual returns (normed, x + residual); normed is an FP8Activation
@@ -69,7 +68,7 @@ class RMSNorm(nn.Module):
             return out if residual is None else (out, summed)
         if use_triton(x):
             from kvfleet_kernels.norm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual, self.out_perm_i32)
+            return rms_norm(x, self.weight, self.eps, residual, self.out_perm)
         out = rms_norm_torch(x, self.weight, self.eps, residual)
         if self.out_perm is None:
             return out
