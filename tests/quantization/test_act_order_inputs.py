@@ -11,6 +11,7 @@ import torch
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.layers import backend
 from kvfleet_runtime.layers.attention import Attention
+from kvfleet_runtime.layers.norm import RMSNorm
 from kvfleet_runtime.layers.quantization.int_weight import IntWeightMethod
 from support.attention import paged_meta
 
@@ -91,3 +92,21 @@ def test_attention_hands_its_output_over_in_o_projs_order(path, monkeypatch):
             assert torch.equal(layer.out_index[perm], torch.arange(len(perm), dtype=torch.int32))
         outs.append(layer(q, k, v, meta))
     assert torch.equal(outs[1], outs[0][:, perm])
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_norm_hands_its_output_over_in_the_consumers_order(path, monkeypatch):
+    # with set_output_order(perm) the norm's output is the plain norm's [:, perm], bit for bit,
+    # with and without the residual add (whose sum keeps the model's order), on either path
+    monkeypatch.setattr(backend, "_forced", path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(2, 5, 48, generator=gen)
+    perm = torch.randperm(48, generator=gen)
+    plain, ordered = RMSNorm(48, 1e-6), RMSNorm(48, 1e-6)
+    for norm in (plain, ordered):
+        norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=torch.Generator().manual_seed(2)))
+    ordered.set_output_order(perm)
+    assert torch.equal(ordered(x), plain(x)[:, perm])
+    (out, summed), (plain_out, plain_summed) = ordered(x, residual), plain(x, residual)
+    assert torch.equal(out, plain_out[:, perm]) and torch.equal(summed, plain_summed)
