@@ -25,7 +25,8 @@ from kvfleet_kernels.paged_attention import (
 from kvfleet_runtime import LLM, SamplingParams
 from kvfleet_runtime.layers.attention import Attention
 from safetensors.torch import load_file, save_file
-from test_kv_cache_dtype import LOGPROB_TOLERANCE, _max_logprob_difference, _meta, _prompts
+from support.attention import paged_meta
+from test_kv_cache_dtype import LOGPROB_TOLERANCE, _max_logprob_difference, _prompts
 
 A = 4096.0
 NUM_LAYERS = 2          # support.tiny_models
@@ -202,7 +203,7 @@ def test_attention_layer_torch_path_over_a_scaled_fp8_cache_matches_reference(
     gen = torch.Generator().manual_seed(sum(seq_lens))
     num_blocks, block_size, num_heads, num_kv_heads, head_dim = 24, 16, 4, 2, 32
     k_scale, v_scale = 37.0, 0.013
-    meta, slots = _meta(q_lens, seq_lens, block_size, num_blocks, gen)
+    meta, slots = paged_meta(q_lens, seq_lens, block_size, num_blocks, gen)
     num_tokens = sum(q_lens)
     q = (torch.randn(num_tokens, num_heads * head_dim, generator=gen) / k_scale).to(dtype)
     k = (torch.randn(num_tokens, num_kv_heads * head_dim, generator=gen) * k_scale * 4).to(dtype)
