@@ -128,10 +128,7 @@ class DecoderAttention(nn.Module):
         """An act-order o_proj: attention writes its output in o_proj's input order, and o_proj
         gathers nothing (o_proj reads nothing else; under tensor parallelism its perm orders
         this rank's rows, the output of this rank's heads)."""
-        perm = getattr(self.o_proj, "perm", None)
-        if perm is not None and not self.o_proj.input_permuted:
-            self.attn.set_output_order(perm)
-            self.o_proj.input_permuted = True
+        _hand_over_in_order(self.attn, self.o_proj)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -159,6 +156,16 @@ class DecoderAttention(nn.Module):
             return self.o_proj(_rows(self.attn(q, None, None, meta), rows))
         q, k = self.rotary_emb(positions, q, k, rope)
         return self.o_proj(_rows(self.attn(q, k, v.contiguous(), meta), rows))
+
+
+def _hand_over_in_order(producer: nn.Module, layer: nn.Module) -> None:
+    """An act-order `layer` (its input rows sorted by group: `perm`) whose one input is
+    `producer`'s output: the producer writes it in that order (set_output_order), and the layer
+    gathers nothing."""
+    perm = getattr(layer, "perm", None)
+    if perm is not None and not layer.input_permuted:
+        producer.set_output_order(perm)
+        layer.input_permuted = True
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -238,10 +245,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, DecoderMLP):
             pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
         for norm, layer in pairs:
-            perm = getattr(layer, "perm", None)
-            if perm is not None and not layer.input_permuted:
-                norm.set_output_order(perm)
-                layer.input_permuted = True
+            _hand_over_in_order(norm, layer)
 
     def forward(self, positions, x, residual, meta, rope=None, rows=None):
         # rows: the only rows of the output wanted (DecoderModel's last layer)
