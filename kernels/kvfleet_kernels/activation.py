@@ -12,16 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.fp8 import (
-    FP8,
-    FP8_E4M3_MAX,
-    fp8_quantize,
-    fp8_scale,
-    one_pass_block,
-    quantize_fp8_per_token_ref,
-)
-from kvfleet_kernels.int8 import int8_round, int8_scale, quantize_int8_per_token_ref
+from kvfleet_kernels.fp8 import FP8, one_pass_block, quantize_fp8_per_token_ref
+from kvfleet_kernels.int8 import quantize_int8_per_token_ref
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
+from kvfleet_kernels.quant_row import row_quantize, row_scale
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -75,33 +69,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
 
 
 @triton.jit
-def _row_scale(amax, INT8: tl.constexpr):
-    if INT8:
-        return int8_scale(amax)
-    return fp8_scale(amax)
-
-
-@triton.jit
-def _row_quantize(y, scale, INT8: tl.constexpr, FAST: tl.constexpr):
-    # y / scale as the per-token quantization kernels compute it (FAST: y * (1 / scale)),
-    # saturated, in fp32: e4m3 values before the store's rounding, int8 ones rounded already
-    if INT8:
-        q = int8_round(y, scale, FAST)
-    elif FAST:
-        q = tl.clamp(y * (1.0 / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    else:
-        q = fp8_quantize(y, scale)
-    return q
-
-
-@triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: tl.constexpr,
                                BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                                PDL: tl.constexpr = False, FAST: tl.constexpr = False,
                                INT8: tl.constexpr = False):
-    # One program per row, as fp8.py's _quantize_rowwise_kernel: a row longer than its one-pass
+    # One program per row, as quant_row's _quantize_rows_kernel: a row longer than its one-pass
     # limit is computed twice (amax, then the values), instead of written and read back. q is
-    # e4m3 (fp8.py's quantization) or, INT8, int8 (int8.py's).
+    # e4m3 or, INT8, int8 (quant_row's row_scale / row_quantize).
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -110,8 +84,8 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: t
     if ONE_PASS:
         mask = offs < INTER
         y = silu_mul_row(x_row, offs, mask, INTER, FAST).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(y), 0), INT8)
-        q = _row_quantize(y, scale, INT8, FAST)
+        scale = row_scale(tl.max(tl.abs(y), 0), INT8)
+        q = row_quantize(y, scale, INT8, FAST)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -119,12 +93,12 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, INTER: t
             mask = start + offs < INTER
             y = silu_mul_row(x_row, start + offs, mask, INTER).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = _row_scale(tl.max(amax, 0), INT8)
+        scale = row_scale(tl.max(amax, 0), INT8)
         for start in range(0, INTER, BLOCK):
             mask = start + offs < INTER
             y = silu_mul_row(x_row, start + offs, mask, INTER).to(tl.float32)
             tl.store(q_row + start + offs,
-                     _row_quantize(y, scale, INT8, False).to(q_ptr.dtype.element_ty), mask=mask)
+                     row_quantize(y, scale, INT8, False).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
 

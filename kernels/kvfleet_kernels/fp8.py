@@ -55,37 +55,6 @@ def fp8_quantize(x, scale):
     return tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
 
 
-@triton.jit
-def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
-                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per row: amax, scale, q = x / scale in e4m3 (fp8_scale, fp8_quantize)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    offs = tl.arange(0, BLOCK)
-    if ONE_PASS:
-        mask = offs < C
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 0)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, C, BLOCK):
-            mask = start + offs < C
-            x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax = tl.max(amax, 0)
-    scale = fp8_scale(amax)
-    if ONE_PASS:
-        tl.store(q_row + offs, fp8_quantize(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
-    else:
-        for start in range(0, C, BLOCK):
-            mask = start + offs < C
-            x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + start + offs, fp8_quantize(x, scale).to(q_ptr.dtype.element_ty),
-                     mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
 def one_pass_block(cols: int) -> tuple[bool, int, int]:
     """(one pass, BLOCK, num_warps) of a per-row quantization over rows of `cols` values."""
     one_pass = cols <= _ONE_PASS_MAX
@@ -104,18 +73,10 @@ def quantize_fp8_per_token_ref(t: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def quantize_fp8_rowwise_triton(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8_per_token_ref in one Triton kernel (rows with a contiguous last dimension):
-    the per-token activation quantization of fp8_linear."""
-    if t.dim() != 2 or t.stride(-1) != 1:
-        raise ValueError(f"expected a [R, C] tensor with a contiguous last dimension; got "
-                         f"shape {tuple(t.shape)}, strides {tuple(t.stride())}")
-    rows, cols = t.shape
-    q = torch.empty((rows, cols), dtype=FP8, device=t.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=t.device)
-    if rows:
-        one_pass, block, num_warps = one_pass_block(cols)
-        _quantize_rowwise_kernel[(rows,)](t, q, scale, cols, t.stride(0), q.stride(0),
-                                          BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps)
-    return q, scale
+    the per-token activation quantization of fp8_linear (quant_row.quantize_rows to e4m3)."""
+    from kvfleet_kernels.quant_row import quantize_rows  # quant_row imports this module
+
+    return quantize_rows(t, FP8)
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.fp8 import _MIN_SCALE, MIN_SCALE, one_pass_block
+from kvfleet_kernels.fp8 import _MIN_SCALE, MIN_SCALE
 
 INT8_MAX = 127
 _INV_INT8_MAX = torch.tensor(1.0 / INT8_MAX, dtype=torch.float32).item()   # fp32-rounded 1/127
@@ -65,56 +65,12 @@ def int8_round(x, scale, FAST: tl.constexpr = False):
     return tl.clamp(_round_half_even(y), -128.0, 127.0)
 
 
-@triton.jit
-def int8_quantize(x, scale):
-    # int8_round's value (x / scale, IEEE division) as int8
-    return int8_round(x, scale).to(tl.int8)
-
-
-@triton.jit
-def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, C, stride_x, stride_q,
-                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per row: amax, scale, q (quantize_int8_per_token_ref)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    offs = tl.arange(0, BLOCK)
-    if ONE_PASS:
-        mask = offs < C
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 0)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, C, BLOCK):
-            mask = start + offs < C
-            x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax = tl.max(amax, 0)
-    scale = int8_scale(amax)
-    if ONE_PASS:
-        tl.store(q_row + offs, int8_quantize(x, scale), mask=mask)
-    else:
-        for start in range(0, C, BLOCK):
-            mask = start + offs < C
-            x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + start + offs, int8_quantize(x, scale), mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8_per_token_ref in one Triton kernel ([M, K] with a contiguous last
-    dimension)."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"expected a [M, K] tensor with a contiguous last dimension; got "
-                         f"shape {tuple(x.shape)}, strides {tuple(x.stride())}")
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        one_pass, block, num_warps = one_pass_block(k)
-        _quantize_int8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
-                                    ONE_PASS=one_pass, num_warps=num_warps)
-    return q, scale
+    dimension; quant_row.quantize_rows to int8)."""
+    from kvfleet_kernels.quant_row import quantize_rows  # quant_row imports this module
+
+    return quantize_rows(x, torch.int8)
 
 
 def int8_scale_ref(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,

@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.fp8 import FP8, fp8_quantize, fp8_scale, quantize_fp8_per_token_ref
-from kvfleet_kernels.int8 import int8_quantize, int8_scale, quantize_int8_per_token_ref
+from kvfleet_kernels.fp8 import FP8, quantize_fp8_per_token_ref
+from kvfleet_kernels.int8 import quantize_int8_per_token_ref
 from kvfleet_kernels.pdl import pdl_args, pdl_wait
+from kvfleet_kernels.quant_row import row_quantize, row_scale
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -88,8 +89,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_pt
                      INT8_OUT: tl.constexpr = False, perm_ptr=None,
                      OUT_PERM: tl.constexpr = False):
     # One program per row: the whole row fits one tile (D <= 16k). FP8_OUT: out_ptr takes the
-    # output quantized per token (fp8_scale, fp8_quantize of fp8.py), scale_ptr its scale;
-    # INT8_OUT: the same to int8 (int8_scale, int8_quantize of int8.py). OUT_PERM: column d
+    # output quantized per token to e4m3 (quant_row's row_scale, row_quantize), scale_ptr its
+    # scale; INT8_OUT: the same to int8. OUT_PERM: column d
     # of the (unquantized) output is the row's column perm_ptr[d].
     pdl_wait(PDL)
     row = tl.program_id(0)
@@ -98,17 +99,12 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_pt
     x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0)
     out = residual_rms_norm_row(x, residual_ptr, weight_ptr, sum_ptr, row, stride_r, stride_s,
                                 d, mask, eps, D, HAS_RESIDUAL)
-    if FP8_OUT:
+    if FP8_OUT or INT8_OUT:
         # the rounded output, as rms_norm writes it and the quantization kernel reads it back
         y = out.to(tl.float32)
-        scale = fp8_scale(tl.max(tl.abs(y), 0))
-        tl.store(out_ptr + row * stride_o + d, fp8_quantize(y, scale).to(out_ptr.dtype.element_ty),
-                 mask=mask)
-        tl.store(scale_ptr + row, scale)
-    elif INT8_OUT:
-        y = out.to(tl.float32)
-        scale = int8_scale(tl.max(tl.abs(y), 0))
-        tl.store(out_ptr + row * stride_o + d, int8_quantize(y, scale), mask=mask)
+        scale = row_scale(tl.max(tl.abs(y), 0), INT8_OUT)
+        tl.store(out_ptr + row * stride_o + d,
+                 row_quantize(y, scale, INT8_OUT).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
     elif OUT_PERM:
         src = tl.load(perm_ptr + d, mask=mask, other=0)

@@ -120,16 +120,10 @@ def _moe_gemv(kernel: str, bits: int, one_group: bool, **flags: bool) -> tuple:
                  ONE_GROUP=one_group) | flags)
 
 
-def _fp8_quant(one_pass: bool) -> tuple:
-    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    return ("kvfleet_kernels.fp8", "_quantize_rowwise_kernel", sig,
-            dict(BLOCK=4096, ONE_PASS=one_pass))
-
-
-def _int8_quant(one_pass: bool) -> tuple:
-    sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32"}
-    return ("kvfleet_kernels.int8", "_quantize_int8_kernel", sig,
-            dict(BLOCK=4096, ONE_PASS=one_pass))
+def _row_quant(one_pass: bool, int8: bool = False) -> tuple:
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i8" if int8 else "*fp8e4nv", "s_ptr": "*fp32"}
+    return ("kvfleet_kernels.quant_row", "_quantize_rows_kernel", sig,
+            dict(BLOCK=4096, ONE_PASS=one_pass, INT8=int8))
 
 
 def _int8_gemm(block_m: int, block_n: int, block_k: int, even_k: bool) -> tuple:
@@ -247,15 +241,15 @@ CASES = {
     "moe_gemv_down_int8": (_moe_gemv("_moe_down_kernel", 8, True, V_QUADS=True),
                            [INT_TO_FLOAT]),
     "moe_gemv_down_int4_values": (_moe_gemv("_moe_down_kernel", 4, False), [INT_TO_FLOAT]),
-    "fp8_quant_one_pass": (_fp8_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    "fp8_quant_one_pass": (_row_quant(True), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # W8A8: the per-token int8 quantization (IEEE division, floor-based rounding), and the int8
     # GEMM on the integer tensor cores (s8 x s8 -> s32) at its prefill and decode tiles
-    "int8_quant_one_pass": (_int8_quant(True), ["div.rn.f32", "cvt.rmi"]),
-    "int8_quant_two_pass": (_int8_quant(False), ["div.rn.f32", "cvt.rmi"]),
+    "int8_quant_one_pass": (_row_quant(True, int8=True), ["div.rn.f32", "cvt.rmi"]),
+    "int8_quant_two_pass": (_row_quant(False, int8=True), ["div.rn.f32", "cvt.rmi"]),
     "int8_gemm_prefill": (_int8_gemm(128, 128, 128, True), [".s32.s8.s8", "cvt.rn.bf16"]),
     "int8_gemm_decode_ragged_k": (_int8_gemm(16, 64, 256, False), [".s32.s8.s8"]),
-    "fp8_quant_two_pass": (_fp8_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
-    # the same quantization (fp8.py's fp8_scale / fp8_quantize) inside the producers' kernels,
+    "fp8_quant_two_pass": (_row_quant(False), ["div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
+    # the same quantization (quant_row's row_scale / row_quantize) inside the producers' kernels,
     # of the output rounded to bf16 first (what the unfused kernel writes)
     "rms_norm_fp8": (_rms_norm(), ["cvt.rn.bf16", "div.rn.f32", "cvt.rn.satfinite.e4m3x2"]),
     # an act-order consumer's column order: the row's columns gathered through shared memory,
@@ -269,8 +263,8 @@ CASES = {
     # multiplied by the row's inverse scale (one IEEE division a row, counted below)
     "silu_and_mul_fp8_fast": (_silu_and_mul_fp8(True, fast=True),
                               ["cvt.rn.bf16", "div.full.f32", "cvt.rn.satfinite.e4m3x2"]),
-    # W8A8: the int8 quantization inside the producers' kernels (int8.py's int8_scale,
-    # int8_quantize: floor-based rounding half to even)
+    # W8A8: the int8 quantization inside the producers' kernels (row_scale / row_quantize to
+    # int8: floor-based rounding half to even)
     "rms_norm_int8": (_rms_norm(fp8=False, int8=True), ["cvt.rn.bf16", "div.rn.f32", "cvt.rmi"]),
     "silu_and_mul_int8_two_pass": (_silu_and_mul_fp8(False, int8=True),
                                    ["cvt.rn.bf16", "div.rn.f32", "cvt.rmi"]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvfleet_kernels import activation, fp8, norm
+from kvfleet_kernels import activation, fp8, norm, quant_row
 from kvfleet_kernels.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref
 from kvfleet_kernels.fp8 import _ONE_PASS_MAX, quantize_fp8_rowwise_triton
 from kvfleet_kernels.norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref
@@ -27,7 +27,7 @@ GPU_DTYPES = [torch.bfloat16, torch.float16]
 def precast(monkeypatch):
     """On a CPU, kernels write their values before the e4m3 cast (fp32); the GPU keeps e4m3."""
     if DEVICE == "cpu":
-        for module in (fp8, norm, activation):
+        for module in (fp8, norm, activation, quant_row):
             monkeypatch.setattr(module, "FP8", torch.float32)
 
 

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvfleet_kernels.fp8 import (
-    FP8_MAX,
-    _quantize_rowwise_kernel,
-    quantize_fp8_per_token_ref,
-    quantize_fp8_rowwise_triton,
-)
+from kvfleet_kernels.fp8 import FP8_MAX, quantize_fp8_per_token_ref, quantize_fp8_rowwise_triton
+from kvfleet_kernels.quant_row import _quantize_rows_kernel, quantize_rows
 
 
 def _rows(rows: int, cols: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
@@ -30,8 +26,8 @@ def test_kernel_scales_and_values_before_the_cast_are_torchs(cols, one_pass, blo
     t = _rows(5, cols, dtype, "cpu", seed=cols)
     q = torch.full((5, cols), float("nan"))
     scale = torch.full((5, 1), float("nan"))
-    _quantize_rowwise_kernel[(5,)](t, q, scale, cols, t.stride(0), q.stride(0),
-                                   BLOCK=block, ONE_PASS=one_pass)
+    _quantize_rows_kernel[(5,)](t, q, scale, cols, t.stride(0), q.stride(0),
+                                BLOCK=block, ONE_PASS=one_pass, INT8=False)
     inv = torch.tensor(1 / FP8_MAX, dtype=torch.float32)
     ref_scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) * inv
     assert torch.equal(scale, ref_scale)
@@ -41,6 +37,11 @@ def test_kernel_scales_and_values_before_the_cast_are_torchs(cols, one_pass, blo
 def test_non_contiguous_rows_are_refused():
     with pytest.raises(ValueError, match="contiguous last dimension"):
         quantize_fp8_rowwise_triton(torch.zeros(4, 8).t())
+
+
+def test_rows_quantize_to_e4m3_or_int8_only():
+    with pytest.raises(ValueError, match="dtype must be"):
+        quantize_rows(torch.zeros(4, 8), torch.bfloat16)
 
 
 @pytest.mark.gpu
