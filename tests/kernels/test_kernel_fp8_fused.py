@@ -69,32 +69,49 @@ def _assert_identical(fused: tuple[torch.Tensor, torch.Tensor],
     assert ((bits[differ] - bits_ref[differ]).abs() == 1).all()     # same sign, next code
 
 
-def _check_rms_norm_fp8(rows: int, dim: int, dtype: torch.dtype, seed: int,
-                        weight_size: float = 1.0) -> None:
+def check_rms_norm_quantized(fused, quantize, assert_same, rows: int, dim: int,
+                             dtype: torch.dtype, seed: int, weight_size: float = 1.0) -> None:
+    """fused (rms_norm_fp8 / rms_norm_int8) against rms_norm then quantize, with and without a
+    residual, through assert_same((q, scale), (q_ref, scale_ref)); the inputs left unchanged.
+    (test_kernel_int8_fused.py takes it for int8.)"""
     x = _rows(rows, dim, dtype, seed)
     residual = _rows(rows, dim, dtype, seed + 1)
     g = torch.Generator().manual_seed(seed + 2)
     weight = ((1 + 0.5 * torch.randn(dim, generator=g)) * weight_size).to(dtype=dtype, device=DEVICE)
     x_before, residual_before = x.clone(), residual.clone()
-    q, scale, summed = rms_norm_fp8(x, weight, 1e-6)
+    q, scale, summed = fused(x, weight, 1e-6)
     assert summed is None
-    _assert_identical((q, scale), quantize_fp8_rowwise_triton(rms_norm(x, weight, 1e-6)))
-    q, scale, summed = rms_norm_fp8(x, weight, 1e-5, residual)
+    assert_same((q, scale), quantize(rms_norm(x, weight, 1e-6)))
+    q, scale, summed = fused(x, weight, 1e-5, residual)
     out_ref, summed_ref = rms_norm(x, weight, 1e-5, residual)
-    _assert_identical((q, scale), quantize_fp8_rowwise_triton(out_ref))
+    assert_same((q, scale), quantize(out_ref))
     assert torch.equal(summed, summed_ref)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
-def _check_silu_and_mul_fp8(rows: int, inter: int, dtype: torch.dtype, seed: int,
-                            magnitude: float = 1.0) -> None:
+def check_silu_and_mul_quantized(fused, quantize, assert_same, rows: int, inter: int,
+                                 dtype: torch.dtype, seed: int, magnitude: float = 1.0,
+                                 fast: tuple = (None, False)) -> None:
+    """fused (silu_and_mul_fp8 / _int8) at each of `fast` (None: the default, on a GPU the
+    approximate divisions of one-pass rows) against silu_and_mul then quantize."""
     x = _rows(rows, 2 * inter, dtype, seed, magnitude)
     x_before = x.clone()
-    unfused = quantize_fp8_rowwise_triton(silu_and_mul(x))
-    # the default (on a GPU the approximate divisions of one-pass rows) and the exact kernel
-    _assert_identical(silu_and_mul_fp8(x), unfused)
-    _assert_identical(silu_and_mul_fp8(x, fast=False), unfused)
+    unfused = quantize(silu_and_mul(x))
+    for each in fast:
+        assert_same(fused(x, fast=each), unfused)
     assert torch.equal(x, x_before)
+
+
+def _check_rms_norm_fp8(rows: int, dim: int, dtype: torch.dtype, seed: int,
+                        weight_size: float = 1.0) -> None:
+    check_rms_norm_quantized(rms_norm_fp8, quantize_fp8_rowwise_triton, _assert_identical, rows,
+                             dim, dtype, seed, weight_size)
+
+
+def _check_silu_and_mul_fp8(rows: int, inter: int, dtype: torch.dtype, seed: int,
+                            magnitude: float = 1.0) -> None:
+    check_silu_and_mul_quantized(silu_and_mul_fp8, quantize_fp8_rowwise_triton, _assert_identical,
+                                 rows, inter, dtype, seed, magnitude)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

@@ -17,8 +17,16 @@ from kvfleet_kernels.activation import (
 )
 from kvfleet_kernels.fp8 import _ONE_PASS_MAX
 from kvfleet_kernels.int8 import quantize_int8_per_token, quantize_int8_per_token_ref
-from kvfleet_kernels.norm import rms_norm, rms_norm_int8, rms_norm_int8_ref, rms_norm_ref
-from test_kernel_fp8_fused import CPU_DTYPES, DEVICE, GPU_DTYPES, GPU_MAX_DIFFERING, _rows
+from kvfleet_kernels.norm import rms_norm_int8, rms_norm_int8_ref, rms_norm_ref
+from test_kernel_fp8_fused import (
+    CPU_DTYPES,
+    DEVICE,
+    GPU_DTYPES,
+    GPU_MAX_DIFFERING,
+    _rows,
+    check_rms_norm_quantized,
+    check_silu_and_mul_quantized,
+)
 
 
 def _assert_identical(fused: tuple[torch.Tensor, torch.Tensor],
@@ -41,29 +49,15 @@ def _assert_identical(fused: tuple[torch.Tensor, torch.Tensor],
 
 def _check_rms_norm_int8(rows: int, dim: int, dtype: torch.dtype, seed: int,
                          weight_size: float = 1.0) -> None:
-    x = _rows(rows, dim, dtype, seed)
-    residual = _rows(rows, dim, dtype, seed + 1)
-    g = torch.Generator().manual_seed(seed + 2)
-    weight = ((1 + 0.5 * torch.randn(dim, generator=g)) * weight_size).to(dtype=dtype,
-                                                                           device=DEVICE)
-    x_before, residual_before = x.clone(), residual.clone()
-    q, scale, summed = rms_norm_int8(x, weight, 1e-6)
-    assert summed is None
-    _assert_identical((q, scale), quantize_int8_per_token(rms_norm(x, weight, 1e-6)))
-    q, scale, summed = rms_norm_int8(x, weight, 1e-5, residual)
-    out_ref, summed_ref = rms_norm(x, weight, 1e-5, residual)
-    _assert_identical((q, scale), quantize_int8_per_token(out_ref))
-    assert torch.equal(summed, summed_ref)
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    check_rms_norm_quantized(rms_norm_int8, quantize_int8_per_token, _assert_identical, rows, dim,
+                             dtype, seed, weight_size)
 
 
 def _check_silu_and_mul_int8(rows: int, inter: int, dtype: torch.dtype, seed: int,
                              magnitude: float = 1.0) -> None:
-    x = _rows(rows, 2 * inter, dtype, seed, magnitude)
-    x_before = x.clone()
-    unfused = quantize_int8_per_token(silu_and_mul(x))
-    _assert_identical(silu_and_mul_int8(x, fast=False), unfused)
-    assert torch.equal(x, x_before)
+    # the exact kernel only: the default's approximate divisions are the GPU test's case below
+    check_silu_and_mul_quantized(silu_and_mul_int8, quantize_int8_per_token, _assert_identical,
+                                 rows, inter, dtype, seed, magnitude, fast=(False,))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
