@@ -156,6 +156,30 @@ def test_mistral_parser(text, content, calls):
     assert len({c.id for c in got_calls}) == len(got_calls)
 
 
+@pytest.mark.parametrize(("text", "ids"), [
+    # v11+ with call ids (mistral-common's `name[CALL_ID]id[ARGS]{...}`): the model's ids kept
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "C"}'
+     '[TOOL_CALLS]get_time[CALL_ID]Zz9Yy8Xx7[ARGS]{"zone": "UTC"}', ["a1B2c3D4e", "Zz9Yy8Xx7"]),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, '
+     '"id": "a1B2c3D4e"}, {"name": "get_time", "arguments": {"zone": "UTC"}, "id": "Zz9Yy8Xx7"}]',
+     ["a1B2c3D4e", "Zz9Yy8Xx7"]),
+    # an id Mistral's templates would refuse (not 9 letters and digits): a new one instead
+    ('[TOOL_CALLS]get_weather[CALL_ID]call_1[ARGS]{"city": "Paris", "unit": "C"}'
+     '[TOOL_CALLS]get_time[CALL_ID][ARGS]{"zone": "UTC"}', [None, None]),
+])
+def test_mistral_parser_keeps_the_models_call_ids(text, ids):
+    content, calls = parse_mistral(text)
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)]
+    for call, expected in zip(calls, ids, strict=True):
+        assert _is_call_id("mistral", call.id)
+        if expected is not None:
+            assert call.id == expected
+        else:
+            assert call.id not in text
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), [
     ("Paris is sunny.", "Paris is sunny.", []),
     ('[get_weather(city="Paris", unit="C")]', None, [("get_weather", WEATHER_ARGS)]),

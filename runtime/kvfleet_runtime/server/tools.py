@@ -10,7 +10,8 @@
   `<tool_call>{"name", "arguments"}</tool_call>`, Qwen2.5/Qwen3/Hermes; llama3_json: a JSON
   object `{"name", "parameters"}` as the whole answer, Llama 3.1+; mistral: `[TOOL_CALLS]`
   then a JSON array of `{"name", "arguments"}` or, v11+ tokenizers, `name{arguments}` per
-  `[TOOL_CALLS]`, Mistral/Mixtral, with Mistral's 9-character call ids; pythonic: a Python list
+  `[TOOL_CALLS]` (`[CALL_ID]id`, `[ARGS]` between), Mistral/Mixtral, with Mistral's 9-character
+  call ids (the model's where it wrote them); pythonic: a Python list
   of calls `[f(a=1), g(b="x")]` as the whole answer, read with `ast`, literals only, Llama
   3.2/Llama 4). Needs `--enable-auto-tool-choice`, as vLLM. Text that does not parse as calls
   stays content.
@@ -316,14 +317,17 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, calls
 
 
-_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
     """Mistral / Mixtral: content, then `[TOOL_CALLS]` and a JSON array of
     `{"name": ..., "arguments": {...}}` (tokenizers before v11), or `[TOOL_CALLS]name{...}`
-    per call, `[ARGS]` optionally between the name and its arguments (v11+). Call ids are 9
-    letters and digits, as Mistral's chat templates require."""
+    per call, `[ARGS]` optionally between the name and its arguments, and `[CALL_ID]id` after
+    the name where the model writes its calls' ids (v11+, as mistral-common decodes them).
+    Call ids are 9 letters and digits, as Mistral's chat templates require: the model's own
+    where it wrote one of that form, else a new one."""
     start = text.find(_MISTRAL_CALLS)
     if start < 0:
         return text, []
@@ -337,6 +341,13 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
+def _mistral_id(written: Any) -> Callable[[], str]:
+    """The call id maker for a call whose model wrote `written` as its id (or nothing)."""
+    if isinstance(written, str) and _MISTRAL_ID.fullmatch(written.strip()):
+        return lambda: written.strip()
+    return new_mistral_call_id
+
+
 def _mistral_calls(block: str) -> list[ToolCall] | None:
     """The calls after one `[TOOL_CALLS]`; None unless the whole block is calls."""
     try:
@@ -345,16 +356,19 @@ def _mistral_calls(block: str) -> list[ToolCall] | None:
             items = [items] if isinstance(items, dict) else items
             if not isinstance(items, list) or not items:
                 return None
-            calls = [_call(item, ("arguments",), new_mistral_call_id) for item in items]
+            calls = [_call(item, ("arguments",), _mistral_id(item.get("id")))
+                     if isinstance(item, dict) else None for item in items]
             return None if any(c is None for c in calls) else calls
-        name, brace, arguments = block.partition("{")     # name[ARGS]{...}
-        name = name.replace(_MISTRAL_ARGS, "").strip()
+        head, brace, arguments = block.partition("{")     # name[CALL_ID]id[ARGS]{...}
+        head = head.replace(_MISTRAL_ARGS, "")
+        name, _, written_id = head.partition(_MISTRAL_CALL_ID)
+        name = name.strip()
         arguments = json.loads(brace + arguments)
     except _UNREADABLE:
         return None
     if not _NAME.fullmatch(name) or not isinstance(arguments, dict):
         return None
-    return [_call({"name": name, "arguments": arguments}, ("arguments",), new_mistral_call_id)]
+    return [_call({"name": name, "arguments": arguments}, ("arguments",), _mistral_id(written_id))]
 
 
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
