@@ -90,8 +90,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, scale_pt
                      OUT_PERM: tl.constexpr = False):
     # One program per row: the whole row fits one tile (D <= 16k). FP8_OUT: out_ptr takes the
     # output quantized per token to e4m3 (quant_row's row_scale, row_quantize), scale_ptr its
-    # scale; INT8_OUT: the same to int8. OUT_PERM: column d
-    # of the (unquantized) output is the row's column perm_ptr[d].
+    # scale; INT8_OUT: the same to int8. OUT_PERM: column d of the (unquantized) output is the
+    # row's column perm_ptr[d].
     pdl_wait(PDL)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
